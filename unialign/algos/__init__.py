@@ -1,0 +1,35 @@
+"""Pure math of every alignment method unialign runs: tensors in, tensors out; imports torch only."""
+
+from unialign.algos.advantages import (
+    PerPromptStatTracker,
+    gae,
+    group_advantages,
+    rloo_advantages,
+    whiten,
+)
+from unialign.algos.aggregate import aggregate, local_normalizer
+from unialign.algos.kl import kl_estimate
+from unialign.algos.policy_loss import clipped_policy_loss, sequence_log_ratio
+from unialign.algos.preference import bradley_terry_loss, dpo_loss
+from unialign.algos.shaping import AdaptiveKLController, kl_shaped_rewards, overlong_penalty
+from unialign.algos.value import clipped_value_loss, entropy_from_logits
+
+__all__ = [
+    "AdaptiveKLController",
+    "PerPromptStatTracker",
+    "aggregate",
+    "bradley_terry_loss",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "dpo_loss",
+    "entropy_from_logits",
+    "gae",
+    "group_advantages",
+    "kl_estimate",
+    "kl_shaped_rewards",
+    "local_normalizer",
+    "overlong_penalty",
+    "rloo_advantages",
+    "sequence_log_ratio",
+    "whiten",
+]

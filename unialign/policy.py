@@ -1,0 +1,51 @@
+"""The one modality seam: the ``Policy`` protocol every trainer and algorithm sees.
+
+A text policy (``unialign.text.CausalLMPolicy``) and a diffusion policy
+(``unialign.image.DiffusionPolicy``) both implement it. Trainers never ask which one they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from unialign.types import PreferenceBatch, Trajectory
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What a trainable generative model offers to the algorithms.
+
+    model:  the ``nn.Module`` holding every trainable parameter. Trainers may replace it with a
+            wrapped version (DDP / FSDP via accelerate); the policy must work through the wrapper.
+    """
+
+    model: torch.nn.Module
+
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+        """Sample one trajectory per prompt (repeat prompts for groups), recording
+        ``old_logp_B_T`` and ``mask_B_T``; no gradients."""
+        ...
+
+    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
+        """Differentiable ``logp_B_T`` of the recorded steps (and ``entropy_B_T`` when asked:
+        then a tuple). On the first on-policy call it equals ``trajectory.old_logp_B_T``."""
+        ...
+
+    def reference(self) -> Policy:
+        """The frozen reference policy: the same model with adapters disabled when LoRA is on,
+        else a frozen copy. Its ``log_prob`` runs without gradients."""
+        ...
+
+    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen_B, rejected_B) log-likelihoods of a preference batch (text: sum of token
+        log-probs; diffusion: the ELBO surrogate with shared t and noise per pair)."""
+        ...
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+    def save(self, path: str) -> None:
+        """Write weights (or adapters) loadable by the stock library (transformers / diffusers)."""
+        ...
