@@ -23,5 +23,5 @@ def assert_close(actual, expected, dtype: torch.dtype | None = None, msg: str = 
     torch.testing.assert_close(
         actual_t.detach().cpu().to(torch.float64),
         expected_t.detach().cpu().to(torch.float64).reshape(actual_t.shape),
-        rtol=rtol, atol=atol, msg=msg or None,
+        rtol=rtol, atol=atol, msg=(lambda m: f"{msg}: {m}") if msg else None,
     )

@@ -1,0 +1,40 @@
+"""Tiny models built in code (no downloads) shared by the test suite."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def make_tiny_lm(seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A 2-layer Llama with the embedded character tokenizer and its chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from unialign.text.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg), tok
+
+
+@pytest.fixture
+def tiny_lm():
+    return make_tiny_lm()
+
+
+@pytest.fixture
+def tiny_policy():
+    from unialign.text.policy import CausalLMPolicy
+
+    model, tok = make_tiny_lm()
+    return CausalLMPolicy(model, tok, max_new_tokens=8)

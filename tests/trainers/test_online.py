@@ -1,0 +1,162 @@
+"""The on-policy loop: ratio-1 self-check, dynamic sampling, guards, split invariance, resume, 1 vs 2 processes."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_lm
+from tests.helpers import assert_close
+from unialign.text.policy import CausalLMPolicy, unwrap
+from unialign.trainers import OnlineConfig, OnlineTrainer, RatioCheckError
+
+ROWS = [{"prompt": f"{i}+{i}?", "answer": str(2 * i)} for i in range(12)]
+
+
+def length_reward(prompts, completions):
+    return [len(c) / 8.0 for c in completions]
+
+
+def make(tmp_path, reward=length_reward, rows=ROWS, seed=0, **kw):
+    model, tok = make_tiny_lm(seed=seed)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=8)
+    cfg = dict(num_generations=4, prompts_per_step=2, micro_batch_size=4, max_steps=2, report_to="none",
+               output_dir=str(tmp_path), learning_rate=1e-2, beta=0.0, seed=seed)
+    cfg.update(kw)
+    return OnlineTrainer(policy, reward, rows, OnlineConfig(**cfg))
+
+
+def params(trainer):
+    return {k: v.detach().clone() for k, v in unwrap(trainer.policy.model).named_parameters()}
+
+
+def capture_gradients(trainer) -> dict:
+    """Replace the optimizer step by a recorder of the accumulated gradients (Adam would amplify
+    float32 round-off in near-zero gradients, so compare what reaches the optimizer)."""
+    grads = {}
+    named = list(unwrap(trainer.policy.model).named_parameters())
+    trainer.optimizer.step = lambda *a, **k: grads.update({n: p.grad.detach().clone() for n, p in named})
+    return grads
+
+
+def test_ratio_check_fails_loudly_when_sampling_and_training_disagree(tmp_path):
+    trainer = make(tmp_path)
+    sample = trainer.policy.sample
+
+    def skewed_sample(prompts, generator=None):
+        traj = sample(prompts)
+        traj.old_logp_B_T = traj.old_logp_B_T - 0.1 * traj.mask_B_T
+        return traj
+
+    trainer.policy.sample = skewed_sample
+    with pytest.raises(RatioCheckError, match="differ from the sampling-time"):
+        trainer.train()
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path):
+    def reward(prompts, completions):  # prompts "0+0?".."5+5?" always score 1: zero-variance groups
+        return [1.0 if int(p.split("+")[0]) < 6 else len(c) / 8.0 for p, c in zip(prompts, completions)]
+
+    trainer = make(tmp_path, reward=reward, algorithm="dapo", prompts_per_step=4, max_generation_rounds=4)
+    traj, stats = trainer.collect()
+    assert traj is not None
+    r = traj.rewards_B.reshape(-1, 4)
+    assert (r.max(1).values > r.min(1).values).all()
+    assert stats["frac_reward_zero_std"] > 0 and stats["generation_rounds"] >= 1
+    # without dynamic sampling the zero-variance groups stay (and get advantage 0)
+    trainer = make(tmp_path, reward=reward, algorithm="grpo", prompts_per_step=4)
+    traj, _ = trainer.collect()
+    r = traj.rewards_B.reshape(-1, 4)
+    zero = r.max(1).values == r.min(1).values
+    assert zero.any() and (traj.advantages_B_T.reshape(-1, 4, traj.mask_B_T.shape[1])[zero] == 0).all()
+
+
+def test_nonfinite_rewards_are_counted_and_get_zero_advantage(tmp_path):
+    def reward(prompts, completions):
+        return [None if i % 4 == 0 else len(c) / 8.0 for i, c in enumerate(completions)]
+
+    trainer = make(tmp_path, reward=reward)
+    traj, _ = trainer.collect()
+    assert trainer.counters["nonfinite_rewards"] == 2
+    assert (traj.advantages_B_T[::4] == 0).all() and torch.isfinite(traj.advantages_B_T).all()
+
+
+def test_nonfinite_loss_never_reaches_the_weights(tmp_path):
+    trainer = make(tmp_path)
+    traj, _ = trainer.collect()
+    log_prob = trainer.policy.log_prob
+    trainer.policy.log_prob = lambda t, with_entropy=False: tuple(x * math.nan for x in log_prob(t, True))
+    trainer.ratio_checked = True
+    before = params(trainer)
+    trainer.update(traj)
+    assert trainer.counters["skipped_steps"] == 1
+    for k, v in params(trainer).items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_update_is_independent_of_micro_batch_split(tmp_path, loss_type):
+    results = []
+    for mb in (1, 3, 8):
+        trainer = make(tmp_path, loss_type=loss_type, micro_batch_size=mb, max_completion_length=8)
+        torch.manual_seed(7)
+        traj = trainer.policy.sample(["1+1?"] * 4 + ["22+3?"] * 4)
+        traj.advantages_B_T = torch.linspace(-1, 1, 8).unsqueeze(-1).expand_as(traj.mask_B_T).contiguous()
+        grads = capture_gradients(trainer)
+        trainer.update(traj)
+        results.append(grads)
+    for other in results[1:]:
+        for k in results[0]:
+            assert_close(other[k], results[0][k], msg=k)
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    full = make(tmp_path / "full", max_steps=4)
+    full.train()
+    part = make(tmp_path / "part", max_steps=4, save_steps=2)
+    part.cfg.max_steps = 2
+    part.train()
+    assert (tmp_path / "part" / "checkpoint-2" / "trainer_state.pt").exists()
+    resumed = make(tmp_path / "part", max_steps=4, resume_from_checkpoint="latest")
+    resumed.train()
+    assert resumed.step == 4
+    a, b = params(full), params(resumed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [h["reward/mean"] for h in full.history] == [h["reward/mean"] for h in resumed.history]
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    trainer = make(tmp_path, max_steps=3, save_steps=1, save_total_limit=2)
+    trainer.train()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("checkpoint", ".tmp")))
+    assert names == ["checkpoint-2", "checkpoint-3"]
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+
+
+def test_bad_prompt_rows_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: missing the 'prompt' field"):
+        make(tmp_path, rows=[{"prompt": "a"}, {"question": "b"}])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean_token_mean"])
+def test_one_and_two_processes_give_the_same_update(tmp_path, loss_type):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    outs = []
+    for n in (1, 2):
+        out = tmp_path / f"p{n}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+               str(29500 + n + 10 * len(loss_type)), "-m", "tests.trainers.dist_update", str(out), loss_type]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(torch.load(out))
+    for k in outs[0]:
+        assert_close(outs[1][k], outs[0][k], msg=k)

@@ -1,0 +1,53 @@
+"""Loading from the Hugging Face Hub with a fast, clear failure when it cannot be reached.
+
+Hub ids (``Qwen/Qwen2.5-0.5B-Instruct``, ``openai/gsm8k``, ...) are real defaults of the presets, but
+many machines are offline. ``require_hub(name)`` is called before any ``from_pretrained`` /
+``load_dataset`` of a non-local name: it raises ``HubUnavailableError`` within seconds instead of
+letting the libraries retry for a minute and fail deep inside.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class HubUnavailableError(RuntimeError):
+    pass
+
+
+def is_local(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
+def _hub_cached(name: str, kind: str) -> bool:
+    """Whether the HF cache holds a snapshot of ``name`` (a directory check; no network)."""
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}" / "snapshots"
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def require_hub(name: str, kind: str = "model", timeout: float = 3.0) -> None:
+    """Return if ``name`` is a local path, is in the local HF cache, or the Hub answers; else raise."""
+    if is_local(name) or _hub_cached(name, kind):
+        return
+    reason = None
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        from huggingface_hub import constants
+
+        host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+        except OSError as err:
+            reason = f"{host} is unreachable ({type(err).__name__})"
+    if reason:
+        raise HubUnavailableError(
+            f"cannot load the {kind} {name!r}: {reason}, and it is not in the local cache.\n"
+            f"Pass a local directory or file instead, or run where the Hugging Face Hub is reachable "
+            f"(the embedded defaults need no download: run the script without --preset)."
+        )

@@ -1,0 +1,8 @@
+"""Rewards: the TRL-compatible reward contract, a weighted combinator and built-in rewards by name.
+Importing this package pulls in torch only; model-based rewards import their libraries when built.
+"""
+
+from unialign.rewards.base import CombinedReward, RewardFunction, RewardOutput, completion_to_text
+from unialign.rewards.registry import REWARDS, get_reward
+
+__all__ = ["REWARDS", "CombinedReward", "RewardFunction", "RewardOutput", "completion_to_text", "get_reward"]

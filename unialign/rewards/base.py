@@ -1,0 +1,318 @@
+"""The reward contract: any callable with TRL's signature ``f(prompts, completions, **columns) -> list``,
+wrapped by ``RewardFunction`` and summed with weights by ``CombinedReward`` into one ``rewards_B``.
+
+Contract (TRL ``GRPOTrainer`` compatible, huggingface/trl#2644, #4939):
+
+* ``prompts`` and ``completions`` are passed **by keyword** (as TRL does), so ``def f(completions, **kw)``
+  works. ``columns`` are the per-sample dataset columns (``answer=[...]``), each a list of length B.
+* Only the keywords a function accepts are passed, unless it takes ``**kwargs``, which gets everything.
+  A required parameter with no matching column is an error naming the function and the column.
+* The function returns B scores; ``None`` means "no score" and becomes NaN. Numbers, bools, a 1-D
+  tensor or numpy array are accepted; anything else, or the wrong length, raises naming the function.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import numbers
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+logger = logging.getLogger(__name__)
+
+_RESERVED = ("prompts", "completions")
+
+
+def reward_name(fn: Any) -> str:
+    """A readable name for a reward callable: ``name`` / ``__name__`` attribute, else its class name."""
+    for attr in ("name", "__name__"):
+        value = getattr(fn, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    func = getattr(fn, "func", None)  # functools.partial
+    if func is not None:
+        return reward_name(func)
+    return type(fn).__name__
+
+
+def completion_to_text(completion: Any) -> str:
+    """The text of one completion: a string as is; for a conversational completion (a list of
+    ``{"role", "content"}`` messages, TRL's format) the content of the last assistant message (the last
+    message when none has a role). Content given as a list of parts keeps the ``"text"`` parts, joined.
+    ``None`` gives ``""``; any other type raises ``TypeError``."""
+    if completion is None:
+        return ""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return _content_text(completion.get("content"))
+    if isinstance(completion, (list, tuple)):
+        messages = [m for m in completion if isinstance(m, dict)]
+        if not messages:
+            return ""
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        return _content_text((assistant or messages)[-1].get("content"))
+    raise TypeError(f"cannot read text from a completion of type {type(completion).__name__}")
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):  # [{"type": "text", "text": ...}, {"type": "image"}, ...]
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    raise TypeError(f"cannot read text from message content of type {type(content).__name__}")
+
+
+def map_with_time_limit(fn: Callable[[Any], Any], items: Sequence[Any], timeout_s: float, default: Any) -> list[Any]:
+    """``[fn(x) for x in items]`` where an item that takes longer than ``timeout_s`` seconds, or raises,
+    gives ``default`` instead.
+
+    The items run one after another on a daemon worker thread; when one overruns, that worker is abandoned
+    (it can never write a result afterwards) and a fresh worker continues with the next item. Limits: a
+    thread cannot be killed, so an abandoned worker keeps its CPU until it finishes; and one C-level call
+    that holds the GIL (a catastrophic regex, ``int()`` of a huge string) delays even the timeout. Code
+    run here must therefore be bounded by design (input caps, linear-time parsing); this budget is the
+    second line of defence against Python-level slow paths, not the first.
+    """
+    n = len(items)
+    results = [default] * n
+    done = [threading.Event() for _ in range(n)]
+    lock = threading.Lock()
+
+    def work(start: int, cancelled: threading.Event) -> None:
+        for j in range(start, n):
+            if cancelled.is_set():
+                return
+            try:
+                value = fn(items[j])
+            except Exception as exc:  # a scorer bug must not kill training: default, and say so
+                logger.warning("reward item %d raised %s: %s; scored as %r", j, type(exc).__name__, exc, default)
+                value = default
+            with lock:
+                if cancelled.is_set():
+                    return
+                results[j] = value
+                done[j].set()
+
+    start = 0
+    while start < n:
+        cancelled = threading.Event()
+        threading.Thread(target=work, args=(start, cancelled), daemon=True, name="unialign-reward").start()
+        next_start = n
+        for j in range(start, n):
+            if done[j].wait(timeout_s):
+                continue
+            with lock:
+                if done[j].is_set():  # finished between the wait and the lock
+                    continue
+                cancelled.set()
+            logger.warning("reward item %d exceeded %.3g s; scored as %r", j, timeout_s, default)
+            next_start = j + 1
+            break
+        start = next_start
+    return list(results)
+
+
+def _to_scores(out: Any, name: str, batch_size: int) -> list[float]:
+    """Validate a reward function's return value and turn it into B floats (None -> NaN)."""
+    if isinstance(out, Tensor):
+        if out.dim() != 1:
+            raise ValueError(f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; expected [B]")
+        out = out.detach().to("cpu", torch.float64).tolist()
+    elif hasattr(out, "tolist") and hasattr(out, "ndim"):  # numpy array
+        if out.ndim != 1:
+            raise ValueError(f"reward function {name!r} returned an array of shape {tuple(out.shape)}; expected [B]")
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise TypeError(f"reward function {name!r} returned {type(out).__name__}; expected a list of B floats or None")
+    if len(out) != batch_size:
+        raise ValueError(f"reward function {name!r} returned {len(out)} scores for a batch of {batch_size} completions")
+    scores = []
+    for i, x in enumerate(out):
+        if x is None:
+            scores.append(math.nan)
+        elif isinstance(x, Tensor) and x.numel() == 1:
+            scores.append(float(x.item()))
+        elif isinstance(x, numbers.Real):  # int, float, bool, numpy scalars
+            scores.append(float(x))
+        else:
+            raise TypeError(f"reward function {name!r} returned {type(x).__name__} at index {i}; expected float or None")
+    return scores
+
+
+@dataclass
+class RewardFunction:
+    """One reward: ``fn`` with TRL's signature, a ``name`` for logging, a ``weight`` used by
+    ``CombinedReward``, and fixed keyword arguments ``kwargs`` passed on every call (they override a
+    dataset column of the same name).
+
+    ``rf(prompts, completions, **columns)`` returns ``list[float | None]`` (TRL-compatible, so a
+    ``RewardFunction`` can be handed to TRL itself); ``rf.score(prompts, completions, columns)`` returns a
+    float32 tensor [B] with NaN for ``None``. Both pass ``fn`` only the keywords it accepts.
+    """
+
+    fn: Callable[..., Any]
+    name: str | None = None
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"reward must be callable, got {type(self.fn).__name__}")
+        self.name = self.name or reward_name(self.fn)
+        self.weight = float(self.weight)
+        try:
+            self._params: list[inspect.Parameter] | None = list(inspect.signature(self.fn).parameters.values())
+        except (TypeError, ValueError):  # some builtins / C callables: pass everything, as TRL does
+            self._params = None
+        if self._params is not None and not self._takes_var_kw():
+            names = {p.name for p in self._params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+            unknown = sorted(set(self.kwargs) - names)
+            if unknown:
+                raise TypeError(f"reward function {self.name!r} does not take keyword(s) {unknown}")
+
+    @property
+    def __name__(self) -> str:  # TRL logs reward functions by ``__name__``
+        return self.name
+
+    def _takes_var_kw(self) -> bool:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self._params or ())
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[Any]:
+        """Call ``fn`` with the keywords it accepts; return its raw output (TRL's contract)."""
+        available = {"prompts": prompts, "completions": completions, **columns, **self.kwargs}
+        if self._params is None:
+            return self.fn(**available)
+        args: list[Any] = []
+        positional_only = [p for p in self._params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+        if len(positional_only) > 2:
+            raise TypeError(f"reward function {self.name!r} has more than two positional-only parameters")
+        args = [prompts, completions][: len(positional_only)]
+        taken = {p.name for p in positional_only}
+        if self._takes_var_kw():
+            kwargs = {k: v for k, v in available.items() if k not in _RESERVED[: len(positional_only)]}
+        else:
+            accepted = {p.name for p in self._params
+                        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+            kwargs = {k: v for k, v in available.items() if k in accepted and k not in taken}
+        missing = [p.name for p in self._params
+                   if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                   and p.default is inspect.Parameter.empty and p.name not in kwargs]
+        if missing:
+            raise TypeError(f"reward function {self.name!r} needs {missing}, which the batch does not provide "
+                            f"(columns: {sorted(columns)})")
+        return self.fn(*args, **kwargs)
+
+    def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]] | None = None) -> Tensor:
+        """Float32 scores [B] (NaN for ``None``). Raises, naming this function, if it returns the wrong
+        number of scores or a non-numeric value, or if a column's length is not B."""
+        columns = dict(columns or {})
+        batch_size = len(completions)
+        if len(prompts) != batch_size:
+            raise ValueError(f"{len(prompts)} prompts for {batch_size} completions")
+        for key, values in columns.items():
+            if key in _RESERVED:
+                raise ValueError(f"column name {key!r} is reserved")
+            if len(values) != batch_size:
+                raise ValueError(f"column {key!r} has {len(values)} values for a batch of {batch_size}")
+        out = self(prompts, completions, **columns)
+        return torch.tensor(_to_scores(out, self.name, batch_size), dtype=torch.float32)
+
+
+@dataclass
+class RewardOutput:
+    """What ``CombinedReward`` returns.
+
+    rewards_B:     float32 [B], sum_i weight_i * score_i. NaN where a component with non-zero weight is
+                   not finite (None / NaN / inf) under ``on_nonfinite="nan"``; see ``CombinedReward``.
+    per_function:  name -> float32 [B], each function's raw (unweighted) scores, NaN for None.
+    num_nonfinite: how many of the B entries of ``rewards_B`` are not finite.
+    """
+
+    rewards_B: Tensor
+    per_function: dict[str, Tensor]
+    num_nonfinite: int
+
+    def metrics(self) -> dict[str, float]:
+        """Detached floats for logging: mean over finite entries and non-finite fraction, per function
+        and for the total (NaN mean when no entry is finite)."""
+        out: dict[str, float] = {}
+        items = [("reward", self.rewards_B)] + [(f"rewards/{k}", v) for k, v in self.per_function.items()]
+        for key, values in items:
+            finite = torch.isfinite(values)
+            n = int(finite.sum())
+            out[f"{key}/mean"] = float(values[finite].double().mean()) if n else math.nan
+            out[f"{key}/frac_nonfinite"] = 1.0 - n / values.numel() if values.numel() else 0.0
+        return out
+
+
+class CombinedReward:
+    """Weighted sum of reward functions, scored on one batch.
+
+    ``rewards``: ``RewardFunction``s, plain callables (weight 1) or registry names (``get_reward(name)``).
+    ``weights``: when given, one per reward, replacing each ``RewardFunction.weight``.
+    ``on_nonfinite``:
+        ``"nan"`` (default): the total is NaN wherever any component with non-zero weight is not finite.
+            A missing score is never silently read as 0; the advantage estimators exclude NaN rewards
+            from baselines and give them advantage 0, so such samples simply do not train.
+        ``"skip"``: TRL's ``nansum``: non-finite components are left out of the sum; the total is NaN
+            only where every weighted component is non-finite. Use it when rewards return ``None`` for
+            samples they do not apply to (multi-task data).
+    Components with weight 0 are computed and reported in ``per_function`` but never affect the total.
+    Names must be unique (set ``RewardFunction(name=...)`` to tell two uses of one function apart).
+    """
+
+    def __init__(self, rewards: Sequence[Any], weights: Sequence[float] | None = None,
+                 on_nonfinite: str = "nan") -> None:
+        if not rewards:
+            raise ValueError("CombinedReward needs at least one reward function")
+        if on_nonfinite not in ("nan", "skip"):
+            raise ValueError(f"on_nonfinite must be 'nan' or 'skip', got {on_nonfinite!r}")
+        if weights is not None and len(weights) != len(rewards):
+            raise ValueError(f"{len(weights)} weights for {len(rewards)} reward functions")
+        functions = []
+        for i, r in enumerate(rewards):
+            if isinstance(r, str):
+                from unialign.rewards.registry import get_reward
+                r = get_reward(r)
+            rf = r if isinstance(r, RewardFunction) else RewardFunction(r)
+            if weights is not None:
+                rf = RewardFunction(rf.fn, name=rf.name, weight=weights[i], kwargs=rf.kwargs)
+            functions.append(rf)
+        names = [f.name for f in functions]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reward names must be unique; repeated: {duplicates}")
+        self.functions: list[RewardFunction] = functions
+        self.on_nonfinite = on_nonfinite
+
+    @property
+    def weights(self) -> list[float]:
+        return [f.weight for f in self.functions]
+
+    def __call__(self, prompts: list[Any], completions: list[Any],
+                 columns: dict[str, list[Any]] | None = None) -> RewardOutput:
+        """Score the batch with every function and combine (see the class docstring for NaN rules)."""
+        per_function = {f.name: f.score(prompts, completions, columns) for f in self.functions}
+        batch_size = len(completions)
+        scores_F_B = torch.stack(list(per_function.values())).double() if per_function else torch.zeros(0, batch_size)
+        weights_F = torch.tensor(self.weights, dtype=torch.float64)
+        used = weights_F != 0
+        scores_F_B, weights_F = scores_F_B[used], weights_F[used]
+        finite_F_B = torch.isfinite(scores_F_B)
+        total_B = (weights_F[:, None] * torch.where(finite_F_B, scores_F_B, torch.zeros_like(scores_F_B))).sum(0)
+        if weights_F.numel():
+            bad_B = ~finite_F_B.all(0) if self.on_nonfinite == "nan" else ~finite_F_B.any(0)
+            total_B = torch.where(bad_B, torch.full_like(total_B, math.nan), total_B)
+        rewards_B = total_B.to(torch.float32)
+        return RewardOutput(rewards_B=rewards_B, per_function=per_function,
+                            num_nonfinite=int((~torch.isfinite(rewards_B)).sum()))

@@ -1,0 +1,271 @@
+"""``CausalLMPolicy``: a transformers causal LM behind the ``Policy`` protocol.
+
+A step is a generated token. ``sample`` runs ``generate`` (left padding, EOS handling,
+temperature / top-p / top-k) and records the completion mask, truncation flags and the
+log-probs of the sampled tokens; ``log_prob`` recomputes them differentiably through the fused
+head (no [B, T, V] logits). Sampling-time log-probs are computed by the same module and kernel
+as training log-probs, so the first on-policy ratio is 1 up to batching noise (TRL #4159 is
+what happens otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from unialign.hub import require_hub
+from unialign.text.head import install_fused_head
+from unialign.types import PreferenceBatch, Trajectory
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP-style wrappers (anything exposing ``.module``), keeping PEFT wrappers."""
+    while isinstance(module, torch.nn.parallel.DistributedDataParallel) or type(module).__name__ in (
+        "DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel"):
+        module = module.module
+    return module
+
+
+def hub_error(name: str, err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not load {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
+        "Weights and datasets cannot be downloaded on this machine (offline). Pass a local directory "
+        "(e.g. one written by save_pretrained), or run where the Hugging Face Hub is reachable."
+    )
+
+
+class CausalLMPolicy:
+    """Policy over token sequences. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_prompt_length: int | None = None,
+        use_chat_template: bool = True,
+        system_prompt: str | None = None,
+        chunk_size: int = 1024,
+        value_head: torch.nn.Module | None = None,
+    ):
+        self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
+                                       else unwrap(model), chunk_size)
+        self.model = model
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.max_prompt_length = max_prompt_length
+        self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.system_prompt = system_prompt
+        self.value_head = value_head
+        self._frozen_copy: torch.nn.Module | None = None
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, lora_rank: int = 0, lora_alpha: int | None = None,
+                        lora_target_modules: list[str] | None = None, torch_dtype: str = "float32",
+                        trust_remote_code: bool = False, **kwargs) -> CausalLMPolicy:
+        """Load a causal LM and tokenizer by hub id or local directory; optional LoRA through peft.
+        Fails at once with a clear message when the weights are not reachable (offline)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if name_or_path == "embedded":  # the shipped arithmetic model (unialign/assets/arith_lm)
+            from unialign.text.embedded import DEFAULT_ASSET_DIR
+
+            name_or_path = str(DEFAULT_ASSET_DIR)
+        require_hub(name_or_path, "model")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=getattr(torch, torch_dtype), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise hub_error(name_or_path, err) from None
+        install_fused_head(model, kwargs.get("chunk_size", 1024))
+        if lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, task_type="CAUSAL_LM",
+                target_modules=lora_target_modules or "all-linear"))
+        return cls(model, tokenizer, **kwargs)
+
+    # ---------------------------------------------------------------- prompts
+    def format_prompt(self, prompt: Any) -> str:
+        """A string prompt, or a list of chat messages, as the text the model is conditioned on."""
+        if isinstance(prompt, str) and not self.use_chat_template:
+            return prompt
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if self.system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _encode_prompts(self, prompts: list[Any]) -> dict[str, torch.Tensor]:
+        texts = [self.format_prompt(p) for p in prompts]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False,
+                             truncation=self.max_prompt_length is not None, max_length=self.max_prompt_length)
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(unwrap(self.model).parameters()).device
+
+    # ---------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def generate(self, prompts: list[Any], greedy: bool = False, max_new_tokens: int | None = None) -> dict:
+        """Generate completions; returns ids, masks, truncation flags and decoded texts (no log-probs)."""
+        enc = self._encode_prompts(prompts)
+        model = unwrap(self.model)
+        was_training = model.training
+        model.eval()
+        eos = self.tokenizer.eos_token_id
+        gen_kwargs = dict(do_sample=not greedy, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                          pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
+        if not greedy:
+            gen_kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        out = model.generate(**enc, **gen_kwargs)
+        model.train(was_training)
+        prompt_width = enc["input_ids"].shape[1]
+        completion = out[:, prompt_width:]
+        is_eos = completion == eos
+        # keep tokens up to and including the first EOS
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+        mask = (~after_eos).long()
+        truncated = ~is_eos.any(-1)
+        completion = completion.masked_fill(after_eos, self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(completion.masked_fill(is_eos, self.tokenizer.pad_token_id),
+                                            skip_special_tokens=True)
+        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion,
+                "completion_mask": mask, "truncated": truncated, "texts": texts}
+
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+        """One sampled completion per prompt (repeat prompts for groups). ``generator`` is unused:
+        ``generate`` draws from torch's global RNG, which the trainer seeds and checkpoints."""
+        g = self.generate(prompts)
+        first: dict[str, int] = {}
+        traj = Trajectory(
+            prompts=list(prompts),
+            completions=g["texts"],
+            mask_B_T=g["completion_mask"].float(),
+            old_logp_B_T=torch.zeros(0),
+            group_ids_B=torch.tensor([first.setdefault(repr(p), i) for i, p in enumerate(prompts)]),
+            truncated_B=g["truncated"],
+            payload={"prompt_ids": g["prompt_ids"], "prompt_mask": g["prompt_mask"],
+                     "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"]},
+        )
+        with torch.no_grad():  # the unwrapped module: no DDP collectives while ranks sample independently
+            logp, _, _ = self._forward(unwrap(self.model), traj.payload, False)
+        traj.old_logp_B_T = logp * traj.mask_B_T
+        return traj
+
+    # ---------------------------------------------------------------- log-probs
+    def _forward(self, model: torch.nn.Module, payload: dict, with_entropy: bool, with_values: bool = False):
+        """Per-token (logp, entropy, values) of ``payload``'s completion tokens, [B, T] each.
+
+        The payload holds a left-padded prompt and a right-padded completion. Batches concatenated
+        by ``Trajectory.cat`` get the prompt right-padded too, so prompts are re-aligned to the right
+        edge here; position ids follow the attention mask, as in ``generate``.
+        """
+        prompt_ids, prompt_mask = _right_align(payload["prompt_ids"], payload["prompt_mask"])
+        completion = payload["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion], dim=1)
+        attention_mask = torch.cat([prompt_mask, payload["completion_mask"]], dim=1)
+        T = completion.shape[1]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # hidden states at positions L-T-1 .. L-1 predict tokens L-T .. L-1 (plus one unused final slot)
+        targets = torch.cat([completion, completion[:, :1]], dim=1)
+        head = unwrap(model).get_output_embeddings()
+        with head.targets(targets, self.temperature):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=T + 1, output_hidden_states=with_values, use_cache=False)
+        stats = out.logits[:, :-1].float()
+        logp, entropy = stats[..., 0], stats[..., 1]
+        values = None
+        if with_values:
+            values = self.value_head(out.hidden_states[-1][:, -T - 1:-1]).squeeze(-1).float()
+        return logp, entropy, values
+
+    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False):
+        logp, entropy, _ = self._forward(self.model, trajectory.payload, with_entropy)
+        mask = trajectory.mask_B_T.to(logp.device)
+        logp = logp * mask
+        return (logp, entropy * mask) if with_entropy else logp
+
+    def log_prob_and_values(self, trajectory: Trajectory):
+        """(logp_B_T, entropy_B_T, values_B_T) in one forward (PPO with a value head on the backbone)."""
+        logp, entropy, values = self._forward(self.model, trajectory.payload, True, with_values=True)
+        mask = trajectory.mask_B_T.to(logp.device)
+        return logp * mask, entropy * mask, values * mask
+
+    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of completion-token log-probs of the chosen and rejected sides, [B] each."""
+        out = []
+        for side in (batch.chosen, batch.rejected):
+            logp, _, _ = self._forward(self.model, side, False)
+            out.append((logp * side["completion_mask"]).sum(-1))
+        return out[0], out[1]
+
+    # ---------------------------------------------------------------- reference
+    def reference(self) -> _ReferencePolicy:
+        """Adapters disabled when the model is a PEFT model, else a frozen copy made once."""
+        base = unwrap(self.model)
+        if hasattr(base, "disable_adapter"):
+            return _ReferencePolicy(self, base, base.disable_adapter)
+        if self._frozen_copy is None:
+            self._frozen_copy = copy.deepcopy(base).eval().requires_grad_(False)
+        return _ReferencePolicy(self, self._frozen_copy, contextlib.nullcontext)
+
+    # ---------------------------------------------------------------- params / io
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        params = [p for p in unwrap(self.model).parameters() if p.requires_grad]
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        return params
+
+    def save(self, path: str) -> None:
+        unwrap(self.model).save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        if self.value_head is not None:
+            torch.save(self.value_head.state_dict(), f"{path}/value_head.pt")
+
+
+def _right_align(ids_B_W: torch.Tensor, mask_B_W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Roll each row right so that its last attended token sits in the last column."""
+    W = mask_B_W.shape[1]
+    last = (mask_B_W * torch.arange(1, W + 1, device=mask_B_W.device)).argmax(-1)  # index of last attended
+    shift = (W - 1 - last).unsqueeze(-1)
+    if not bool(shift.any()):
+        return ids_B_W, mask_B_W
+    idx = (torch.arange(W, device=ids_B_W.device) - shift) % W
+    return ids_B_W.gather(1, idx), mask_B_W.gather(1, idx)
+
+
+class _ReferencePolicy:
+    """Read-only view of a policy's reference weights: ``log_prob`` without gradients."""
+
+    def __init__(self, policy: CausalLMPolicy, model: torch.nn.Module, context):
+        self.policy, self.model, self.context = policy, model, context
+
+    @torch.no_grad()
+    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False):
+        with self.context():
+            logp, entropy, _ = self.policy._forward(self.model, trajectory.payload, with_entropy)
+        mask = trajectory.mask_B_T.to(logp.device)
+        return (logp * mask, entropy * mask) if with_entropy else logp * mask
+
+    @torch.no_grad()
+    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.context():
+            out = []
+            for side in (batch.chosen, batch.rejected):
+                logp, _, _ = self.policy._forward(self.model, side, False)
+                out.append((logp * side["completion_mask"]).sum(-1))
+        return out[0], out[1]

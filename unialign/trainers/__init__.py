@@ -1,0 +1,6 @@
+"""Training loops: the only place accelerate is imported. They see the Policy protocol, never a model class."""
+
+from unialign.trainers.common import write_json_atomic
+from unialign.trainers.online import OnlineConfig, OnlineTrainer, RatioCheckError
+
+__all__ = ["OnlineConfig", "OnlineTrainer", "RatioCheckError", "write_json_atomic"]

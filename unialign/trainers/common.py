@@ -1,0 +1,96 @@
+"""Pieces every trainer loop shares: atomic checkpoints, run summaries and curves, schedules."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def atomic_replace_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written ``tmp_dir`` to ``final_dir`` so that a crash never leaves a half checkpoint:
+    the old directory (if any) is moved aside first and deleted only after the rename."""
+    old = final_dir.with_name(final_dir.name + ".old")
+    if final_dir.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def write_json_atomic(path: str | Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=float))
+    os.replace(tmp, path)
+
+
+def find_checkpoint(output_dir: str | Path, which: str) -> Path | None:
+    """``which`` is a checkpoint path or ``"latest"`` (the highest step under ``output_dir``)."""
+    if which != "latest":
+        path = Path(which)
+        if not (path / "trainer_state.pt").exists():
+            raise FileNotFoundError(f"resume_from_checkpoint={which!r}: no trainer_state.pt in that directory")
+        return path
+    ckpts = sorted(Path(output_dir).glob(CHECKPOINT_PREFIX + "*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
+    ckpts = [c for c in ckpts if (c / "trainer_state.pt").exists()]
+    return ckpts[-1] if ckpts else None
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
+    ckpts = sorted(Path(output_dir).glob(CHECKPOINT_PREFIX + "*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
+    for path in ckpts[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
+    """Multiplier schedule for ``torch.optim.lr_scheduler.LambdaLR``: constant | linear | cosine, with warmup."""
+    if kind not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_scheduler_type must be constant, linear or cosine, got {kind!r}")
+
+    def fn(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return max(0.0, 1 - progress) if kind == "linear" else 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> None:
+    """Plot metrics over steps to a PNG (one panel per key present in the history)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in keys if any(k in h for h in history)]
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        pts = [(h["step"], h[key]) for h in history if key in h and math.isfinite(h[key])]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_xlabel("step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state()}

@@ -1,0 +1,406 @@
+"""The one on-policy loop: GRPO, DAPO, Dr.GRPO, GSPO, REINFORCE/RLOO, PPO and DDPO, on text or images.
+
+Every iteration runs five phases, top to bottom:
+
+    1. sample     G samples for each of P prompts (``policy.sample``); DAPO's dynamic sampling
+                  drops zero-variance groups and samples again, up to ``max_generation_rounds``
+    2. score      rewards (any TRL-style reward function); non-finite rewards are counted and
+                  excluded from baselines (they get advantage 0)
+    3. advantages the preset's estimator (``unialign.registry``); reference log-probs when the
+                  KL coefficient is non-zero; values and KL-shaped per-step rewards for PPO
+    4. update     ``num_iterations`` epochs x ``num_mini_batches`` optimizer steps, each
+                  accumulated over micro-batches with ONE loss normaliser per optimizer step
+    5. log / save metrics to accelerate's trackers, atomic checkpoints, reward curve
+
+The loop sees only the ``Policy`` protocol and the registry; it never asks which modality it runs.
+Departures from the papers, on purpose:
+  * dynamic sampling discards surplus groups once a batch is full (verl's DAPO recipe) rather
+    than carrying them over, so every update stays on-policy;
+  * PPO whitens advantages per process (no cross-process whitening);
+  * the first on-policy log-prob recomputation is checked against the sampling-time value and
+    the run fails loudly if they differ beyond the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather, gather_object, set_seed
+from tqdm.auto import tqdm
+
+from unialign import algos
+from unialign.policy import Policy
+from unialign.registry import AlgoSpec, get_algorithm
+from unialign.rewards.base import CombinedReward
+from unialign.trainers.common import (
+    CHECKPOINT_PREFIX,
+    atomic_replace_dir,
+    find_checkpoint,
+    lr_lambda,
+    prune_checkpoints,
+    save_curves,
+)
+from unialign.types import Trajectory
+
+
+@dataclass
+class OnlineConfig:
+    """Knobs of the on-policy loop. Algorithm fields left at ``None`` take the preset's value."""
+
+    algorithm: str = "grpo"
+    num_generations: int = 8
+    prompts_per_step: int = 16
+    micro_batch_size: int = 32
+    num_mini_batches: int = 1
+    max_steps: int = 50
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    max_completion_length: int | None = None
+    max_generation_rounds: int = 3
+    seed: int = 0
+    output_dir: str = "outputs/run"
+    logging_steps: int = 1
+    save_steps: int = 0
+    save_total_limit: int = 2
+    report_to: str = "tensorboard"
+    resume_from_checkpoint: str | None = None
+    ratio_check_tol: float | None = None
+    # algorithm overrides (TRL names)
+    epsilon: float | None = None
+    epsilon_high: float | None = None
+    beta: float | None = None
+    loss_type: str | None = None
+    scale_rewards: str | None = None
+    importance_sampling_level: str | None = None
+    mask_truncated_completions: bool | None = None
+    num_iterations: int | None = None
+    kl_estimator: str | None = None
+    dynamic_sampling: bool | None = None
+    entropy_coef: float | None = None
+
+    def algo_spec(self) -> AlgoSpec:
+        names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
+                 "mask_truncated_completions", "num_iterations", "kl_estimator", "dynamic_sampling", "entropy_coef")
+        return get_algorithm(self.algorithm, **{n: getattr(self, n) for n in names})
+
+
+class RatioCheckError(RuntimeError):
+    pass
+
+
+class OnlineTrainer:
+    """Trains ``policy`` on prompts rows (dicts with a ``prompt`` key; other keys are passed to the
+    reward as dataset columns) to maximise ``reward_fn`` under the preset of ``config.algorithm``."""
+
+    def __init__(self, policy: Policy, reward_fn: Callable | list[Callable] | CombinedReward, prompts: list[dict[str, Any]], config: OnlineConfig,
+                 accelerator: Accelerator | None = None):
+        if not prompts:
+            raise ValueError("prompts: the training set is empty")
+        for i, row in enumerate(prompts):
+            if "prompt" not in row:
+                raise ValueError(f"prompts[{i}]: missing the 'prompt' field (keys: {sorted(row)})")
+        if not isinstance(reward_fn, CombinedReward):
+            reward_fn = CombinedReward(list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
+        self.policy, self.reward_fn, self.rows, self.cfg = policy, reward_fn, prompts, config
+        self.spec = config.algo_spec()
+        self.acc = accelerator or Accelerator(
+            log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
+        world = self.acc.num_processes
+        if config.prompts_per_step % world:
+            raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {world} processes")
+        if config.num_generations < 2 and self.spec.advantage in ("group", "rloo"):
+            raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
+        set_seed(config.seed)
+        params = list(policy.trainable_parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(config.lr_scheduler_type, config.warmup_steps, config.max_steps))
+        policy.model, self.optimizer, self.scheduler = self.acc.prepare(policy.model, self.optimizer, self.scheduler)
+        self.stat_tracker = algos.PerPromptStatTracker(self.spec.stat_buffer_size, self.spec.stat_min_count)
+        self.kl_ctl = algos.AdaptiveKLController(self.spec.beta, self.spec.kl_target, self.spec.kl_horizon)
+        self.step, self.cursor, self.history = 0, 0, []
+        self.counters = {"nonfinite_rewards": 0, "skipped_steps": 0}
+        self.ratio_checked = False
+        self._param_dtype = params[0].dtype
+
+    # ------------------------------------------------------------------ data
+    def _next_prompts(self) -> list[int]:
+        """Global row indices for this step (same on every process): an epoch-seeded permutation."""
+        n, out = len(self.rows), []
+        for _ in range(self.cfg.prompts_per_step):
+            epoch, pos = divmod(self.cursor, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch))
+            out.append(int(perm[pos]))
+            self.cursor += 1
+        return out
+
+    def _sample_groups(self, row_ids: list[int]) -> Trajectory:
+        G = self.cfg.num_generations
+        prompts, columns = [], {}
+        for r in row_ids:
+            row = self.rows[r]
+            prompts += [row["prompt"]] * G
+            for k, v in row.items():
+                if k != "prompt":
+                    columns.setdefault(k, []).extend([v] * G)
+        traj = self.policy.sample(prompts)
+        traj.columns = columns
+        traj.group_ids_B = torch.tensor(row_ids).repeat_interleave(G)
+        return traj
+
+    # ------------------------------------------------------------------ phases 1-3
+    def _score(self, traj: Trajectory) -> dict[str, float]:
+        out = self.reward_fn(traj.prompts, traj.completions, traj.columns)
+        rewards, per_fn = out.rewards_B, out.per_function
+        spec, cfg = self.spec, self.cfg
+        if spec.overlong_cache_len and cfg.max_completion_length:
+            lengths = traj.mask_B_T.sum(-1)
+            rewards = rewards + algos.overlong_penalty(lengths, cfg.max_completion_length, spec.overlong_cache_len)
+        traj.rewards_B = rewards
+        stats = {f"reward/{k}": float(torch.nanmean(v.float())) for k, v in per_fn.items()}
+        return stats
+
+    def _advantages(self, traj: Trajectory) -> None:
+        """Fills ``traj.advantages_B_T`` (and ``ref_logp_B_T`` / values for KL and PPO)."""
+        spec, G, device = self.spec, self.cfg.num_generations, self.acc.device
+        rewards_all = gather(traj.rewards_B.to(device)).cpu()  # groups may span processes in general
+        start = self.acc.process_index * len(traj)
+        local = slice(start, start + len(traj))
+        if self.spec.beta > 0:
+            traj.ref_logp_B_T = self._batched(self.policy.reference().log_prob, traj)
+        mask = traj.mask_B_T
+        if spec.advantage == "gae":
+            scores = torch.nan_to_num(traj.rewards_B, nan=0.0)
+            kl = algos.kl_estimate(traj.old_logp_B_T, traj.ref_logp_B_T, spec.kl_estimator) if spec.beta > 0 \
+                else torch.zeros_like(mask)
+            step_rewards = algos.kl_shaped_rewards(scores, kl, mask, self.kl_ctl.value)
+            adv, returns = algos.gae(step_rewards, traj.values_B_T, mask, spec.gamma, spec.lam)
+            if spec.whiten_advantages:
+                adv = algos.whiten(adv, mask)
+            traj.payload["returns_B_T"] = returns
+            traj.advantages_B_T = adv
+            return
+        if spec.advantage == "group":
+            adv = algos.group_advantages(rewards_all, G, spec.scale_rewards)
+        elif spec.advantage == "rloo":
+            adv = algos.rloo_advantages(rewards_all, G)
+        elif spec.advantage == "per_prompt":
+            prompts_all = gather_object([str(p) for p in traj.prompts])
+            adv = self.stat_tracker.update(prompts_all, rewards_all)
+        elif spec.advantage == "reward":
+            adv = torch.nan_to_num(rewards_all, nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            raise ValueError(f"unknown advantage estimator {spec.advantage!r}")
+        adv = adv[local]
+        if spec.advantage_clip is not None:
+            adv = adv.clamp(-spec.advantage_clip, spec.advantage_clip)
+        traj.advantages_B_T = adv.unsqueeze(-1).expand_as(mask).contiguous()
+
+    def _batched(self, fn: Callable, traj: Trajectory) -> torch.Tensor:
+        mb = self.cfg.micro_batch_size
+        with torch.no_grad():
+            return torch.cat([fn(traj.select(list(range(i, min(i + mb, len(traj)))))) for i in range(0, len(traj), mb)])
+
+    def collect(self) -> tuple[Trajectory | None, dict[str, float]]:
+        """Phases 1-3: a batch of scored groups with advantages (None if no group carries signal)."""
+        G, rounds, kept = self.cfg.num_generations, 0, []
+        target = self.cfg.prompts_per_step // self.acc.num_processes
+        n_groups = n_zero_std = n_samples = 0
+        stats: dict[str, float] = {}
+        t0 = time.perf_counter()
+        while True:
+            rounds += 1
+            row_ids = self._next_prompts()
+            per_proc = len(row_ids) // self.acc.num_processes
+            mine = row_ids[self.acc.process_index * per_proc:(self.acc.process_index + 1) * per_proc]
+            traj = self._sample_groups(mine)
+            stats.update(self._score(traj))
+            r_P_G = traj.rewards_B.reshape(-1, G)
+            self.counters["nonfinite_rewards"] += int((~torch.isfinite(r_P_G)).sum())
+            finite = torch.where(torch.isfinite(r_P_G), r_P_G, r_P_G.nanmean(1, keepdim=True))
+            zero_std = (finite.max(1).values - finite.min(1).values).abs() <= 1e-8
+            n_groups, n_zero_std, n_samples = n_groups + len(zero_std), n_zero_std + int(zero_std.sum()), n_samples + len(traj)
+            keep = ~zero_std if self.spec.dynamic_sampling else torch.ones_like(zero_std)
+            kept += [traj.select(torch.arange(g * G, (g + 1) * G)) for g in torch.nonzero(keep).flatten().tolist()]
+            have = gather(torch.tensor([len(kept)], device=self.acc.device)).min().item()
+            if have >= target or rounds >= self.cfg.max_generation_rounds or not self.spec.dynamic_sampling:
+                break
+        num = min(target, int(have))
+        stats.update({"generation_rounds": rounds, "frac_reward_zero_std": n_zero_std / max(1, n_groups),
+                      "sample_seconds": time.perf_counter() - t0})
+        if num == 0:
+            return None, stats
+        traj = Trajectory.cat(kept[:num])
+        r = traj.rewards_B
+        stats.update({"reward/mean": float(r.nanmean()), "reward/std": float(r[torch.isfinite(r)].std())
+                      if torch.isfinite(r).sum() > 1 else 0.0,
+                      "completion_length": float(traj.mask_B_T.sum(-1).mean()),
+                      "truncated_frac": float(traj.truncated_B.float().mean())})
+        if self.spec.mask_truncated_completions:
+            traj.mask_B_T = traj.mask_B_T * (~traj.truncated_B).unsqueeze(-1).to(traj.mask_B_T.dtype)
+        if self.spec.value_coef > 0:
+            traj.values_B_T = self._batched(lambda t: self.policy.log_prob_and_values(t)[2], traj)
+        self._advantages(traj)
+        return traj, stats
+
+    # ------------------------------------------------------------------ phase 4
+    def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        return list(idx.split(self.cfg.micro_batch_size))
+
+    def _loss(self, mb: Trajectory, normalizer: torch.Tensor, value_normalizer: torch.Tensor):
+        spec = self.spec
+        mask = mb.mask_B_T.to(self.acc.device)
+        values = None
+        if spec.value_coef > 0:
+            logp, entropy, values = self.policy.log_prob_and_values(mb)
+        else:
+            logp, entropy = self.policy.log_prob(mb, with_entropy=True)
+        old_logp, adv = mb.old_logp_B_T.to(logp.device), mb.advantages_B_T.to(logp.device)
+        if not self.ratio_checked:
+            self._check_ratio(logp.detach(), old_logp, mask)
+        loss_B_T, m = algos.clipped_policy_loss(logp, old_logp, adv, mask, spec.epsilon, spec.epsilon_high,
+                                                spec.importance_sampling_level, spec.dual_clip)
+        if spec.beta > 0 and not spec.kl_in_reward:
+            kl = algos.kl_estimate(logp, mb.ref_logp_B_T.to(logp.device), spec.kl_estimator)
+            loss_B_T = loss_B_T + spec.beta * kl * mask
+            m["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+        if spec.entropy_coef:
+            loss_B_T = loss_B_T - spec.entropy_coef * entropy * mask
+        loss = algos.aggregate(loss_B_T, mask, spec.loss_type, normalizer)
+        if values is not None:
+            vf, vm = algos.clipped_value_loss(values, mb.values_B_T.to(values.device),
+                                              mb.payload["returns_B_T"].to(values.device), mask, spec.value_clip)
+            loss = loss + spec.value_coef * algos.aggregate(vf, mask, "token_mean", value_normalizer)
+            m.update(vm)
+        m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        return loss, m
+
+    def _check_ratio(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> None:
+        tol = self.cfg.ratio_check_tol or (1e-3 if self._param_dtype == torch.float32 else 5e-2)
+        gap = float(((logp - old_logp).abs() * mask).max()) if mask.any() else 0.0
+        if not gap <= tol:
+            raise RatioCheckError(
+                f"log-probs recomputed before the first update differ from the sampling-time ones by {gap:.3g} "
+                f"(tolerance {tol:g}): the policy's sample() and log_prob() disagree (dtype, dropout, "
+                "position ids or padding?). Ratio-1 is required for PPO-style clipping to mean anything.")
+        self.ratio_checked = True
+
+    def update(self, traj: Trajectory) -> dict[str, float]:
+        """Phase 4: ``num_iterations`` epochs of ``num_mini_batches`` optimizer steps over ``traj``."""
+        spec, cfg, acc = self.spec, self.cfg, self.acc
+        metrics: dict[str, list[float]] = {}
+        model = self.policy.model
+        model.train()
+        for _ in range(spec.num_iterations):
+            perm = torch.randperm(len(traj))
+            for mini in perm.chunk(cfg.num_mini_batches):
+                micro = self._micro_batches(mini)
+                # one normaliser per optimizer step, over every micro-batch of every process
+                local = sum(algos.local_normalizer(traj.mask_B_T[i], spec.loss_type, cfg.max_completion_length)
+                            for i in micro)
+                tokens = sum(traj.mask_B_T[i].sum() for i in micro)
+                normalizer = gather(torch.stack([local, tokens]).to(acc.device).reshape(1, 2)).sum(0)
+                normalizer = normalizer / acc.num_processes
+                for j, idx in enumerate(micro):
+                    mb = traj.select(idx)
+                    ctx = acc.no_sync(model) if j < len(micro) - 1 else _null()
+                    with ctx:
+                        loss, m = self._loss(mb, normalizer[0], normalizer[1])
+                        acc.backward(loss)
+                    for k, v in m.items():
+                        metrics.setdefault(k, []).append(float(v))
+                    metrics.setdefault("loss", []).append(float(loss.detach()) * len(micro))
+                grad_norm = acc.clip_grad_norm_(list(self.policy.trainable_parameters()), cfg.max_grad_norm)
+                grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # a non-finite loss or gradient never reaches the weights
+                    self.counters["skipped_steps"] += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                metrics.setdefault("grad_norm", []).append(grad_norm)
+        self.scheduler.step()
+        return {k: sum(v) / len(v) for k, v in metrics.items()}
+
+    # ------------------------------------------------------------------ phase 5
+    def save_checkpoint(self) -> Path:
+        out = Path(self.cfg.output_dir)
+        final = out / f"{CHECKPOINT_PREFIX}{self.step}"
+        tmp = out / f".tmp-{CHECKPOINT_PREFIX}{self.step}"
+        self.acc.save_state(str(tmp))
+        if self.acc.is_main_process:
+            torch.save({"step": self.step, "cursor": self.cursor, "history": self.history,
+                        "counters": self.counters, "stat_tracker": self.stat_tracker.state_dict(),
+                        "kl_ctl": self.kl_ctl.state_dict(), "config": asdict(self.cfg)}, tmp / "trainer_state.pt")
+            atomic_replace_dir(tmp, final)
+            prune_checkpoints(out, self.cfg.save_total_limit)
+        self.acc.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.acc.load_state(str(path))
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
+        self.counters = state["counters"]
+        self.stat_tracker.load_state_dict(state["stat_tracker"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.ratio_checked = True  # the check is for fresh runs; resumed batches may be mid-epoch
+
+    def train(self) -> list[dict]:
+        cfg, acc = self.cfg, self.acc
+        if cfg.resume_from_checkpoint:
+            ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+            if ckpt is not None:
+                self.load_checkpoint(ckpt)
+                acc.print(f"resumed from {ckpt} at step {self.step}")
+        if acc.is_main_process:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        acc.init_trackers("unialign", config={k: v for k, v in asdict(cfg).items() if v is not None})
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.spec.name)
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            traj, stats = self.collect()                              # 1-3
+            if traj is not None:
+                stats.update(self.update(traj))                       # 4
+                steps = gather(traj.mask_B_T.sum().reshape(1).to(acc.device)).sum()
+                stats["steps_per_second"] = float(steps) / (time.perf_counter() - t0)
+                if self.spec.kl_in_reward and "kl" in stats:
+                    self.kl_ctl.update(stats["kl"], cfg.prompts_per_step * cfg.num_generations)
+            else:
+                self.counters["skipped_steps"] += 1
+            self.step += 1
+            stats.update({"step": self.step, "lr": self.scheduler.get_last_lr()[0], **self.counters})
+            self.history.append(stats)                                # 5
+            if self.step % cfg.logging_steps == 0:
+                acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{stats.get('reward/mean', math.nan):.3f}")
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        if acc.is_main_process:
+            save_curves(self.history, Path(cfg.output_dir) / "reward_curve.png",
+                        ("reward/mean", "frac_reward_zero_std", "entropy"))
+        acc.end_training()
+        return self.history
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
