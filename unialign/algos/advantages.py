@@ -94,7 +94,9 @@ class PerPromptStatTracker:
 
     def update(self, prompts: list[str], rewards: Tensor) -> Tensor:
         """``prompts``: list[B]; ``rewards``: [B]. Returns advantages [B] (float64 math, rewards' dtype)."""
-        r = rewards.detach().to(torch.float64).cpu()
+        if len(prompts) != rewards.numel():
+            raise ValueError(f"{len(prompts)} prompts for {rewards.numel()} rewards")
+        r = rewards.detach().to(torch.float64).cpu().reshape(-1)
         valid = torch.isfinite(r)
         batch_mean, batch_std = _masked_mean_std(r, valid, dim=None, unbiased=False)
         adv = torch.zeros_like(r)
@@ -152,7 +154,7 @@ def gae(rewards_B_T: Tensor, values_B_T: Tensor, mask_B_T: Tensor, gamma: float,
 def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Masked whitening: (x - mean) / sqrt(var + eps) over ``mask == 1`` entries, with the
     unbiased (Bessel-corrected) variance as in TRL / verl. With ``shift_mean=False`` the mean is
-    added back (used for rewards). Any shape; masked entries are returned as 0 (shifted) or x.
+    added back (used for rewards). Any shape; masked entries are returned as 0 either way.
     """
     m = mask.to(x.dtype)
     n = m.sum()

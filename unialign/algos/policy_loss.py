@@ -60,13 +60,14 @@ def clipped_policy_loss(
     adv_B_T = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv_B_T = adv_B_T.to(logp.dtype).expand_as(logp)
 
-    log_ratio = logp - old_logp
+    # masked steps get log-ratio 0 *before* exp, so padding garbage can never turn into inf * 0 = NaN
+    log_ratio = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
     if ratio_level == "token":
         log_rho = log_ratio
     elif ratio_level == "sequence":
         log_rho = sequence_log_ratio(log_ratio, mask).expand_as(logp)
     else:
-        log_rho = sequence_log_ratio(log_ratio, mask).detach() + logp - logp.detach()
+        log_rho = sequence_log_ratio(log_ratio, mask).detach() + log_ratio - log_ratio.detach()
     rho = torch.exp(log_rho)
     clipped_rho = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(-adv_B_T * rho, -adv_B_T * clipped_rho)

@@ -43,6 +43,8 @@ def dpo_loss(
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and loss_type not in ("sigmoid", "robust"):
+        raise ValueError(f"label_smoothing applies to 'sigmoid' (cDPO) and 'robust' only, not {loss_type!r}")
     h = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
     if loss_type == "sigmoid":
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)

@@ -51,6 +51,8 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_kl_coef: float, target: float | None = None, horizon: int = 10000):
+        if target is not None and target <= 0:
+            raise ValueError(f"KL target must be > 0, got {target}")
         self.value = init_kl_coef
         self.target = target
         self.horizon = horizon

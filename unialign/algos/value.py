@@ -31,5 +31,7 @@ def clipped_value_loss(
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last axis: H = logsumexp(z) - sum softmax(z) * z. [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
