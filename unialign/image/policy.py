@@ -1,0 +1,499 @@
+"""``DiffusionPolicy``: Stable Diffusion 1.x / SDXL behind the modality-neutral ``Policy`` protocol.
+
+A trajectory is the N denoising transitions x_T -> ... -> x_0 of a DDIM sampler with eta > 0 (DDPO,
+Black et al. 2023); ``logp_B_T`` is each transition's Gaussian log-density averaged over C,H,W
+(``unialign.image.ddim``). For preference pairs ``sequence_log_prob`` returns the Diffusion-DPO ELBO
+surrogate (Wallace et al. 2023). The UNet (``self.model``) is the only trainable module; VAE and text
+encoders are frozen. Attention uses PyTorch SDPA (diffusers' default ``AttnProcessor2_0``) unless
+``enable_xformers=True``.
+
+Payload written by ``sample`` (read only by this class), every tensor with leading B:
+    latents        [B, N+1, C, H, W]  x_T .. x_0 in the UNet dtype
+    timesteps      [B, N]             long, the t of each transition x_t -> x_{t'}
+    prompt_embeds  [B, L, D]          text conditioning (SDXL: both encoders' penultimate states)
+    pooled_prompt_embeds [B, P]       SDXL only: pooled output of the 2nd encoder (``text_embeds``)
+    time_ids       [B, 6]             SDXL only: original (h, w), crop top-left (top, left), target (h, w)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from unialign.image.ddim import HALF_LOG_2PI, ddim_step_coefficients, ddim_step_with_logprob
+from unialign.types import PreferenceBatch, Trajectory
+
+Tensor = torch.Tensor
+
+LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+class DiffusionPolicy:
+    """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs.
+
+    Args:
+        unet, vae, text_encoder, tokenizer, scheduler: diffusers / transformers components. Any scheduler
+            is converted to a ``DDIMScheduler`` with the same config.
+        text_encoder_2, tokenizer_2: the second (``CLIPTextModelWithProjection``) encoder of SDXL. The
+            policy is SDXL when given (or when the UNet has ``addition_embed_type="text_time"``).
+        num_steps: N denoising steps.  guidance_scale: CFG weight w (> 1 turns CFG on; the
+            unconditional branch uses the empty prompt's embeddings, or zeros when
+            ``force_zeros_for_empty_prompt``, as stock SDXL does).  eta: DDIM eta (> 0).
+        height, width: image size in pixels (default: UNet sample_size x VAE scale factor).
+        timestep_fraction: fraction K/N of steps trained per sample, chosen per sample at random.
+        lora_rank: > 0 adds a peft LoRA (r = rank, alpha = ``lora_alpha`` or rank) on the UNet
+            attention projections and freezes the base UNet; 0 trains the full UNet.
+        gradient_checkpointing: UNet gradient checkpointing.  enable_xformers: xformers attention
+            (raises if xformers is not installed).
+        seed: seeds the policy's own generator, used by ``sequence_log_prob`` when a batch does not
+            carry its timesteps/noise.
+    """
+
+    def __init__(
+        self,
+        unet,
+        vae,
+        text_encoder,
+        tokenizer,
+        scheduler,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        *,
+        num_steps: int = 50,
+        guidance_scale: float = 5.0,
+        eta: float = 1.0,
+        height: int | None = None,
+        width: int | None = None,
+        timestep_fraction: float = 1.0,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
+        gradient_checkpointing: bool = False,
+        enable_xformers: bool = False,
+        force_zeros_for_empty_prompt: bool = False,
+        seed: int = 0,
+    ) -> None:
+        from diffusers import DDIMScheduler
+
+        if eta <= 0:
+            raise ValueError(f"eta must be > 0 (the step log-probability needs sigma_t > 0), got {eta}")
+        if not 0.0 < timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        self.unet = unet
+        # decode / encode in fp32 (half-precision SD VAEs overflow to NaN)
+        self.vae = vae if vae.dtype == torch.float32 else vae.to(torch.float32)
+        self.text_encoder, self.tokenizer = text_encoder, tokenizer
+        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
+        self.is_sdxl = text_encoder_2 is not None or unet.config.get("addition_embed_type") == "text_time"
+        if self.is_sdxl and text_encoder_2 is None:
+            raise ValueError("an SDXL UNet (addition_embed_type='text_time') needs text_encoder_2 and tokenizer_2")
+        self.scheduler = DDIMScheduler.from_config(scheduler.config)
+        self.num_steps, self.guidance_scale, self.eta = num_steps, guidance_scale, eta
+        self.scheduler.set_timesteps(num_steps)
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.height = height or unet.config.sample_size * self.vae_scale_factor
+        self.width = width or unet.config.sample_size * self.vae_scale_factor
+        self.timestep_fraction = timestep_fraction
+        self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
+        self.generator = torch.Generator().manual_seed(seed)
+
+        for module in (self.vae, text_encoder, text_encoder_2):
+            if module is not None:
+                module.requires_grad_(False).eval()
+        self.lora_rank = lora_rank
+        if lora_rank > 0:
+            from peft import LoraConfig
+
+            unet.requires_grad_(False)
+            unet.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank,
+                                        init_lora_weights="gaussian", target_modules=LORA_TARGET_MODULES))
+            for p in unet.parameters():  # trainable LoRA weights in fp32 even for a half-precision UNet
+                if p.requires_grad:
+                    p.data = p.data.float()
+        else:
+            unet.requires_grad_(True)
+        if gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        if enable_xformers:
+            try:
+                import xformers  # noqa: F401
+            except ImportError as e:
+                raise RuntimeError("enable_xformers=True but xformers is not installed "
+                                   "(pip install xformers, or leave it off: PyTorch SDPA is the default)") from e
+            unet.enable_xformers_memory_efficient_attention()
+        self.model = unet  # trainers may wrap it (DDP/FSDP); forward passes go through self.model
+        self._frozen_unet = None
+        self._uncond_cache: dict[str, Tensor] | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_hub_id: str,
+        sdxl: bool | None = None,
+        lora_rank: int = 0,
+        torch_dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        variant: str | None = None,
+        **kwargs: Any,
+    ) -> DiffusionPolicy:
+        """Load the components of a diffusers SD1.x / SDXL pipeline folder or hub id.
+
+        ``sdxl=None`` detects SDXL from ``model_index.json``. ``kwargs`` go to the constructor.
+        Fails at once with a RuntimeError when the weights are neither local nor downloadable
+        (offline with ``HF_HUB_OFFLINE=1``, unknown id, no network).
+        """
+        from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, UNet2DConditionModel
+        from huggingface_hub import constants as hub_constants
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+        local = os.path.isdir(path_or_hub_id)
+        offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        opts: dict[str, Any] = {"local_files_only": True} if (offline and not local) else {}
+        try:
+            config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
+            if sdxl is None:
+                sdxl = "XL" in config.get("_class_name", "") or "text_encoder_2" in config
+            model_kw = dict(opts, torch_dtype=torch_dtype, variant=variant)
+            parts = {
+                "unet": UNet2DConditionModel.from_pretrained(path_or_hub_id, subfolder="unet", **model_kw),
+                "vae": AutoencoderKL.from_pretrained(path_or_hub_id, subfolder="vae", **opts),
+                "text_encoder": CLIPTextModel.from_pretrained(path_or_hub_id, subfolder="text_encoder", **model_kw),
+                "tokenizer": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer", **opts),
+                "scheduler": DDIMScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler", **opts),
+            }
+            if sdxl:
+                parts["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
+                    path_or_hub_id, subfolder="text_encoder_2", **model_kw)
+                parts["tokenizer_2"] = CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_2", **opts)
+                kwargs.setdefault("force_zeros_for_empty_prompt", config.get("force_zeros_for_empty_prompt", False))
+        except (OSError, ValueError) as e:  # hub errors (offline, 404, bad id) subclass OSError/ValueError
+            raise RuntimeError(
+                f"could not load diffusion weights {path_or_hub_id!r}: they are not in a local folder or the "
+                f"Hugging Face cache and cannot be downloaded here (offline={offline}). Pass a local directory "
+                f"holding a diffusers pipeline (model_index.json, unet/, vae/, text_encoder/, tokenizer/, "
+                f"scheduler/[, text_encoder_2/, tokenizer_2/]). Cause: {type(e).__name__}: {e}"
+            ) from e
+        if device is not None:
+            for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+                if key in parts:
+                    parts[key].to(device)
+        return cls(**parts, lora_rank=lora_rank, **kwargs)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return next(self.unet.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.unet.dtype
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return [p for p in self.unet.parameters() if p.requires_grad]
+
+    def _tokenize(self, tokenizer, prompts: list[str]) -> Tensor:
+        return tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
+                         truncation=True, return_tensors="pt").input_ids.to(self.device)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
+        """Text conditioning for ``prompts`` (no grad). SD1.x: ``prompt_embeds`` = last hidden state
+        [B, L, D]. SDXL (as the stock pipeline): ``prompt_embeds`` = concatenated penultimate hidden
+        states of both encoders [B, L, D1 + D2] and ``pooled_prompt_embeds`` = the 2nd encoder's
+        projected pooled output [B, P]."""
+        if not self.is_sdxl:
+            out = self.text_encoder(self._tokenize(self.tokenizer, prompts))
+            return {"prompt_embeds": out[0].to(self.dtype)}
+        hidden, pooled = [], None
+        for tok, enc in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
+            out = enc(self._tokenize(tok, prompts), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled = out.text_embeds if getattr(out, "text_embeds", None) is not None else out.pooler_output
+        return {"prompt_embeds": torch.cat(hidden, dim=-1).to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
+
+    def _uncond(self) -> dict[str, Tensor]:
+        """Embeddings of the empty prompt (batch 1), cached: the CFG unconditional branch."""
+        if self._uncond_cache is None:
+            cond = self.encode_prompts([""])
+            if self.force_zeros_for_empty_prompt:
+                cond = {k: torch.zeros_like(v) for k, v in cond.items()}
+            self._uncond_cache = cond
+        return self._uncond_cache
+
+    def time_ids(self, batch: int, original_size=None, crop_top_left=(0, 0), target_size=None) -> Tensor:
+        """SDXL micro-conditioning [B, 6]: (orig_h, orig_w, crop_top, crop_left, target_h, target_w)."""
+        target = tuple(target_size or (self.height, self.width))
+        row = list(original_size or target) + list(crop_top_left) + list(target)
+        return torch.tensor([row] * batch, dtype=self.dtype, device=self.device)
+
+    def _predict(self, unet, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool) -> Tensor:
+        """UNet output at (latents, t) under ``cond``; with ``cfg`` the guided u + w (c - u)."""
+        embeds = cond["prompt_embeds"]
+        added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": cond["time_ids"]} if self.is_sdxl else None
+        if cfg:
+            b = latents.shape[0]
+            uncond = self._uncond()
+            latents, t_B = torch.cat([latents, latents]), torch.cat([t_B, t_B])
+            embeds = torch.cat([uncond["prompt_embeds"].expand(b, -1, -1), embeds])
+            if added is not None:
+                added = {"text_embeds": torch.cat([uncond["pooled_prompt_embeds"].expand(b, -1), added["text_embeds"]]),
+                         "time_ids": torch.cat([added["time_ids"], added["time_ids"]])}
+        out = unet(latents.to(self.dtype), t_B, encoder_hidden_states=embeds, added_cond_kwargs=added).sample
+        if not cfg:
+            return out
+        out_uncond, out_cond = out.chunk(2)
+        return out_uncond + self.guidance_scale * (out_cond - out_uncond)
+
+    @property
+    def _cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    def _cond_from_payload(self, payload: dict[str, Any], rows: Tensor | None = None) -> dict[str, Tensor]:
+        keys = ("prompt_embeds", "pooled_prompt_embeds", "time_ids") if self.is_sdxl else ("prompt_embeds",)
+        return {k: payload[k] if rows is None else payload[k][rows] for k in keys}
+
+    def _trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
+        """mask_B_T: K = max(1, int(N * timestep_fraction)) steps per sample, chosen by an independent
+        random permutation per sample (as ddpo-pytorch)."""
+        n = self.num_steps
+        k = max(1, int(n * self.timestep_fraction))
+        if k == n:
+            return torch.ones(batch, n)
+        gen_device = generator.device if generator is not None else "cpu"
+        mask = torch.zeros(batch, n)
+        for i in range(batch):
+            mask[i, torch.randperm(n, generator=generator, device=gen_device)[:k].cpu()] = 1.0
+        return mask
+
+    def decode(self, latents_B_C_H_W: Tensor) -> list[Image.Image]:
+        """VAE-decode (fp32) latents to PIL images."""
+        z = latents_B_C_H_W.float() / self.vae.config.scaling_factor
+        if getattr(self.vae.config, "shift_factor", None):
+            z = z + self.vae.config.shift_factor
+        with torch.no_grad():
+            pixels = self.vae.decode(z).sample
+        arr = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+
+    @torch.no_grad()
+    def encode_images(self, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
+                      generator: torch.Generator | None = None) -> Tensor:
+        """Pixels in [-1, 1] -> latents x scaling_factor (VAE in fp32). ``sample_posterior=True`` draws
+        from the VAE posterior as Diffusion-DPO does; False takes its mean (deterministic)."""
+        dist = self.vae.encode(pixels_B_3_H_W.to(self.device, torch.float32)).latent_dist
+        z = dist.sample(generator) if sample_posterior else dist.mean
+        if getattr(self.vae.config, "shift_factor", None):
+            z = z - self.vae.config.shift_factor
+        return z * self.vae.config.scaling_factor
+
+    # ------------------------------------------------------------------ Policy protocol
+    @torch.no_grad()
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+        """Sample one image per prompt with the DDIM (eta > 0) sampler and CFG; record every latent,
+        the timesteps, the conditioning and each step's log-prob (see module docstring)."""
+        return self._sample(self.model, prompts, generator)
+
+    def _sample(self, unet, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        batch = len(prompts)
+        cond = self.encode_prompts(prompts)
+        if self.is_sdxl:
+            cond["time_ids"] = self.time_ids(batch)
+        channels = self.unet.config.in_channels
+        shape = (batch, channels, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
+        latents = latents * self.scheduler.init_noise_sigma
+        timesteps = self.scheduler.timesteps.to(self.device)
+        all_latents, all_logps = [latents], []
+        for t in timesteps:
+            t_B = t.expand(batch)
+            out = self._predict(unet, latents, t_B, cond, self._cfg)
+            latents, logp = ddim_step_with_logprob(self.scheduler, out, t_B, latents, eta=self.eta, generator=generator)
+            all_latents.append(latents)
+            all_logps.append(logp)
+        first_index: dict[Any, int] = {}
+        group_ids = [first_index.setdefault(p, i) for i, p in enumerate(prompts)]
+        payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
+        return Trajectory(
+            prompts=list(prompts),
+            completions=self.decode(latents),
+            mask_B_T=self._trained_steps_mask(batch, generator).to(self.device),
+            old_logp_B_T=torch.stack(all_logps, dim=1),
+            group_ids_B=torch.tensor(group_ids, dtype=torch.long, device=self.device),
+            truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device),
+            payload=payload,
+        )
+
+    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
+        """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current UNet, with the
+        same CFG as sampling (gradients through both CFG branches, as ddpo-pytorch). Only steps with
+        ``mask_B_T == 1`` are computed (one UNet call per step on those rows); the others are 0.
+
+        ``with_entropy=True`` also returns ``entropy_B_T``: the entropy of the step Gaussian per element,
+        0.5 * log(2 pi e sigma_t^2) (the same for every element, so equal to its mean over C,H,W). It does
+        not depend on theta (sigma_t is fixed by the scheduler), so it carries no gradient; 0 where masked.
+        """
+        return self._log_prob(self.model, trajectory, with_entropy)
+
+    def _log_prob(self, unet, trajectory: Trajectory, with_entropy: bool) -> Any:
+        payload = trajectory.payload
+        latents, timesteps = payload["latents"], payload["timesteps"]
+        mask = trajectory.mask_B_T
+        batch, steps = timesteps.shape
+        columns = []
+        for j in range(steps):
+            rows = (mask[:, j] > 0).nonzero().squeeze(1)
+            column = torch.zeros(batch, device=latents.device, dtype=torch.float32)
+            if rows.numel() > 0:
+                t_R = timesteps[rows, j]
+                out = self._predict(unet, latents[rows, j], t_R, self._cond_from_payload(payload, rows), self._cfg)
+                _, logp_R = ddim_step_with_logprob(self.scheduler, out, t_R, latents[rows, j],
+                                                   eta=self.eta, prev_sample=latents[rows, j + 1])
+                column = column.index_put((rows,), logp_R)
+            columns.append(column)
+        logp_B_T = torch.stack(columns, dim=1)
+        if not with_entropy:
+            return logp_B_T
+        std_B_T = ddim_step_coefficients(self.scheduler, timesteps.reshape(-1), self.eta)["std"].view(batch, steps)
+        entropy_B_T = (0.5 + HALF_LOG_2PI + torch.log(std_B_T.to(logp_B_T.device))) * (mask > 0)
+        return logp_B_T, entropy_B_T
+
+    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[Tensor, Tensor]:
+        """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023, eq. 14 as implemented in
+        SalesforceAIResearch/DiffusionDPO ``train.py``), NOT the log-likelihood of the image:
+
+            logp = -1/2 * mean_CHW || target - UNet(x_t, t, c) ||^2,   x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps
+
+        with target = eps (v = sqrt(a_t) eps - sqrt(1 - a_t) x0 for v-prediction). One t ~ U{0..T-1} and one
+        eps per pair are shared by the chosen and rejected latents, so identical images give identical
+        values. Reads ``batch.chosen["latents"]`` / ``batch.rejected["latents"]`` [B, C, H, W] (VAE-encoded
+        x scaling_factor, see ``encode_images``), optionally ``batch.payload["timesteps"]`` [B] and
+        ``["noise"]`` [B, C, H, W] (else drawn from the policy's generator), ``["prompt_embeds"]``
+        (+ ``pooled_prompt_embeds`` for SDXL; else the prompts are encoded) and per-side SDXL
+        ``time_ids`` [B, 6] (default: the latent size, no crop). No CFG. Returns (chosen_B, rejected_B).
+        """
+        return self._sequence_log_prob(self.model, batch)
+
+    def _sequence_log_prob(self, unet, batch: PreferenceBatch) -> tuple[Tensor, Tensor]:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        chosen = batch.chosen["latents"].to(self.device, torch.float32)
+        rejected = batch.rejected["latents"].to(self.device, torch.float32)
+        b = chosen.shape[0]
+        t_B = batch.payload.get("timesteps")
+        if t_B is None:
+            t_B = torch.randint(0, self.scheduler.config.num_train_timesteps, (b,), generator=self.generator)
+        t_B = torch.as_tensor(t_B).long().to(self.device)
+        noise = batch.payload.get("noise")
+        if noise is None:
+            noise = randn_tensor(chosen.shape, generator=self.generator, dtype=torch.float32)
+        noise = noise.to(self.device, torch.float32)
+
+        if "prompt_embeds" in batch.payload:
+            cond = {k: batch.payload[k].to(self.device, self.dtype) for k in ("prompt_embeds", "pooled_prompt_embeds")
+                    if k in batch.payload}
+        else:
+            cond = self.encode_prompts(batch.prompts)
+        cond = {k: torch.cat([v, v]) for k, v in cond.items()}
+        if self.is_sdxl:
+            size = (chosen.shape[-2] * self.vae_scale_factor, chosen.shape[-1] * self.vae_scale_factor)
+            sides = [side.get("time_ids") for side in (batch.chosen, batch.rejected)]
+            sides = [self.time_ids(b, target_size=size) if s is None else s.to(self.device, self.dtype) for s in sides]
+            cond["time_ids"] = torch.cat(sides)
+
+        x0 = torch.cat([chosen, rejected])
+        eps, t2 = torch.cat([noise, noise]), torch.cat([t_B, t_B])
+        x_t = self.scheduler.add_noise(x0, eps, t2)
+        pred = self._predict(unet, x_t, t2, cond, cfg=False).float()
+        kind = self.scheduler.config.prediction_type
+        if kind == "epsilon":
+            target = eps
+        elif kind == "v_prediction":
+            target = self.scheduler.get_velocity(x0, eps, t2)
+        elif kind == "sample":
+            target = x0
+        else:
+            raise ValueError(f"unsupported prediction_type {kind!r}")
+        logp = -0.5 * ((target - pred) ** 2).mean(dim=(1, 2, 3))
+        return logp[:b], logp[b:]
+
+    def reference(self) -> _ReferencePolicy:
+        """The frozen reference: the same UNet with LoRA adapters disabled, or (full fine-tuning) a frozen
+        deep copy made on the first call; call it before training starts."""
+        if self.lora_rank > 0:
+            return _ReferencePolicy(self, None, adapters_off=True)
+        if self._frozen_unet is None:
+            self._frozen_unet = copy.deepcopy(self.unet).requires_grad_(False).eval()
+        return _ReferencePolicy(self, self._frozen_unet, adapters_off=False)
+
+    def save(self, path: str) -> None:
+        """LoRA: ``pytorch_lora_weights.safetensors`` in ``path``, loadable with stock
+        ``StableDiffusion[XL]Pipeline.load_lora_weights(path)``. Full fine-tuning: the UNet in
+        ``path/unet`` (``UNet2DConditionModel.from_pretrained(path, subfolder="unet")``)."""
+        os.makedirs(path, exist_ok=True)
+        if self.lora_rank == 0:
+            self.unet.save_pretrained(os.path.join(path, "unet"))
+            return
+        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
+        metadata = self.unet.peft_config["default"].to_dict()
+        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+        pipeline_cls = StableDiffusionXLPipeline if self.is_sdxl else StableDiffusionPipeline
+        pipeline_cls.save_lora_weights(path, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
+
+
+class _ReferencePolicy:
+    """Reference view of a ``DiffusionPolicy``: same interface, no gradients, base weights."""
+
+    def __init__(self, policy: DiffusionPolicy, unet, adapters_off: bool) -> None:
+        self.policy, self._unet, self.adapters_off = policy, unet, adapters_off
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module the reference runs: the policy's (possibly wrapped) UNet with adapters off, or
+        the frozen copy."""
+        return self.policy.model if self.adapters_off else self._unet
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        with torch.no_grad():
+            if not self.adapters_off:
+                yield
+                return
+            self.policy.unet.disable_adapters()
+            try:
+                yield
+            finally:
+                self.policy.unet.enable_adapters()
+
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+        with self._frozen():
+            return self.policy._sample(self.model, prompts, generator)
+
+    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
+        with self._frozen():
+            return self.policy._log_prob(self.model, trajectory, with_entropy)
+
+    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[Tensor, Tensor]:
+        with self._frozen():
+            return self.policy._sequence_log_prob(self.model, batch)
+
+    def reference(self) -> _ReferencePolicy:
+        return self
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return []
+
+    def save(self, path: str) -> None:
+        raise NotImplementedError("the reference policy is frozen; save the policy itself")
