@@ -366,7 +366,7 @@ class DiffusionPolicy:
         entropy_B_T = (0.5 + HALF_LOG_2PI + torch.log(std_B_T.to(logp_B_T.device))) * (mask > 0)
         return logp_B_T, entropy_B_T
 
-    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[Tensor, Tensor]:
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
         """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023, eq. 14 as implemented in
         SalesforceAIResearch/DiffusionDPO ``train.py``), NOT the log-likelihood of the image:
 
@@ -485,7 +485,7 @@ class _ReferencePolicy:
         with self._frozen():
             return self.policy._log_prob(self.model, trajectory, with_entropy)
 
-    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[Tensor, Tensor]:
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
         with self._frozen():
             return self.policy._sequence_log_prob(self.model, batch)
 

@@ -18,6 +18,8 @@ REWARDS: dict[str, str] = {
     # text, verifiable (unialign/rewards/math.py)
     "math_accuracy": "unialign.rewards.math:math_accuracy_reward",
     "math_format": "unialign.rewards.math:math_format_reward",
+    # text, learned (unialign/rewards/reward_model.py): get_reward("reward_model", path=...)
+    "reward_model": "unialign.rewards.reward_model:RewardModelReward",
     # image (unialign/rewards/image.py, to be added), e.g.
     #   "jpeg_compressibility": "unialign.rewards.image:JpegCompressibilityReward",
     #   "jpeg_incompressibility": "unialign.rewards.image:JpegIncompressibilityReward",

@@ -205,13 +205,29 @@ class CausalLMPolicy:
         mask = trajectory.mask_B_T.to(logp.device)
         return logp * mask, entropy * mask, values * mask
 
-    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of completion-token log-probs of the chosen and rejected sides, [B] each."""
-        out = []
-        for side in (batch.chosen, batch.rejected):
-            logp, _, _ = self._forward(self.model, side, False)
-            out.append((logp * side["completion_mask"]).sum(-1))
-        return out[0], out[1]
+    def preference_batch(self, rows: list[dict[str, Any]], max_length: int | None = None) -> PreferenceBatch:
+        """Tokenise normalised pairs (``unialign.text.preference.normalize_pairs``): the prompt with the
+        chat template (left-padded), each completion followed by EOS (right-padded, truncated so that
+        completions fit in ``max_length`` tokens when given)."""
+        from unialign.text.preference import completion_text
+
+        enc = self._encode_prompts([r["prompt"] for r in rows])
+        sides = []
+        for key in ("chosen", "rejected"):
+            texts = [completion_text(r[key]) + self.tokenizer.eos_token for r in rows]
+            c = self.tokenizer(texts, return_tensors="pt", padding="longest", add_special_tokens=False,
+                               padding_side="right", truncation=max_length is not None, max_length=max_length)
+            sides.append({"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
+                          "completion_ids": c["input_ids"].to(self.device),
+                          "completion_mask": c["attention_mask"].to(self.device)})
+        margin = torch.tensor([r["margin"] for r in rows]) if all("margin" in r for r in rows) else None
+        return PreferenceBatch(prompts=[r["prompt"] for r in rows], chosen=sides[0], rejected=sides[1],
+                               margin_B=margin)
+
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):
+        """Sum (or, with ``length_normalize``, mean) of completion-token log-probs of the chosen and
+        rejected sides, [B] each."""
+        return _sequence_log_prob(self, self.model, batch, length_normalize)
 
     # ---------------------------------------------------------------- reference
     def reference(self) -> _ReferencePolicy:
@@ -262,10 +278,16 @@ class _ReferencePolicy:
         return (logp * mask, entropy * mask) if with_entropy else logp * mask
 
     @torch.no_grad()
-    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):
         with self.context():
-            out = []
-            for side in (batch.chosen, batch.rejected):
-                logp, _, _ = self.policy._forward(self.model, side, False)
-                out.append((logp * side["completion_mask"]).sum(-1))
-        return out[0], out[1]
+            return _sequence_log_prob(self.policy, self.model, batch, length_normalize)
+
+
+def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, length_normalize: bool):
+    out = []
+    for side in (batch.chosen, batch.rejected):
+        logp, _, _ = policy._forward(model, side, False)
+        mask = side["completion_mask"].to(logp.dtype)
+        total = (logp * mask).sum(-1)
+        out.append(total / mask.sum(-1).clamp(min=1) if length_normalize else total)
+    return out[0], out[1]

@@ -92,5 +92,21 @@ def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = (
     plt.close(fig)
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state()}
+def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int) -> Path:
+    """accelerate state (model, optimizer, scheduler, RNGs) + the loop's own ``state`` dict, written to a
+    temporary directory and renamed into ``checkpoint-<step>`` only once complete; older ones pruned."""
+    out = Path(output_dir)
+    final, tmp = out / f"{CHECKPOINT_PREFIX}{step}", out / f".tmp-{CHECKPOINT_PREFIX}{step}"
+    acc.save_state(str(tmp))
+    if acc.is_main_process:
+        torch.save(state, tmp / "trainer_state.pt")
+        atomic_replace_dir(tmp, final)
+        prune_checkpoints(out, keep)
+    acc.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(acc, path: str | Path) -> dict:
+    """Restore accelerate state from ``path`` and return the loop's own state dict."""
+    acc.load_state(str(path))
+    return torch.load(Path(path) / "trainer_state.pt", weights_only=False)

@@ -39,14 +39,7 @@ from unialign import algos
 from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
 from unialign.rewards.base import CombinedReward
-from unialign.trainers.common import (
-    CHECKPOINT_PREFIX,
-    atomic_replace_dir,
-    find_checkpoint,
-    lr_lambda,
-    prune_checkpoints,
-    save_curves,
-)
+from unialign.trainers.common import find_checkpoint, load_checkpoint, lr_lambda, save_checkpoint, save_curves
 from unialign.types import Trajectory
 
 
@@ -337,22 +330,13 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ phase 5
     def save_checkpoint(self) -> Path:
-        out = Path(self.cfg.output_dir)
-        final = out / f"{CHECKPOINT_PREFIX}{self.step}"
-        tmp = out / f".tmp-{CHECKPOINT_PREFIX}{self.step}"
-        self.acc.save_state(str(tmp))
-        if self.acc.is_main_process:
-            torch.save({"step": self.step, "cursor": self.cursor, "history": self.history,
-                        "counters": self.counters, "stat_tracker": self.stat_tracker.state_dict(),
-                        "kl_ctl": self.kl_ctl.state_dict(), "config": asdict(self.cfg)}, tmp / "trainer_state.pt")
-            atomic_replace_dir(tmp, final)
-            prune_checkpoints(out, self.cfg.save_total_limit)
-        self.acc.wait_for_everyone()
-        return final
+        state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
+                 "stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                 "config": asdict(self.cfg)}
+        return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
 
     def load_checkpoint(self, path: Path) -> None:
-        self.acc.load_state(str(path))
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = load_checkpoint(self.acc, path)
         self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
         self.counters = state["counters"]
         self.stat_tracker.load_state_dict(state["stat_tracker"])

@@ -1,0 +1,96 @@
+"""A learned reward model: a causal-LM backbone with a scalar sequence-classification head.
+
+Trained with ``algos.bradley_terry_loss`` by the pairwise loop, and usable as a reward in the online
+trainer through ``unialign.rewards.reward_model.RewardModelReward``. The score is read at the last
+real token of ``chat_template(prompt) + completion + EOS`` (transformers' ``*ForSequenceClassification``
+convention), so padding on either side is fine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unialign.hub import require_hub
+from unialign.text.policy import hub_error, unwrap
+from unialign.text.preference import completion_text
+from unialign.types import PreferenceBatch
+
+
+class RewardModel:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_length: int | None = None):
+        self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        unwrap(model).config.pad_token_id = tokenizer.pad_token_id
+        self.use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False, torch_dtype: str = "float32",
+                        **kwargs) -> RewardModel:
+        """A sequence-classification model with one label; from a causal-LM checkpoint the head is new."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if name_or_path == "embedded":
+            from unialign.text.embedded import DEFAULT_ASSET_DIR
+
+            name_or_path = str(DEFAULT_ASSET_DIR)
+        require_hub(name_or_path, "model")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name_or_path, num_labels=1, dtype=getattr(torch, torch_dtype), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise hub_error(name_or_path, err) from None
+        return cls(model, tokenizer, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(unwrap(self.model).parameters()).device
+
+    def _text(self, prompt: Any, completion: Any) -> str:
+        text = completion_text(completion)
+        if self.use_chat_template:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            prefix = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            prefix = prompt if isinstance(prompt, str) else completion_text(prompt)
+        return prefix + text + self.tokenizer.eos_token
+
+    def encode(self, prompts: list[Any], completions: list[Any]) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer([self._text(p, c) for p, c in zip(prompts, completions)], return_tensors="pt",
+                             padding=True, add_special_tokens=False, truncation=self.max_length is not None,
+                             max_length=self.max_length)
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    def _scores(self, enc: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**enc).logits.squeeze(-1).float()
+
+    @torch.no_grad()
+    def score(self, prompts: list[Any], completions: list[Any], batch_size: int = 64) -> torch.Tensor:
+        """Scalar rewards [B] of prompt/completion pairs (no gradient)."""
+        was = unwrap(self.model).training
+        self.model.eval()
+        out = torch.cat([self._scores(self.encode(prompts[i:i + batch_size], completions[i:i + batch_size])).cpu()
+                         for i in range(0, len(prompts), batch_size)])
+        self.model.train(was)
+        return out
+
+    def preference_batch(self, rows: list[dict[str, Any]]) -> PreferenceBatch:
+        prompts = [r["prompt"] for r in rows]
+        margin = torch.tensor([r["margin"] for r in rows]) if all("margin" in r for r in rows) else None
+        return PreferenceBatch(prompts=prompts, chosen=self.encode(prompts, [r["chosen"] for r in rows]),
+                               rejected=self.encode(prompts, [r["rejected"] for r in rows]), margin_B=margin)
+
+    def pair_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable (chosen_B, rejected_B) scores."""
+        return self._scores(batch.chosen), self._scores(batch.rejected)
+
+    def trainable_parameters(self):
+        return [p for p in unwrap(self.model).parameters() if p.requires_grad]
+
+    def save(self, path: str) -> None:
+        unwrap(self.model).save_pretrained(path)
+        self.tokenizer.save_pretrained(path)

@@ -1,0 +1,269 @@
+"""The offline pairwise loop: DPO (text and Diffusion-DPO alike) and Bradley-Terry reward models.
+
+    1. batch     ``batch_size`` pairs per optimizer step from an epoch-seeded permutation, built into a
+                 ``PreferenceBatch`` by the objective's model (tokenised text, or encoded latents with a
+                 timestep and noise shared by each pair)
+    2. loss      the objective's per-pair losses (``algos.dpo_loss`` / ``algos.bradley_terry_loss``),
+                 summed over micro-batches and divided by the number of pairs in the whole step
+    3. update    clip, step (skipped, and counted, when the loss or gradient is not finite)
+    4. log/save  metrics, atomic checkpoints, resumable; loss/accuracy curves
+
+The objectives are small adapters from a model to per-pair losses; the loop never asks which
+modality it runs. ``DPOObjective`` takes the reference from ``policy.reference()`` (adapters disabled
+under LoRA, else a frozen copy) and can cache its log-likelihoods per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather, set_seed
+from tqdm.auto import tqdm
+
+from unialign import algos
+from unialign.trainers.common import find_checkpoint, load_checkpoint, lr_lambda, save_checkpoint, save_curves
+from unialign.types import PreferenceBatch
+
+
+@dataclass
+class PreferenceConfig:
+    batch_size: int = 16
+    micro_batch_size: int = 8
+    max_steps: int = 100
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    output_dir: str = "outputs/preference"
+    logging_steps: int = 1
+    save_steps: int = 0
+    save_total_limit: int = 2
+    report_to: str = "tensorboard"
+    resume_from_checkpoint: str | None = None
+    eval_batch_size: int = 32
+
+
+def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch.Tensor:
+    """Fraction of pairs ranked right; ties count 1/2 (the diffusers Diffusion-DPO convention)."""
+    return ((chosen_B > rejected_B).float() + 0.5 * (chosen_B == rejected_B).float()).mean()
+
+
+class DPOObjective:
+    """DPO-family losses of a policy against its reference (``algos.dpo_loss``)."""
+
+    def __init__(self, policy, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 cache_reference: bool = False):
+        self.policy, self.beta, self.loss_type, self.label_smoothing = policy, beta, loss_type, label_smoothing
+        self.reference = policy.reference()  # before any update: a full-model reference is copied here
+        self.cache: dict[int, tuple[float, float]] | None = {} if cache_reference else None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    def parameters(self):
+        return self.policy.trainable_parameters()
+
+    def batch(self, rows: list[dict[str, Any]]) -> PreferenceBatch:
+        return self.policy.preference_batch(rows)
+
+    def precompute(self, rows: list[dict[str, Any]], batch_size: int, path: str | Path | None = None) -> None:
+        """Fill the reference cache for every row (loading it from ``path`` when present, saving it there
+        otherwise). Key ``path`` by ``fingerprint(rows, model)``. Valid when ``preference_batch`` is a
+        deterministic function of the rows (text; not diffusion, whose pairs draw t and noise)."""
+        if self.cache is None:
+            self.cache = {}
+        if path is not None and Path(path).exists():
+            self.cache.update(torch.load(path, weights_only=True))
+            return
+        with torch.no_grad():
+            for i in range(0, len(rows), batch_size):
+                ids = list(range(i, min(i + batch_size, len(rows))))
+                self._reference_logps(self.batch([rows[j] for j in ids]), ids)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.cache, path)
+
+    def _reference_logps(self, batch: PreferenceBatch, row_ids: list[int] | None):
+        norm = self.loss_type == "ipo"  # IPO is defined on length-averaged log-likelihoods
+        if self.cache is not None and row_ids is not None and all(i in self.cache for i in row_ids):
+            pairs = torch.tensor([self.cache[i] for i in row_ids])
+            return pairs[:, 0], pairs[:, 1]
+        ref_c, ref_r = self.reference.sequence_log_prob(batch, length_normalize=norm)
+        if self.cache is not None and row_ids is not None:
+            self.cache.update({i: (float(c), float(r)) for i, c, r in zip(row_ids, ref_c, ref_r)})
+        return ref_c, ref_r
+
+    def losses(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
+        chosen, rejected = self.policy.sequence_log_prob(batch, length_normalize=self.loss_type == "ipo")
+        ref_c, ref_r = self._reference_logps(batch, row_ids)
+        ref_c, ref_r = ref_c.to(chosen.device, chosen.dtype), ref_r.to(chosen.device, chosen.dtype)
+        losses, rc, rr = algos.dpo_loss(chosen, rejected, ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing)
+        metrics = {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margin": (rc - rr).mean(),
+                   "implicit_accuracy": implicit_accuracy(rc, rr),
+                   "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
+                   "ref_logps/chosen": ref_c.mean(), "ref_logps/rejected": ref_r.mean()}
+        return losses, metrics
+
+
+class BradleyTerryObjective:
+    """Bradley-Terry reward-model training (``algos.bradley_terry_loss``, optional margin and centring)."""
+
+    def __init__(self, reward_model, center_coef: float = 0.0):
+        self.reward_model, self.center_coef = reward_model, center_coef
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.reward_model.model
+
+    def parameters(self):
+        return self.reward_model.trainable_parameters()
+
+    def batch(self, rows: list[dict[str, Any]]) -> PreferenceBatch:
+        return self.reward_model.preference_batch(rows)
+
+    def losses(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
+        sc, sr = self.reward_model.pair_scores(batch)
+        margin = batch.margin_B.to(sc.device, sc.dtype) if batch.margin_B is not None else None
+        losses = algos.bradley_terry_loss(sc, sr, margin, self.center_coef)
+        metrics = {"accuracy": implicit_accuracy(sc.detach(), sr.detach()), "rewards/chosen": sc.detach().mean(),
+                   "rewards/rejected": sr.detach().mean(), "rewards/margin": (sc - sr).detach().mean()}
+        return losses, metrics
+
+
+class PreferenceTrainer:
+    def __init__(self, objective, rows: list[dict[str, Any]], config: PreferenceConfig,
+                 accelerator: Accelerator | None = None):
+        if not rows:
+            raise ValueError("preference rows: the training set is empty")
+        self.obj, self.rows, self.cfg = objective, rows, config
+        self.acc = accelerator or Accelerator(
+            log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
+        if config.batch_size % self.acc.num_processes:
+            raise ValueError(f"batch_size={config.batch_size} must be divisible by the {self.acc.num_processes} processes")
+        set_seed(config.seed)
+        params = list(objective.parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(config.lr_scheduler_type, config.warmup_steps, config.max_steps))
+        prepared, self.optimizer, self.scheduler = self.acc.prepare(objective.model, self.optimizer, self.scheduler)
+        _set_model(objective, prepared)
+        self.step, self.cursor, self.history = 0, 0, []
+        self.counters = {"skipped_steps": 0}
+
+    def _next_rows(self) -> list[int]:
+        n, out = len(self.rows), []
+        for _ in range(self.cfg.batch_size):
+            epoch, pos = divmod(self.cursor, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch))
+            out.append(int(perm[pos]))
+            self.cursor += 1
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        cfg, acc = self.cfg, self.acc
+        ids = self._next_rows()
+        per = len(ids) // acc.num_processes
+        mine = ids[acc.process_index * per:(acc.process_index + 1) * per]
+        micro = [mine[i:i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+        metrics: dict[str, list[float]] = {}
+        model = self.obj.model
+        model.train()
+        total = 0.0
+        for j, chunk in enumerate(micro):
+            ctx = acc.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
+            with ctx:
+                losses, m = self.obj.losses(self.obj.batch([self.rows[i] for i in chunk]), chunk)
+                loss = losses.sum() / per  # the mean over this process's pairs; DDP averages processes
+                acc.backward(loss)
+            total += float(loss.detach())
+            for k, v in m.items():
+                metrics.setdefault(k, []).append(float(v) * len(chunk))
+        grad_norm = acc.clip_grad_norm_(list(self.obj.parameters()), cfg.max_grad_norm)
+        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+        if math.isfinite(grad_norm) and math.isfinite(total):
+            self.optimizer.step()
+        else:
+            self.counters["skipped_steps"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        out = {k: sum(v) / len(mine) for k, v in metrics.items()}
+        out.update({"loss": float(gather(torch.tensor([total], device=acc.device)).mean()), "grad_norm": grad_norm})
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """Per-pair means over ``rows`` (e.g. held-out implicit accuracy), no gradient."""
+        self.obj.model.eval()
+        sums: dict[str, float] = {}
+        bs = self.cfg.eval_batch_size
+        for i in range(0, len(rows), bs):
+            chunk = rows[i:i + bs]
+            losses, m = self.obj.losses(self.obj.batch(chunk))
+            for k, v in {"loss": losses.mean(), **m}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * len(chunk)
+        return {k: v / max(1, len(rows)) for k, v in sums.items()}
+
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
+                 "config": asdict(self.cfg)}
+        return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
+
+    def train(self) -> list[dict]:
+        cfg, acc = self.cfg, self.acc
+        if cfg.resume_from_checkpoint:
+            ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+            if ckpt is not None:
+                state = load_checkpoint(acc, ckpt)
+                self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
+                self.counters = state["counters"]
+        acc.init_trackers("unialign", config={k: v for k, v in asdict(cfg).items() if v is not None})
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc="pairs")
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            stats = self.train_step()
+            self.step += 1
+            stats.update({"step": self.step, "lr": self.scheduler.get_last_lr()[0],
+                          "pairs_per_second": cfg.batch_size / (time.perf_counter() - t0), **self.counters})
+            self.history.append(stats)
+            if self.step % cfg.logging_steps == 0:
+                acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}")
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        if acc.is_main_process:
+            save_curves(self.history, Path(cfg.output_dir) / "loss_curve.png",
+                        ("loss", "implicit_accuracy", "accuracy", "rewards/margin"))
+        acc.end_training()
+        return self.history
+
+
+def _set_model(objective, prepared: torch.nn.Module) -> None:
+    owner = objective.policy if hasattr(objective, "policy") else objective.reward_model
+    owner.model = prepared
+
+
+def fingerprint(rows: list[dict[str, Any]], model: torch.nn.Module) -> str:
+    """A key for cached reference values: the data and the model's weights."""
+    h = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode())
+    for p in model.state_dict().values():
+        h.update(p.detach().float().cpu().numpy().tobytes()[:4096])
+    return h.hexdigest()[:16]
