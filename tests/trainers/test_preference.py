@@ -12,7 +12,12 @@ from tests.helpers import assert_close
 from unialign import algos
 from unialign.text.policy import CausalLMPolicy
 from unialign.text.preference import normalize_pairs
-from unialign.trainers.preference import BradleyTerryObjective, DPOObjective, PreferenceConfig, PreferenceTrainer
+from unialign.trainers.preference import (
+    BradleyTerryObjective,
+    DPOObjective,
+    PreferenceConfig,
+    PreferenceTrainer,
+)
 
 PAIRS = [{"prompt": f"{a}+{a}?", "chosen": f"{2 * a}", "rejected": f"{2 * a + 1}"} for a in range(10, 26)]
 
