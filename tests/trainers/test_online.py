@@ -160,3 +160,21 @@ def test_one_and_two_processes_give_the_same_update(tmp_path, loss_type):
         outs.append(torch.load(out))
     for k in outs[0]:
         assert_close(outs[1][k], outs[0][k], msg=k)
+
+
+def test_ppo_trains_a_value_head_with_kl_in_the_reward(tmp_path):
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok, max_new_tokens=8, value_head=True)
+    cfg = OnlineConfig(algorithm="ppo", num_generations=2, prompts_per_step=4, micro_batch_size=4, max_steps=2,
+                       report_to="none", output_dir=str(tmp_path), learning_rate=1e-2, kl_target=0.01)
+    trainer = OnlineTrainer(policy, length_reward, ROWS, cfg)
+    head = policy.value_head.weight.detach().clone()
+    history = trainer.train()
+    assert not torch.equal(head, policy.value_head.weight.detach())  # the critic learned
+    assert {"kl_seq", "kl_coef", "value_clip_frac"} <= set(history[-1])
+    assert history[-1]["kl_coef"] != 0.05  # the adaptive controller moved the coefficient
+    policy.save(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "value_head.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))  # stock load, no unexpected keys needed

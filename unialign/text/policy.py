@@ -53,7 +53,7 @@ class CausalLMPolicy:
         use_chat_template: bool = True,
         system_prompt: str | None = None,
         chunk_size: int = 1024,
-        value_head: torch.nn.Module | None = None,
+        value_head: bool = False,
     ):
         self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
                                        else unwrap(model), chunk_size)
@@ -66,7 +66,15 @@ class CausalLMPolicy:
         self.max_prompt_length = max_prompt_length
         self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self.system_prompt = system_prompt
-        self.value_head = value_head
+        if value_head:  # PPO critic sharing the backbone: a scalar head on the last hidden state, zero-initialised
+            base = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
+            if not hasattr(base, "value_head"):
+                base.value_head = torch.nn.Linear(base.config.hidden_size, 1, device=self.head.weight.device)
+                torch.nn.init.zeros_(base.value_head.weight)
+                torch.nn.init.zeros_(base.value_head.bias)
+            self.value_head = base.value_head
+        else:
+            self.value_head = None
         self._frozen_copy: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- loading
@@ -189,7 +197,9 @@ class CausalLMPolicy:
         stats = out.logits[:, :-1].float()
         logp, entropy = stats[..., 0], stats[..., 1]
         values = None
-        if with_values:
+        if with_values:  # V(s_t): the state before completion token t, read where that token is predicted
+            if self.value_head is None:
+                raise ValueError("this policy has no value head: build it with value_head=True (PPO)")
             values = self.value_head(out.hidden_states[-1][:, -T - 1:-1]).squeeze(-1).float()
         return logp, entropy, values
 
@@ -241,16 +251,24 @@ class CausalLMPolicy:
 
     # ---------------------------------------------------------------- params / io
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
-        params = [p for p in unwrap(self.model).parameters() if p.requires_grad]
-        if self.value_head is not None:
-            params += list(self.value_head.parameters())
-        return params
+        return [p for p in unwrap(self.model).parameters() if p.requires_grad]
 
     def save(self, path: str) -> None:
-        unwrap(self.model).save_pretrained(path)
+        """``save_pretrained`` of the model (or adapters) and tokenizer, loadable by stock transformers;
+        a value head is written beside it as ``value_head.safetensors``, not into the model's weights."""
+        from safetensors.torch import save_file
+
+        model = unwrap(self.model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        head = base._modules.pop("value_head", None)
+        try:
+            model.save_pretrained(path)
+        finally:
+            if head is not None:
+                base.value_head = head
         self.tokenizer.save_pretrained(path)
-        if self.value_head is not None:
-            torch.save(self.value_head.state_dict(), f"{path}/value_head.pt")
+        if head is not None:
+            save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, f"{path}/value_head.safetensors")
 
 
 def _right_align(ids_B_W: torch.Tensor, mask_B_W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

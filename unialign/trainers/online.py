@@ -83,10 +83,15 @@ class OnlineConfig:
     kl_estimator: str | None = None
     dynamic_sampling: bool | None = None
     entropy_coef: float | None = None
+    kl_target: float | None = None
+    value_coef: float | None = None
+    gamma: float | None = None
+    lam: float | None = None
 
     def algo_spec(self) -> AlgoSpec:
         names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
-                 "mask_truncated_completions", "num_iterations", "kl_estimator", "dynamic_sampling", "entropy_coef")
+                 "mask_truncated_completions", "num_iterations", "kl_estimator", "dynamic_sampling", "entropy_coef",
+                 "kl_target", "value_coef", "gamma", "lam")
         return get_algorithm(self.algorithm, **{n: getattr(self, n) for n in names})
 
 
@@ -167,8 +172,8 @@ class OnlineTrainer:
         stats = {f"reward/{k}": float(torch.nanmean(v.float())) for k, v in per_fn.items()}
         return stats
 
-    def _advantages(self, traj: Trajectory) -> None:
-        """Fills ``traj.advantages_B_T`` (and ``ref_logp_B_T`` / values for KL and PPO)."""
+    def _advantages(self, traj: Trajectory) -> dict[str, float]:
+        """Fills ``traj.advantages_B_T`` (and ``ref_logp_B_T``, returns for PPO); returns stats."""
         spec, G, device = self.spec, self.cfg.num_generations, self.acc.device
         rewards_all = gather(traj.rewards_B.to(device)).cpu()  # groups may span processes in general
         start = self.acc.process_index * len(traj)
@@ -186,7 +191,9 @@ class OnlineTrainer:
                 adv = algos.whiten(adv, mask)
             traj.payload["returns_B_T"] = returns
             traj.advantages_B_T = adv
-            return
+            seq_kl = (kl * mask).sum(-1)
+            return {"kl_seq": float(seq_kl.mean()), "kl_coef": self.kl_ctl.value,
+                    "values_mean": float((traj.values_B_T * mask).sum() / mask.sum().clamp(min=1))}
         if spec.advantage == "group":
             adv = algos.group_advantages(rewards_all, G, spec.scale_rewards)
         elif spec.advantage == "rloo":
@@ -202,6 +209,7 @@ class OnlineTrainer:
         if spec.advantage_clip is not None:
             adv = adv.clamp(-spec.advantage_clip, spec.advantage_clip)
         traj.advantages_B_T = adv.unsqueeze(-1).expand_as(mask).contiguous()
+        return {}
 
     def _batched(self, fn: Callable, traj: Trajectory) -> torch.Tensor:
         mb = self.cfg.micro_batch_size
@@ -247,7 +255,7 @@ class OnlineTrainer:
             traj.mask_B_T = traj.mask_B_T * (~traj.truncated_B).unsqueeze(-1).to(traj.mask_B_T.dtype)
         if self.spec.value_coef > 0:
             traj.values_B_T = self._batched(lambda t: self.policy.log_prob_and_values(t)[2], traj)
-        self._advantages(traj)
+        stats.update(self._advantages(traj))
         return traj, stats
 
     # ------------------------------------------------------------------ phase 4
@@ -361,8 +369,8 @@ class OnlineTrainer:
                 stats.update(self.update(traj))                       # 4
                 steps = gather(traj.mask_B_T.sum().reshape(1).to(acc.device)).sum()
                 stats["steps_per_second"] = float(steps) / (time.perf_counter() - t0)
-                if self.spec.kl_in_reward and "kl" in stats:
-                    self.kl_ctl.update(stats["kl"], cfg.prompts_per_step * cfg.num_generations)
+                if self.spec.kl_in_reward and "kl_seq" in stats:
+                    self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
             else:
                 self.counters["skipped_steps"] += 1
             self.step += 1
