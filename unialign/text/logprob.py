@@ -1,0 +1,264 @@
+r"""Memory-lean per-token log-probabilities (and entropies) straight from the last hidden state.
+
+Policy-gradient losses need, for every position ``(b, t)``,
+
+.. math::
+
+    z_{bt} = (h_{bt} W^\top + b) / \tau \in \mathbb{R}^V, \qquad
+    \mathrm{lse}_{bt} = \log \sum_v e^{z_{btv}}, \qquad
+    \log p_{bt} = z_{bt,y_{bt}} - \mathrm{lse}_{bt},
+
+and often the entropy of the same softmax,
+:math:`H_{bt} = -\sum_v p_v \log p_v = \mathrm{lse} - \sum_v p_v z_v`.
+
+Shapes: ``hidden_B_T_H`` [..., H], ``weight_V_H`` [V, H] (the lm_head), ``bias_V`` [V] or None,
+``tokens_B_T`` [...] (int64 ids, all valid: mask ignored positions *after* this call).
+The results have the shape of ``tokens_B_T``.
+
+Why not ``log_softmax(lm_head(h)).gather(...)``: the [B, T, V] logits dominate activation memory
+(4 x 1024 x 151936 float32 = 2.5 GB per copy, and autograd keeps several copies: logits,
+log-softmax, softmax for the entropy, ...). :func:`token_logprobs` never materialises them:
+
+* forward: the B*T rows are processed in chunks of ``chunk_size`` rows; each chunk's logits are
+  computed (matmul in the input dtype, softmax math in float32), reduced to ``lse``, the gathered
+  logit and the entropy, and thrown away. One pass gives all three:
+  with ``m = max z``, ``e = exp(z - m)``, ``s = sum e``: ``lse = m + log s`` and
+  ``H = log s - sum(e * (z - m)) / s``.
+* saved for backward: hidden, weight, bias, tokens and two float32 numbers per row (lse, H).
+* backward recomputes the logits tile by tile and forms, with ``g`` / ``g_H`` the upstream grads,
+
+  .. math::
+
+      \frac{\partial L}{\partial (hW^\top + b)_v} = \frac{1}{\tau}\Big[
+          g\,(\mathbb{1}[v = y] - p_v) \;-\; g_H\, p_v (\log p_v + H)\Big],
+
+  then ``grad_hidden += G @ W_tile``, ``grad_W[tile] = G^T @ hidden``, ``grad_bias[tile] = sum_rows G``.
+  The backward tiles run over the *vocabulary* (``tile = chunk_size * V / (B*T)`` columns, the same
+  number of elements as a forward chunk): each ``grad_W`` row block is then produced by a single
+  GEMM over all B*T rows (accumulated in float32 inside the GEMM, even for bf16 weights, without a
+  float32 V x H buffer), and only the small [B*T, H] ``grad_hidden`` is accumulated across tiles
+  (in float32 for low-precision inputs).
+
+Cost: the recomputation adds one projection matmul to the three of a plain fwd+bwd, i.e. about
+4/3 of the bare ``h @ W^T`` forward + backward, plus a few elementwise passes over each tile.
+Peak extra memory is about two float32 tiles (``2 * chunk_size * V * 4`` bytes) instead of several
+[B*T, V] tensors.
+
+Precision: matmuls run in the input dtype (bf16 on GPU is fine), their result is upcast to float32
+(float64 inputs stay float64, so ``gradcheck`` works) before bias, temperature and the softmax math.
+Outputs are float32 (float64 for float64 inputs); gradients come back in the inputs' dtypes.
+
+:func:`naive_token_logprobs` is the straightforward reference (materialised logits) used by the
+tests and as the baseline in ``benchmarks/logprob.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "naive_token_logprobs", "token_logprobs"]
+
+# Rows per forward chunk (and elements per backward tile / V). Chosen by measurement
+# (benchmarks/logprob.py on CPU): time is flat from 256 to 1024 rows, memory halves with each halving.
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _logits(h, weight, bias, inv_t: float, acc: torch.dtype) -> torch.Tensor:
+    """(h @ W^T + b) * inv_t in ``acc`` precision, as a fresh tensor we may overwrite in place."""
+    if h.dtype == acc and bias is not None and bias.dtype == acc:
+        z = torch.addmm(bias, h, weight.t(), beta=inv_t, alpha=inv_t)  # one fused pass
+        return z
+    z = h @ weight.t()
+    if z.dtype != acc:
+        z = z.to(acc)
+    if bias is not None:
+        z.add_(bias)
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z
+
+
+def _forward(h2, weight, bias, tok1, inv_t, chunk_size, with_entropy):
+    """Chunked forward on flattened rows. Returns (logp, lse, entropy-or-None), all [N] in acc dtype."""
+    n = h2.shape[0]
+    acc = _acc_dtype(h2.dtype)
+    logp = torch.empty(n, dtype=acc, device=h2.device)
+    lse = torch.empty(n, dtype=acc, device=h2.device)
+    ent = torch.empty(n, dtype=acc, device=h2.device) if with_entropy else None
+    for s in range(0, n, chunk_size):
+        e_ = min(s + chunk_size, n)
+        z = _logits(h2[s:e_], weight, bias, inv_t, acc)
+        z_tok = z.gather(1, tok1[s:e_, None]).squeeze(1)
+        m = z.amax(1, keepdim=True)
+        z.sub_(m)  # z <- z - m
+        if with_entropy:
+            ez = torch.exp(z)
+            ssum = ez.sum(1)
+            dot = torch.bmm(ez.unsqueeze(1), z.unsqueeze(2)).view(-1)  # sum e * (z - m), no temp
+            del ez
+            log_s = ssum.log()
+            ent[s:e_] = log_s - dot / ssum
+        else:
+            log_s = z.exp_().sum(1).log()
+        del z
+        lse[s:e_] = m.squeeze(1) + log_s
+        logp[s:e_] = z_tok - lse[s:e_]
+    return logp, lse, ent
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h2, weight, bias, tok1, temperature, chunk_size, with_entropy):
+        inv_t = 1.0 / temperature
+        logp, lse, ent = _forward(h2, weight, bias, tok1, inv_t, chunk_size, with_entropy)
+        ctx.save_for_backward(h2, weight, bias, tok1, lse, ent)
+        ctx.inv_t = inv_t
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+        if with_entropy:
+            return logp, ent
+        return logp
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent=None):
+        h2, weight, bias, tok1, lse, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None, None
+        n, hdim = h2.shape
+        vocab = weight.shape[0]
+        acc = lse.dtype
+        inv_t = ctx.inv_t
+        dev = h2.device
+        # Per-row coefficients: G = p * (a + c * log p) + onehot * gl, all pre-scaled by 1/tau.
+        gl = (g_logp.to(acc) * inv_t) if g_logp is not None else torch.zeros(n, dtype=acc, device=dev)
+        use_ent = g_ent is not None
+        if use_ent:
+            gh = g_ent.to(acc) * inv_t
+            a = (-gl - gh * ent).unsqueeze(1)
+            c = (-gh).unsqueeze(1)
+        else:
+            a = (-gl).unsqueeze(1)
+
+        grad_h = grad_w = grad_b = None
+        low_h = h2.dtype != acc
+        if need_h:
+            # float32 accumulator for low-precision hidden; otherwise accumulate into the result.
+            grad_h = torch.zeros(n, hdim, dtype=acc, device=dev)
+        if need_w:
+            grad_w = torch.empty_like(weight)
+        if need_b:
+            grad_b = torch.empty(vocab, dtype=acc, device=dev)
+
+        tile = max(1, min(vocab, (ctx.chunk_size * vocab) // max(n, 1)))
+        lse_col = lse.unsqueeze(1)
+        tok_col = tok1.unsqueeze(1)
+        for v0 in range(0, vocab, tile):
+            v1 = min(v0 + tile, vocab)
+            w_t = weight[v0:v1]
+            b_t = bias[v0:v1] if bias is not None else None
+            z = _logits(h2, w_t, b_t, inv_t, acc)  # [N, tile]
+            z.sub_(lse_col)  # log p
+            if use_ent:
+                p = torch.exp(z)
+                z.mul_(c).add_(a).mul_(p)
+                del p
+            else:
+                z.exp_().mul_(a)
+            # one-hot term, only for targets inside this tile
+            in_tile = (tok_col >= v0) & (tok_col < v1)
+            idx = (tok_col - v0).clamp_(0, v1 - v0 - 1)
+            z.scatter_add_(1, idx, torch.where(in_tile, gl.unsqueeze(1), 0.0))
+            if need_b:
+                grad_b[v0:v1] = z.sum(0)
+            gz = z if z.dtype == h2.dtype else z.to(h2.dtype)
+            del z
+            if need_w:
+                torch.mm(gz.t(), h2, out=grad_w[v0:v1])
+            if need_h:
+                if low_h:
+                    grad_h.add_(gz @ w_t)
+                else:
+                    grad_h.addmm_(gz, w_t)
+            del gz
+        if need_h and grad_h.dtype != h2.dtype:
+            grad_h = grad_h.to(h2.dtype)
+        if need_b and grad_b.dtype != bias.dtype:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def token_logprobs(
+    hidden_B_T_H: torch.Tensor,
+    weight_V_H: torch.Tensor,
+    tokens_B_T: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+):
+    """``log softmax((h @ W^T + b) / temperature)[token]`` (and the entropy of that softmax) without
+    materialising the [B, T, V] logits. See the module docstring for the maths and the cost.
+
+    Returns ``logp_B_T`` (float32; float64 for float64 inputs), or ``(logp_B_T, entropy_B_T)`` when
+    ``with_entropy``. Differentiable w.r.t. hidden, weight and bias (any subset may require grad;
+    with none, or under ``torch.no_grad()``, no autograd state is kept).
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be >= 1")
+    hdim = hidden_B_T_H.shape[-1]
+    if weight_V_H.dim() != 2 or weight_V_H.shape[1] != hdim:
+        raise ValueError(f"weight must be [V, {hdim}], got {tuple(weight_V_H.shape)}")
+    if hidden_B_T_H.shape[:-1] != tokens_B_T.shape:
+        raise ValueError(
+            f"tokens {tuple(tokens_B_T.shape)} must match hidden's leading dims {tuple(hidden_B_T_H.shape[:-1])}"
+        )
+    out_shape = tokens_B_T.shape
+    h2 = hidden_B_T_H.reshape(-1, hdim)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    weight = weight_V_H if weight_V_H.is_contiguous() else weight_V_H.contiguous()
+    if weight.dtype != h2.dtype:
+        raise ValueError(f"hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes differ")
+    tok1 = tokens_B_T.reshape(-1).to(torch.long)
+
+    needs_grad = torch.is_grad_enabled() and (
+        h2.requires_grad or weight.requires_grad or (bias_V is not None and bias_V.requires_grad)
+    )
+    if needs_grad:
+        out = _TokenLogprobs.apply(h2, weight, bias_V, tok1, float(temperature), int(chunk_size), with_entropy)
+        if with_entropy:
+            logp, ent = out
+        else:
+            logp, ent = out, None
+    else:
+        logp, _, ent = _forward(h2, weight, bias_V, tok1, 1.0 / temperature, int(chunk_size), with_entropy)
+    if with_entropy:
+        return logp.view(out_shape), ent.view(out_shape)
+    return logp.view(out_shape)
+
+
+def naive_token_logprobs(
+    hidden_B_T_H: torch.Tensor,
+    weight_V_H: torch.Tensor,
+    tokens_B_T: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+):
+    """Reference: materialise the logits, ``log_softmax`` -> ``gather``; entropy from the full softmax.
+    Same signature and output dtypes as :func:`token_logprobs` (minus ``chunk_size``)."""
+    logits = torch.nn.functional.linear(hidden_B_T_H, weight_V_H, bias_V)
+    logits = logits.to(_acc_dtype(logits.dtype)) / temperature
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, tokens_B_T.to(torch.long).unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    entropy = -(logits.softmax(-1) * logp_all).sum(-1)
+    return logp, entropy
