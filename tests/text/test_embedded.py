@@ -1,0 +1,112 @@
+"""The embedded offline default: arithmetic task, char tokenizer, shipped tiny Llama, evaluation."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from unialign.text import embedded as E
+
+
+def test_dataset_deterministic_and_schema():
+    a = E.arithmetic_dataset("train", n=50, seed=3)
+    b = E.arithmetic_dataset("train", n=50, seed=3)
+    assert a == b
+    assert E.arithmetic_dataset("train", n=50, seed=4) != a
+    for row in a + E.arithmetic_dataset("test", n=50):
+        assert set(row) == {"question", "answer"}
+        assert re.fullmatch(r"\d+[+-]\d+=\d+\n#### \d+", row["answer"]), row["answer"]
+        assert 10 <= len(row["answer"]) <= 25
+
+
+def test_answers_parse_to_the_right_value():
+    for row in E.arithmetic_dataset("test") + E.arithmetic_dataset("train", n=2000):
+        x, y = map(int, re.findall(r"has (\d+) \w+ and \D*?(\d+)", row["question"])[0])
+        sub = any(w in row["question"] for w in ("gives away", "loses", "sells"))
+        want = x - y if sub else x + y
+        assert want >= 0
+        assert E.parse_final_answer(row["answer"]) == str(want)
+        assert E.is_correct(f"blah\n#### {want}", row["answer"])
+        assert not E.is_correct(f"#### {want + 1}", row["answer"])
+    assert E.parse_final_answer("no answer") is None
+    assert E.parse_final_answer("#### 1,234") == "1234"
+
+
+def test_splits_disjoint_and_seed_independent():
+    def keys(rows):
+        return {r["answer"].split("\n")[0] for r in rows}
+
+    train, test = E.arithmetic_dataset("train"), E.arithmetic_dataset("test")
+    assert len(test) > 1000 and len(train) > 8 * len(test)
+    assert keys(train).isdisjoint(keys(test))
+    assert keys(E.arithmetic_dataset("test", seed=7)) == keys(test)
+    with pytest.raises(ValueError):
+        E.arithmetic_dataset("validation")
+
+
+def test_tokenizer_round_trip_and_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = E.build_tokenizer()
+    text = "Ann has 12 pens and buys 30 more.\n12+30=42\n#### 42"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    p = tok.apply_chat_template([{"role": "user", "content": "hi?"}], add_generation_prompt=True, tokenize=False)
+    assert p == "<|im_start|>user\nhi?<|im_end|>\n<|im_start|>assistant\n"
+    s = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
+                                tokenize=False)
+    assert s == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+    pids = tok.encode(p, add_special_tokens=False)
+    assert pids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>" and tok.padding_side == "left"
+    batch = tok(["ab", "abcd"], padding=True)
+    assert batch["input_ids"][0][:2] == [tok.pad_token_id] * 2
+    tok.save_pretrained(tmp_path)
+    tok2 = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert tok2.encode(p + text, add_special_tokens=False) == tok.encode(p + text, add_special_tokens=False)
+    assert tok2.apply_chat_template([{"role": "user", "content": "hi?"}], add_generation_prompt=True,
+                                    tokenize=False) == p
+    assert tok2.padding_side == "left" and tok2.eos_token_id == tok.eos_token_id
+
+
+def test_shipped_model_loads_offline_and_is_partially_right(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    assert (E.DEFAULT_ASSET_DIR / "model.safetensors").exists()
+    size = sum(f.stat().st_size for f in E.DEFAULT_ASSET_DIR.iterdir())
+    assert size < 5 * 2**20
+    model, tok = E.load_arith_lm()
+    assert model.config.model_type == "llama"
+    rows = E.arithmetic_dataset("test", n=64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster, and immune to oversubscription
+    try:
+        acc = E.evaluate_accuracy(model, tok, rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0.02 <= acc <= 0.8, acc
+    # generations stop at <|im_end|> and are in the task's format
+    comp = E.generate_completions(model, tok, [rows[0]["question"]])[0][0]
+    assert "####" in comp and len(comp) <= E.MAX_NEW_TOKENS
+
+
+def test_tiny_build_writes_loadable_files(tmp_path):
+    threads = torch.get_num_threads()
+    m = E.build(tmp_path, steps=3, batch_size=8, eval_rows=4, verbose=False)
+    assert torch.get_num_threads() == threads
+    assert {"greedy_acc", "pass_at_8", "train_seconds"} <= set(m)
+    names = set(os.listdir(tmp_path))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "build_metrics.json"} <= names
+    model, tok = E.load_arith_lm(tmp_path)
+    rows = E.arithmetic_dataset("test", n=4)
+    assert 0.0 <= E.evaluate_accuracy(model, tok, rows, max_new_tokens=4) <= 1.0
+    # same seed -> same weights
+    m2 = E.build(tmp_path / "again", steps=3, batch_size=8, eval_rows=0, verbose=False)
+    assert "greedy_acc" not in m2
+    model2, _ = E.load_arith_lm(tmp_path / "again")
+    for (n1, p1), (_, p2) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(p1, p2), n1

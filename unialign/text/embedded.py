@@ -1,0 +1,440 @@
+"""The offline "embedded default" for text RL: a tiny arithmetic task, a tiny model, and its evaluation.
+
+Why this exists
+---------------
+``scripts/grpo_math.py`` must show, with no arguments, offline and on two CPU cores in a few minutes,
+that GRPO *really* raises held-out accuracy. Public checkpoints and GSM8K cannot be downloaded here,
+and even the smallest real LMs are far too slow to sample on CPU. So the package ships its own task,
+tokenizer and model, all small enough to live in ``unialign/assets/arith_lm`` (about 1 MB).
+
+The task
+--------
+Two-operand word problems over 2-digit numbers, in GSM8K's schema::
+
+    {"question": "Mia has 47 shells and finds 38 more. How many now?",
+     "answer":   "47+38=85\\n#### 85"}
+
+* The verb decides the operation (``finds / buys / gets ... more`` is ``+``; ``gives away / loses /
+  sells`` is ``-``), so the model must read the sentence, copy the operands and compute.
+  Subtractions never go negative.
+* The answer is a short worked step followed by ``#### N`` exactly like ``openai/gsm8k``, so the same
+  reward (exact match of the final ``#### N`` value) serves both this task and GSM8K.
+* Completions are ~15-18 characters (+ ``<|im_end|>``): CPU sampling cost is per generated token.
+* Train / test are split by a hash of the operand tuple ``(op, a, b)`` (about 10% held out), so every
+  held-out *computation* is unseen in training, whatever the name / item / verb wording.
+
+Why it suits RL
+---------------
+Carries and borrows are what a tiny model learns last. ``build`` stops the supervised warm start at a
+fixed step count where held-out greedy accuracy is well below perfect while pass@8 at temperature
+1.0 is much higher: the right answer is usually *among* the samples (typically off by one in the tens
+digit otherwise). That gap is exactly what group-relative policy gradients exploit. The numbers for
+the shipped model are in ``unialign/assets/arith_lm/BUILD.md``.
+
+The model and tokenizer
+-----------------------
+A character-level ``tokenizers`` WordLevel model over a fixed character set plus ``<|pad|>``,
+``<|im_start|>``, ``<|im_end|>`` (also EOS) and ``<|unk|>``, wrapped as
+``transformers.PreTrainedTokenizerFast`` with a Qwen/ChatML chat template and left padding; and a
+``LlamaForCausalLM`` (hidden 128, 4 layers, 4 heads, tied embeddings). Both round-trip through
+``save_pretrained`` / ``from_pretrained`` with stock transformers.
+
+CLI::
+
+    python -m unialign.text.embedded build --out DIR   # deterministic rebuild (same machine/torch)
+    python -m unialign.text.embedded eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAD, BOS, EOS, UNK = "<|pad|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+# Fixed character vocabulary: order matters (token ids), never reorder; append only.
+CHARS = list("\n !\"#$%&'()*+,-./0123456789:;<=>?@[\\]^_`{|}~") + [
+    chr(c) for c in range(ord("A"), ord("Z") + 1)
+] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+DEFAULT_ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "arith_lm"
+MAX_NEW_TOKENS = 24  # "99+99=198\n#### 198" is 18 characters, then <|im_end|>
+
+# ---------------------------------------------------------------------------------------------
+# Task
+# ---------------------------------------------------------------------------------------------
+
+_NAMES = ["Ann", "Ben", "Mia", "Sam", "Leo", "Zoe", "Max", "Ivy", "Tom", "Eva", "Raj", "Kim"]
+_ITEMS = ["apples", "pens", "cards", "coins", "books", "shells", "stamps", "marbles", "cups", "toys"]
+_ADD = [
+    "{n} has {a} {item} and buys {b} more. How many now?",
+    "{n} has {a} {item} and finds {b} more. How many now?",
+    "{n} has {a} {item} and gets {b} more. How many now?",
+]
+_SUB = [
+    "{n} has {a} {item} and gives away {b}. How many left?",
+    "{n} has {a} {item} and loses {b}. How many left?",
+    "{n} has {a} {item} and sells {b}. How many left?",
+]
+TEST_FRACTION = 0.1
+
+
+def _is_test(op: str, a: int, b: int) -> bool:
+    """Split membership from a stable hash of the operand tuple (independent of ``seed``)."""
+    h = hashlib.sha256(f"{op}|{a}|{b}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < TEST_FRACTION
+
+
+def _all_problems() -> list[tuple[str, int, int]]:
+    probs = [("+", a, b) for a in range(10, 100) for b in range(10, 100)]
+    probs += [("-", a, b) for a in range(10, 100) for b in range(10, a + 1)]
+    return probs
+
+
+def arithmetic_dataset(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    """Deterministic arithmetic word problems in GSM8K's schema.
+
+    split: ``"train"`` or ``"test"`` (disjoint by a hash of ``(op, a, b)``; ~10% test: 1240 rows).
+    n:     keep the first ``n`` rows of the shuffled split (``None``: all).
+    seed:  shuffles the order and picks the wording (name / item / verb); the split itself and each
+           row's numbers / answer do not depend on it.
+
+    Each row: ``{"question": str, "answer": "<a><op><b>=<r>\\n#### <r>"}``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    want_test = split == "test"
+    probs = [p for p in _all_problems() if _is_test(*p) == want_test]
+    rng = random.Random(f"arith-{split}-{seed}")
+    rng.shuffle(probs)
+    if n is not None:
+        probs = probs[:n]
+    rows = []
+    for op, a, b in probs:
+        tmpl = rng.choice(_ADD if op == "+" else _SUB)
+        q = tmpl.format(n=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b)
+        r = a + b if op == "+" else a - b
+        rows.append({"question": q, "answer": f"{a}{op}{b}={r}\n#### {r}"})
+    return rows
+
+
+_FINAL_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def parse_final_answer(text: str) -> str | None:
+    """The value after the last ``####`` (commas stripped, ``"7.0"`` -> ``"7"``), else ``None``."""
+    m = _FINAL_RE.findall(text)
+    if not m:
+        return None
+    s = m[-1].replace(",", "")
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return str(int(v)) if v == int(v) else str(v)
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """Exact match of the completion's final ``#### N`` against the reference ``#### N``."""
+    got = parse_final_answer(completion)
+    return got is not None and got == parse_final_answer(answer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and model
+# ---------------------------------------------------------------------------------------------
+
+
+def build_tokenizer():
+    """Character-level ``PreTrainedTokenizerFast`` with ChatML specials and chat template, left padding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=256,
+        clean_up_tokenization_spaces=False,
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, intermediate: int = 512,
+                seed: int = 0):
+    """A freshly initialised tiny ``LlamaForCausalLM`` (fp32, tied embeddings)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=cfg.bos_token_id, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
+    )
+    return model
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def load_arith_lm(path: str | Path | None = None):
+    """``(model, tokenizer)`` from ``path`` (default: the shipped ``unialign/assets/arith_lm``), offline."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    p = Path(path) if path is not None else DEFAULT_ASSET_DIR
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"no arith_lm at {p}; rebuild with `python -m unialign.text.embedded build`")
+    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    tok.padding_side = "left"
+    model = LlamaForCausalLM.from_pretrained(str(p), local_files_only=True)
+    model.eval()
+    return model, tok
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate_completions(model, tokenizer, questions: list[str], batch_size: int = 64,
+                         max_new_tokens: int = MAX_NEW_TOKENS, greedy: bool = True,
+                         num_samples: int = 1, temperature: float = 1.0, seed: int = 0) -> list[list[str]]:
+    """Plain HF ``generate`` with left padding and the chat template; stops at ``<|im_end|>``.
+    Returns ``num_samples`` completions per question."""
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    dev = next(model.parameters()).device
+    out: list[list[str]] = []
+    kw: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if greedy:
+        kw.update(do_sample=False)
+        num_samples = 1
+    else:
+        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                  num_return_sequences=num_samples)
+        torch.manual_seed(seed)
+    per = max(1, batch_size // num_samples)
+    for i in range(0, len(questions), per):
+        prompts = [chat_prompt(tokenizer, q) for q in questions[i:i + per]]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
+        gen = model.generate(**enc, **kw)
+        texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for j in range(len(prompts)):
+            out.append(texts[j * num_samples:(j + 1) * num_samples])
+    model.train(was_training)
+    return out
+
+
+def evaluate_accuracy(model, tokenizer, rows: list[dict], batch_size: int = 64,
+                      max_new_tokens: int = MAX_NEW_TOKENS, greedy: bool = True, seed: int = 0) -> float:
+    """Fraction of ``rows`` whose (greedy, or one temperature-1 sample) completion's ``#### N`` matches."""
+    comps = generate_completions(model, tokenizer, [r["question"] for r in rows], batch_size,
+                                 max_new_tokens, greedy=greedy, seed=seed)
+    return sum(is_correct(c[0], r["answer"]) for c, r in zip(comps, rows)) / max(1, len(rows))
+
+
+def pass_at_k(model, tokenizer, rows: list[dict], k: int = 8, temperature: float = 1.0,
+              batch_size: int = 256, max_new_tokens: int = MAX_NEW_TOKENS, seed: int = 0) -> float:
+    """Fraction of ``rows`` with at least one correct answer among ``k`` samples at ``temperature``."""
+    comps = generate_completions(model, tokenizer, [r["question"] for r in rows], batch_size,
+                                 max_new_tokens, greedy=False, num_samples=k, temperature=temperature,
+                                 seed=seed)
+    return sum(any(is_correct(c, r["answer"]) for c in cs) for cs, r in zip(comps, rows)) / max(1, len(rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised warm start
+# ---------------------------------------------------------------------------------------------
+
+
+def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + answer + <|im_end|>, prompt length) per row."""
+    out = []
+    for r in rows:
+        p = tokenizer.encode(chat_prompt(tokenizer, r["question"]), add_special_tokens=False)
+        a = tokenizer.encode(r["answer"] + EOS, add_special_tokens=False)
+        out.append((p + a, len(p)))
+    return out
+
+
+def _collate(batch: list[tuple[list[int], int]], pad_id: int):
+    """Left-padded input ids, attention mask and labels (-100 outside the assistant answer)."""
+    L = max(len(ids) for ids, _ in batch)
+    ids_t = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), L), dtype=torch.long)
+    labels = torch.full((len(batch), L), -100, dtype=torch.long)
+    for i, (ids, plen) in enumerate(batch):
+        off = L - len(ids)
+        ids_t[i, off:] = torch.tensor(ids)
+        mask[i, off:] = 1
+        labels[i, off + plen:] = torch.tensor(ids[plen:])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids_t, mask, labels, pos
+
+
+DEFAULT_STEPS = 1400
+DEFAULT_BATCH = 32
+DEFAULT_LR = 3e-3
+
+
+def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
+          lr: float = DEFAULT_LR, warmup: int = 50, num_threads: int = 1, eval_rows: int = 256,
+          log_every: int = 100, callback=None, verbose: bool = True, **model_kw) -> dict:
+    """Build the tokenizer, train the tiny Llama with supervised next-token loss on the assistant answer
+    for a FIXED number of ``steps`` (AdamW, linear warmup, cosine decay to 0), save both to ``out_dir``.
+
+    Deterministic for a given ``seed`` on the same machine / torch build (fixed thread count,
+    deterministic algorithms, seeded data order). Returns a dict of measurements (also written to
+    ``out_dir/build_metrics.json``). ``callback(step, model, tokenizer)`` is called every ``log_every``
+    steps (for exploration).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prev_threads = torch.get_num_threads()
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(num_threads)
+    torch.use_deterministic_algorithms(True)
+    t0 = time.time()
+    try:
+        tok = build_tokenizer()
+        model = build_model(tok, seed=seed, **model_kw)
+        train_rows = arithmetic_dataset("train", seed=seed)
+        cache: dict[int, tuple[list[int], int]] = {}
+
+        def encoded(i: int) -> tuple[list[int], int]:
+            if i not in cache:
+                cache[i] = _encode_sft(tok, [train_rows[i]])[0]
+            return cache[i]
+
+        rng = random.Random(seed)
+        order: list[int] = []
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+        def lr_at(s: int) -> float:
+            if s < warmup:
+                return lr * (s + 1) / warmup
+            return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+        model.train()
+        for step in range(steps):
+            if len(order) < batch_size:
+                perm = list(range(len(train_rows)))
+                rng.shuffle(perm)
+                order += perm
+            idx, order = order[:batch_size], order[batch_size:]
+            ids, mask, labels, pos = _collate([encoded(i) for i in idx], tok.pad_token_id)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if verbose and (step % log_every == 0 or step == steps - 1):
+                print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  "
+                      f"{time.time() - t0:.0f}s", flush=True)
+            if callback is not None and (step + 1) % log_every == 0:
+                callback(step + 1, model, tok)
+        train_s = time.time() - t0
+        model.eval()
+        model.save_pretrained(str(out), safe_serialization=True)
+        tok.save_pretrained(str(out))
+        metrics: dict[str, Any] = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
+                                   "warmup": warmup, "num_threads": num_threads,
+                                   "train_seconds": round(train_s, 1), "torch": torch.__version__}
+        if eval_rows:
+            test = arithmetic_dataset("test", n=eval_rows)
+            metrics["greedy_acc"] = evaluate_accuracy(model, tok, test)
+            metrics["pass_at_8"] = pass_at_k(model, tok, test, k=8)
+            metrics["eval_rows"] = len(test)
+        (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if verbose:
+            print(json.dumps(metrics), flush=True)
+        return metrics
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m unialign.text.embedded", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="train the tiny arithmetic LM deterministically and save it")
+    b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
+    b.add_argument("--lr", type=float, default=DEFAULT_LR)
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--eval-rows", type=int, default=256)
+    e = sub.add_parser("eval", help="greedy accuracy and pass@k on held-out rows")
+    e.add_argument("--path", default=None)
+    e.add_argument("--n", type=int, default=None, help="held-out rows (default: all)")
+    e.add_argument("--k", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+              num_threads=args.threads, eval_rows=args.eval_rows)
+    else:
+        model, tok = load_arith_lm(args.path)
+        rows = arithmetic_dataset("test", n=args.n)
+        t0 = time.time()
+        g = evaluate_accuracy(model, tok, rows)
+        p = pass_at_k(model, tok, rows, k=args.k)
+        print(json.dumps({"rows": len(rows), "greedy_acc": round(g, 4), f"pass_at_{args.k}": round(p, 4),
+                          "seconds": round(time.time() - t0, 1)}))
+
+
+if __name__ == "__main__":
+    main()
