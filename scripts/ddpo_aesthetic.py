@@ -30,6 +30,10 @@ ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird",
            "goose", "bee", "pig", "turkey", "fly", "llama", "camel", "bat", "gorilla", "hedgehog", "kangaroo"]
 
 
+# how each model-based reward loads the shipped tiny CLIP / aesthetic head instead of hub weights
+EMBEDDED_REWARDS = {"aesthetic": {"clip_model": "embedded"}, "clip_score": {"model_name": "embedded"}}
+
+
 @dataclass
 class DDPOAestheticConfig(OnlineConfig):
     preset: str | None = field(default=None, metadata={"help": "sd15-aesthetic"})
@@ -101,7 +105,7 @@ def main(cfg: DDPOAestheticConfig) -> dict:
         from unialign.image import embedded as emb
 
         policy = emb.load_embedded(**kwargs)
-        reward = get_reward(cfg.reward, embedded=True)
+        reward = get_reward(cfg.reward, **EMBEDDED_REWARDS.get(cfg.reward, {}))
         gold = emb.gold_score
     else:
         policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, **kwargs)

@@ -250,10 +250,24 @@ def test_map_with_time_limit_defaults_slow_and_failing_items_keeps_order():
 
 # ---- registry ------------------------------------------------------------------------------------
 
-def test_every_registered_reward_resolves_to_a_callable():
+# rewards that load a model need its location; the embedded variants need no network
+MODEL_REWARD_KWARGS = {"aesthetic": {"clip_model": "embedded"}, "clip_score": {"model_name": "embedded"}}
+
+
+def test_every_registered_reward_resolves_to_a_callable(tmp_path):
+    from transformers import LlamaForSequenceClassification
+
+    from tests.conftest import make_tiny_lm
+    from unialign.text.reward_model import RewardModel
+
+    lm, tok = make_tiny_lm()
+    lm.config.num_labels = 1
+    RewardModel(LlamaForSequenceClassification(lm.config), tok).save(str(tmp_path / "rm"))
+    kwargs = {**MODEL_REWARD_KWARGS, "reward_model": {"path": str(tmp_path / "rm")}}
     for name, path in REWARDS.items():
         assert callable(resolve(path)), name
-        assert get_reward(name).name == name
+        reward = get_reward(name, **kwargs.get(name, {}))
+        assert reward.name == name
 
 
 def test_get_reward_binds_kwargs_instantiates_classes_and_rejects_unknown():

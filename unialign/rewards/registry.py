@@ -20,11 +20,11 @@ REWARDS: dict[str, str] = {
     "math_format": "unialign.rewards.math:math_format_reward",
     # text, learned (unialign/rewards/reward_model.py): get_reward("reward_model", path=...)
     "reward_model": "unialign.rewards.reward_model:RewardModelReward",
-    # image (unialign/rewards/image.py, to be added), e.g.
-    #   "jpeg_compressibility": "unialign.rewards.image:JpegCompressibilityReward",
-    #   "jpeg_incompressibility": "unialign.rewards.image:JpegIncompressibilityReward",
-    #   "aesthetic": "unialign.rewards.image:AestheticReward",
-    #   "clip_score": "unialign.rewards.image:ClipScoreReward",
+    # image (unialign/rewards/image.py): classes, instantiated with get_reward's kwargs
+    "jpeg_compressibility": "unialign.rewards.image:JpegCompressibilityReward",
+    "jpeg_incompressibility": "unialign.rewards.image:JpegIncompressibilityReward",
+    "aesthetic": "unialign.rewards.image:AestheticReward",
+    "clip_score": "unialign.rewards.image:ClipScoreReward",
 }
 
 

@@ -1,0 +1,128 @@
+"""The embedded image default: deterministic synthetic data, the gold score by hand, the tokenizer, and
+the shipped assets (diffusers layout, sizes, a policy that samples)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unialign.image import embedded as E
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is fastest (2 threads on a busy 2-core machine is ~20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------- gold score
+def test_gold_score_by_hand_on_tiny_images():
+    red = Image.fromarray(np.array([[[255, 0, 0], [255, 0, 0]]], dtype=np.uint8))
+    black_white = Image.fromarray(np.array([[[0, 0, 0], [255, 255, 255]]], dtype=np.uint8))
+    red_blue = Image.fromarray(np.array([[[255, 0, 0], [0, 0, 255]]], dtype=np.uint8))
+    # red: rg = 255, yb = 127.5 everywhere (no spread); luminance constant
+    red_gold = 0.3 * math.sqrt(255**2 + 127.5**2) / 200
+    # black/white: rg = yb = 0; luminance 0 and 1 -> population std 0.5
+    bw_gold = 0.5
+    # red/blue: rg = (255, 0), yb = (127.5, -255); luminance (0.299, 0.114)
+    m = math.sqrt(127.5**2 + 191.25**2) + 0.3 * math.sqrt(127.5**2 + 63.75**2)
+    rb_gold = m / 200 + (0.299 - 0.114) / 2
+    got = E.gold_score([red, black_white, red_blue])
+    np.testing.assert_allclose(got.numpy(), [red_gold, bw_gold, rb_gold], rtol=1e-5)
+    # every input form gives the same score
+    u8 = torch.from_numpy(np.stack([np.asarray(im) for im in (red, black_white, red_blue)])).permute(0, 3, 1, 2)
+    np.testing.assert_allclose(E.gold_score(u8).numpy(), got.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(E.gold_score(u8.float() / 255).numpy(), got.numpy(), rtol=1e-6)
+
+
+def test_degradations_lower_the_gold_score():
+    x = E.to_tensor([d.image for d in E.shape_dataset("train", per_prompt=1)[:32]])
+    gen = torch.Generator().manual_seed(0)
+    gold = E.gold_score(x)
+    for kind in ("blurry", "faded", "dark"):
+        assert (E.gold_score(E.degrade(x, kind, torch.ones(len(x)), gen)) < gold + 1e-6).all(), kind
+
+
+# ----------------------------------------------------------------------------------------- data
+def test_synthetic_dataset_is_deterministic_and_captioned():
+    a = E.shape_dataset("test", per_prompt=3, seed=0)
+    b = E.shape_dataset("test", per_prompt=3, seed=0)
+    assert [d.prompt for d in a] == [d.prompt for d in b]
+    assert all(np.array_equal(np.asarray(x.image), np.asarray(y.image)) for x, y in zip(a, b))
+    c = E.shape_dataset("test", per_prompt=3, seed=1)
+    assert not all(np.array_equal(np.asarray(x.image), np.asarray(y.image)) for x, y in zip(a, c))
+    d = a[0]
+    assert d.image.size == (E.IMAGE_SIZE, E.IMAGE_SIZE) and d.image.mode == "RGB"
+    assert d.prompt == f"a {d.colour} {d.shape} on a {d.background} background"
+    # the image is the colours it says: background in the corner, the shape's colour somewhere
+    arr = np.asarray(d.image).astype(int)
+    assert np.abs(arr[0, 0] - E.COLOURS[d.background]).max() <= 2
+    assert (np.abs(arr - E.COLOURS[d.colour]).max(-1) <= 2).any()
+
+
+def test_prompt_split():
+    train, test = E.prompts("train"), E.prompts("test")
+    assert len(train) + len(test) == len(E.prompts("all")) == 3 * 8 * 7
+    assert not set(train) & set(test) and 10 <= len(test) <= 40
+    assert {w for p in test for w in p.split()} <= {w for p in train for w in p.split()}
+    assert E.prompts("train") == train  # fixed order
+
+
+def test_tokenizer_has_one_token_per_caption_word(tmp_path):
+    tok = E.load_tokenizer(E.write_tokenizer(tmp_path))
+    vocab = tok.get_vocab()
+    assert vocab[E.EOS_TOKEN] == max(vocab.values())
+    for word in E.caption_words():
+        assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
+    ids = E.tokenize(tok, ["a red circle on a blue background", "zebra!"])
+    assert ids.shape == (2, E.CONTEXT_LENGTH)
+    assert ids[0, 0] == vocab[E.BOS_TOKEN] and ids[0, 8] == vocab[E.EOS_TOKEN]  # 7 words
+
+
+# ----------------------------------------------------------------------------------------- shipped assets
+def test_shipped_assets_are_small_and_complete():
+    root = E.DEFAULT_ASSET_DIR
+    total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert total < 8.5e6, total
+    for sub in ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
+        assert (root / "sdxl" / sub).is_dir(), sub
+    index = json.loads((root / "sdxl" / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionXLPipeline" and index["force_zeros_for_empty_prompt"] is True
+    assert (root / "BUILD.md").exists()
+    split = json.loads((root / "prompts.json").read_text())
+    assert split == {"train": E.prompts("train"), "test": E.prompts("test")}
+
+
+def test_stock_sdxl_pipeline_loads_the_embedded_model():
+    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(E.pipeline_dir()))
+    assert pipe.unet.config.addition_embed_type == "text_time"
+    assert isinstance(pipe.scheduler, DDIMScheduler)
+    assert pipe.vae_scale_factor == 4 and pipe.unet.config.sample_size == 8
+    out = pipe(["a red circle on a blue background"], num_inference_steps=2, guidance_scale=3.0, height=32, width=32,
+               generator=torch.Generator().manual_seed(0), output_type="pil")
+    assert out.images[0].size == (32, 32)
+
+
+def test_load_embedded_policy_samples_images():
+    policy = E.load_embedded(num_steps=3)
+    assert policy.is_sdxl and policy.height == policy.width == 32 and policy.guidance_scale > 1
+    traj = policy.sample(E.prompts("test")[:2], generator=torch.Generator().manual_seed(0))
+    assert len(traj.completions) == 2 and traj.completions[0].size == (32, 32)
+    assert traj.old_logp_B_T.shape == (2, 3) and torch.isfinite(traj.old_logp_B_T).all()
+    gold = E.gold_score(traj.completions)
+    assert torch.isfinite(gold).all()
+
+
+def test_missing_asset_folder_says_how_to_build(tmp_path):
+    with pytest.raises(FileNotFoundError, match="embedded build"):
+        E.load_embedded_clip(tmp_path)

@@ -1,0 +1,763 @@
+"""The offline "embedded default" for image RL: captioned synthetic shapes, a computable gold score, and
+tiny models built from them (a CLIP, a LAION-shaped aesthetic head, an SDXL-architecture diffusion model).
+
+Why this exists
+---------------
+``scripts/ddpo_aesthetic.py`` must run with no arguments, offline, on two CPU cores in a few minutes, and
+show that RL raises an aesthetic reward. Stable Diffusion, CLIP ViT-L/14 and the LAION head cannot be
+downloaded here and are far too slow on CPU. So the package ships its own small stand-ins, built in
+code by ``build`` into ``unialign/assets/image`` (numbers and timings in ``BUILD.md`` there).
+
+The data
+--------
+32x32 RGB images of one shape (circle / square / triangle) of one of 8 colours on a background of
+another of the 8 colours, at a random size and position, drawn at 4x and box-downsampled (anti-aliased).
+Prompts are ``"a red circle on a blue background"`` (3 x 8 x 7 = 168); about 1/8 of them, chosen by a
+hash of the prompt, are held out of every training stage (``prompts("test")``). Rendering is pure
+PIL/numpy with a seeded ``random.Random``, so the data set is identical on every machine.
+
+The gold score
+--------------
+``gold_score(images)`` is a documented pixel statistic standing in for human aesthetic ratings:
+
+    gold = colourfulness / 200 + rms_contrast
+
+* colourfulness: Hasler & Suesstrunk (2003), on 0..255 RGB: rg = R - G, yb = (R + G) / 2 - B,
+  M = sqrt(std(rg)^2 + std(yb)^2) + 0.3 * sqrt(mean(rg)^2 + mean(yb)^2) (population std, per image);
+  0 for grey images, about 85 for a flat pure red, up to ~150 for saturated complementary colours.
+* rms_contrast: population std of the luminance Y = 0.299 R + 0.587 G + 0.114 B in [0, 1]; at most 0.5.
+
+Both terms are therefore of order 0..0.75. Saturated, complementary, large shapes score high; grey,
+blurred, faded or dark images score low, which gives RL a reward with spread.
+
+The models
+----------
+* tokenizer: a CLIP BPE tokenizer whose ``vocab.json`` / ``merges.txt`` are written in code: the 512
+  byte-level symbols of CLIP's BPE (so any text tokenizes) plus one token per caption word (merge chains
+  make each caption word a single token), ``<|startoftext|>`` and ``<|endoftext|>`` last (the largest id,
+  so open_clip's ``argmax`` pooling finds it). ``transformers.CLIPTokenizer`` loads it.
+* CLIP: ``open_clip.model.CLIP`` with a tiny ViT (32 px, patch 4, width 64, 2 layers) and a tiny text
+  transformer (context 16, width 64, 2 layers), embedding dim 64, trained contrastively (InfoNCE) on
+  captions that also name the size ("small / large") and the degradation ("blurry / faded / noisy /
+  dark") of augmented images, so its embedding carries them as a real CLIP's does.
+* aesthetic head: ``AestheticMLP`` (the LAION improved-aesthetic-predictor shape, 64 -> 1024 -> 128 ->
+  64 -> 16 -> 1, no activations) on the L2-normalised CLIP image embedding, trained with MSE to predict
+  ``gold_score`` on clean and degraded images.
+* diffusion model: the SDXL architecture in miniature: ``UNet2DConditionModel`` with
+  ``addition_embed_type="text_time"``, ``CLIPTextModel`` + ``CLIPTextModelWithProjection``, a 3-level
+  ``AutoencoderKL`` (32x32x3 <-> 4x8x8), SD's ``DDIMScheduler`` config; epsilon-prediction trained on the
+  training prompts with 10% prompt dropout to zero conditioning (SDXL's ``force_zeros_for_empty_prompt``),
+  so classifier-free guidance works. Saved with ``StableDiffusionXLPipeline.save_pretrained``.
+
+CLI::
+
+    python -m unialign.image.embedded build --out unialign/assets/image   # deterministic rebuild
+    python -m unialign.image.embedded eval [--path DIR] [--n 64]           # reward / gold statistics
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+DEFAULT_ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "image"
+IMAGE_SIZE = 32
+SHAPES = ("circle", "square", "triangle")
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (40, 170, 60), "blue": (35, 70, 220), "yellow": (240, 210, 40),
+    "purple": (140, 50, 180), "orange": (245, 130, 20), "white": (245, 245, 245), "black": (15, 15, 15),
+}
+SIZES = {"small": (0.16, 0.24), "medium": (0.26, 0.34), "large": (0.36, 0.46)}  # half-extent / image side
+DEGRADATIONS = ("blurry", "faded", "noisy", "dark")
+CONTEXT_LENGTH = 16
+BOS_TOKEN, EOS_TOKEN = "<|startoftext|>", "<|endoftext|>"
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's, as every open_clip "openai" model
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# What a DDPO script should use with this model (see BUILD.md for the measured reward statistics).
+SAMPLING_DEFAULTS = dict(num_steps=16, guidance_scale=3.0, eta=1.0, height=IMAGE_SIZE, width=IMAGE_SIZE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+def caption(shape: str, colour: str, background: str, size: str | None = None,
+            degradation: str | None = None) -> str:
+    """``"a [degradation] [size] colour shape on a background background"``."""
+    words = ["a"] + ([degradation] if degradation else []) + ([size] if size else [])
+    return " ".join(words + [colour, shape, "on", "a", background, "background"])
+
+
+def _is_test(prompt: str) -> bool:
+    return int(hashlib.md5(prompt.encode()).hexdigest(), 16) % 8 == 0
+
+
+def all_prompts() -> list[tuple[str, str, str]]:
+    """Every (shape, colour, background) with colour != background, in a fixed order."""
+    return [(s, c, b) for s in SHAPES for c in COLOURS for b in COLOURS if c != b]
+
+
+def prompts(split: str = "train") -> list[str]:
+    """The plain prompts of ``split`` ("train", "test" or "all"), in a fixed order."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    out = [caption(*spec) for spec in all_prompts()]
+    if split == "all":
+        return out
+    return [p for p in out if _is_test(p) == (split == "test")]
+
+
+def render(shape: str, colour: str, background: str, cx: float, cy: float, half: float,
+           size: int = IMAGE_SIZE, supersample: int = 4):
+    """One anti-aliased PIL RGB image: ``shape`` centred at (cx, cy) with half-extent ``half`` (all as
+    fractions of the side), drawn at ``supersample`` x and box-downsampled."""
+    from PIL import Image, ImageDraw
+
+    big = size * supersample
+    image = Image.new("RGB", (big, big), COLOURS[background])
+    draw = ImageDraw.Draw(image)
+    x, y, h = cx * big, cy * big, half * big
+    fill = COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse([x - h, y - h, x + h, y + h], fill=fill)
+    elif shape == "square":
+        s = h * 0.9  # same visual area as the circle, roughly
+        draw.rectangle([x - s, y - s, x + s, y + s], fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(x, y - h), (x - h * 1.1, y + h * 0.8), (x + h * 1.1, y + h * 0.8)], fill=fill)
+    else:
+        raise ValueError(f"unknown shape {shape!r}")
+    return image.resize((size, size), Image.BOX)
+
+
+@dataclass
+class ShapeSample:
+    image: Any  # PIL.Image
+    prompt: str  # plain prompt ("a red circle on a blue background")
+    shape: str
+    colour: str
+    background: str
+    size: str  # "small" / "medium" / "large"
+
+
+def shape_dataset(split: str = "train", per_prompt: int = 8, seed: int = 0) -> list[ShapeSample]:
+    """``per_prompt`` clean images for every prompt of ``split``, with sizes and positions drawn from a
+    ``random.Random`` seeded by (seed, prompt): deterministic, and independent of the other prompts."""
+    out = []
+    for spec in all_prompts():
+        prompt = caption(*spec)
+        if split != "all" and _is_test(prompt) != (split == "test"):
+            continue
+        rng = random.Random(f"{seed}:{prompt}")
+        for _ in range(per_prompt):
+            size = rng.choice(list(SIZES))
+            half = rng.uniform(*SIZES[size])
+            margin = half * 1.1 + 0.02
+            cx, cy = rng.uniform(margin, 1 - margin), rng.uniform(margin, 1 - margin)
+            out.append(ShapeSample(render(*spec, cx, cy, half), prompt, *spec, size))
+    return out
+
+
+def to_tensor(images) -> Tensor:
+    """PIL images / uint8 [B,3,H,W] / float [B,3,H,W] in [0, 1] -> float32 [B,3,H,W] in [0, 1]."""
+    if isinstance(images, Tensor):
+        x = images.detach().cpu()
+        return x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+    arrays = [np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images]
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+
+
+def degrade(x_B_3_H_W: Tensor, kind: str, strength: Tensor, generator: torch.Generator) -> Tensor:
+    """Degrade images in [0, 1] (``strength`` [B] in [0, 1]): ``blurry`` (box blur mixed in), ``faded``
+    (towards the grey mean: less saturation and contrast), ``noisy`` (Gaussian noise), ``dark``."""
+    s = strength.view(-1, 1, 1, 1)
+    if kind == "blurry":
+        blurred = F.avg_pool2d(F.pad(x_B_3_H_W, (2, 2, 2, 2), mode="replicate"), 5, stride=1)
+        out = x_B_3_H_W + s * (blurred - x_B_3_H_W)
+    elif kind == "faded":
+        grey = x_B_3_H_W.mean(dim=(1, 2, 3), keepdim=True)
+        out = x_B_3_H_W + 0.8 * s * (grey - x_B_3_H_W)
+    elif kind == "noisy":
+        out = x_B_3_H_W + 0.25 * s * torch.randn(x_B_3_H_W.shape, generator=generator)
+    elif kind == "dark":
+        out = x_B_3_H_W * (1 - 0.7 * s)
+    else:
+        raise ValueError(f"unknown degradation {kind!r}")
+    return out.clamp(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gold score
+# ---------------------------------------------------------------------------------------------
+def colourfulness(images) -> Tensor:
+    """Hasler & Suesstrunk (2003) colourfulness per image, on 0..255 RGB (see module docstring). [B]"""
+    x = to_tensor(images).double() * 255.0
+    r, g, b = x[:, 0].flatten(1), x[:, 1].flatten(1), x[:, 2].flatten(1)
+    rg, yb = r - g, 0.5 * (r + g) - b
+    std = torch.sqrt(rg.var(dim=1, unbiased=False) + yb.var(dim=1, unbiased=False))
+    mean = torch.sqrt(rg.mean(dim=1) ** 2 + yb.mean(dim=1) ** 2)
+    return (std + 0.3 * mean).float()
+
+
+def rms_contrast(images) -> Tensor:
+    """Population std of the luminance 0.299 R + 0.587 G + 0.114 B, RGB in [0, 1]. [B]"""
+    x = to_tensor(images).double()
+    y = 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
+    return y.flatten(1).std(dim=1, unbiased=False).float()
+
+
+def gold_score(images) -> Tensor:
+    """The embedded default's ground-truth "aesthetic": colourfulness / 200 + rms_contrast. [B] float32.
+    ``images``: PIL images, uint8 [B,3,H,W], or float [B,3,H,W] in [0, 1]."""
+    return colourfulness(images) / 200.0 + rms_contrast(images)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer (written in code)
+# ---------------------------------------------------------------------------------------------
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / CLIP byte -> printable unicode map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def caption_words() -> list[str]:
+    words = {"a", "on", "background", *SHAPES, *COLOURS, *SIZES, *DEGRADATIONS}
+    return sorted(words)
+
+
+def write_tokenizer(folder: str | Path) -> Path:
+    """Write ``vocab.json`` / ``merges.txt`` of the tiny CLIP BPE tokenizer (see module docstring)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chars = list(_bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": i + 256 for i, c in enumerate(chars)})
+    merges: list[tuple[str, str]] = []
+    for word in caption_words():
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        left = symbols[0]
+        for right in symbols[1:]:
+            pair = (left, right)
+            if pair not in merges:
+                merges.append(pair)
+            left = left + right
+            vocab.setdefault(left, len(vocab))
+    vocab[BOS_TOKEN] = len(vocab)
+    vocab[EOS_TOKEN] = len(vocab)  # the largest id: open_clip pools the text at argmax(ids)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=0))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return folder
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=CONTEXT_LENGTH,
+                         pad_token=EOS_TOKEN)
+
+
+def tokenize(tokenizer, texts: list[str]) -> Tensor:
+    """Token ids [B, CONTEXT_LENGTH]: BOS, tokens, EOS, EOS padding (truncated to fit)."""
+    return tokenizer(list(texts), padding="max_length", max_length=CONTEXT_LENGTH, truncation=True,
+                     return_tensors="pt").input_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny CLIP (open_clip)
+# ---------------------------------------------------------------------------------------------
+def clip_config(vocab_size: int) -> dict[str, Any]:
+    return dict(
+        embed_dim=64,
+        vision_cfg=dict(image_size=IMAGE_SIZE, patch_size=4, width=64, layers=2, head_width=32, mlp_ratio=2.0),
+        text_cfg=dict(context_length=CONTEXT_LENGTH, vocab_size=vocab_size, width=64, heads=2, layers=2,
+                      mlp_ratio=2.0),
+    )
+
+
+def build_clip(config: dict[str, Any]):
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+    return CLIP(embed_dim=config["embed_dim"], vision_cfg=CLIPVisionCfg(**config["vision_cfg"]),
+                text_cfg=CLIPTextCfg(**config["text_cfg"]))
+
+
+@dataclass
+class EmbeddedClip:
+    """The shipped tiny open_clip model with what is needed to use it like a real one."""
+
+    model: torch.nn.Module  # open_clip.model.CLIP, eval mode
+    tokenizer: Any  # transformers.CLIPTokenizer
+
+    image_size: int = IMAGE_SIZE
+    mean: tuple[float, ...] = CLIP_MEAN
+    std: tuple[float, ...] = CLIP_STD
+
+    def tokenize(self, texts: list[str]) -> Tensor:
+        return tokenize(self.tokenizer, texts)
+
+
+def load_embedded_clip(path: str | Path | None = None, device: str | torch.device | None = None) -> EmbeddedClip:
+    """The tiny CLIP of ``path`` (default: the shipped assets) in eval mode."""
+    from safetensors.torch import load_file
+
+    root = _asset_dir(path)
+    config = json.loads((root / "clip" / "open_clip_config.json").read_text())
+    model = build_clip(config["model_cfg"])
+    model.load_state_dict(load_file(str(root / "clip" / "open_clip_model.safetensors")))
+    pre = config["preprocess_cfg"]
+    return EmbeddedClip(model.eval().requires_grad_(False).to(device or "cpu"), load_tokenizer(root / "tokenizer"),
+                        image_size=pre["size"], mean=tuple(pre["mean"]), std=tuple(pre["std"]))
+
+
+def load_embedded_head(path: str | Path | None = None, device: str | torch.device | None = None):
+    """The LAION-shaped aesthetic head of ``path`` (default: the shipped assets), eval mode."""
+    from unialign.rewards.image import AestheticMLP
+
+    root = _asset_dir(path)
+    state = torch.load(root / "aesthetic_head.pth", map_location="cpu", weights_only=True)
+    head = AestheticMLP(state["layers.0.weight"].shape[1])
+    head.load_state_dict(state)
+    return head.eval().requires_grad_(False).to(device or "cpu")
+
+
+def load_embedded(path: str | Path | None = None, device: str | torch.device | None = None,
+                  **policy_kwargs: Any):
+    """The shipped tiny SDXL-architecture model as a ``DiffusionPolicy`` (``SAMPLING_DEFAULTS`` unless
+    overridden by ``policy_kwargs``)."""
+    from unialign.image.policy import DiffusionPolicy
+
+    kwargs = {**SAMPLING_DEFAULTS, **policy_kwargs}
+    return DiffusionPolicy.from_pretrained(str(pipeline_dir(path)), device=device, **kwargs)
+
+
+def pipeline_dir(path: str | Path | None = None) -> Path:
+    """The diffusers pipeline folder (``model_index.json``, ``unet/``, ...) of the embedded model."""
+    return _asset_dir(path) / "sdxl"
+
+
+def _asset_dir(path: str | Path | None) -> Path:
+    root = Path(path) if path is not None else DEFAULT_ASSET_DIR
+    if not (root / "sdxl" / "model_index.json").exists() and not (root / "clip").exists():
+        raise FileNotFoundError(f"no embedded image assets in {root}; build them with "
+                                f"`python -m unialign.image.embedded build --out {root}`")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _augment(x: Tensor, rng: random.Random, generator: torch.Generator, p_degrade: float = 0.5):
+    """Degrade each image with probability ``p_degrade`` (one random kind, strength in [0.5, 1]).
+    Returns the images and each one's degradation word (or None)."""
+    kinds: list[str | None] = [rng.choice(DEGRADATIONS) if rng.random() < p_degrade else None for _ in range(len(x))]
+    out = x.clone()
+    for kind in DEGRADATIONS:
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        if rows:
+            strength = torch.tensor([rng.uniform(0.5, 1.0) for _ in rows])
+            out[rows] = degrade(x[rows], kind, strength, generator)
+    return out, kinds
+
+
+def _normalise(x: Tensor, mean=CLIP_MEAN, std=CLIP_STD) -> Tensor:
+    return (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
+def train_clip(data: list[ShapeSample], x_N: Tensor, tokenizer, steps: int, batch_size: int, seed: int):
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = build_clip(clip_config(len(tokenizer.get_vocab())))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    model.train()
+    for step in range(steps):
+        idx = rng.sample(range(len(data)), batch_size)
+        images, kinds = _augment(x_N[idx], rng, gen)
+        texts = [caption(data[i].shape, data[i].colour, data[i].background,
+                         data[i].size if rng.random() < 0.5 else None, kinds[j]) for j, i in enumerate(idx)]
+        img = F.normalize(model.encode_image(_normalise(images)), dim=-1)
+        txt = F.normalize(model.encode_text(tokenize(tokenizer, texts)), dim=-1)
+        logits = model.logit_scale.exp() * img @ txt.T
+        # captions can repeat inside a batch: every identical caption is a positive
+        same = torch.tensor([[a == b for b in texts] for a in texts], dtype=torch.float32)
+        targets = same / same.sum(1, keepdim=True)
+        loss = 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        if step % 50 == 0 or step == steps - 1:
+            _log(f"  clip step {step:4d} loss {loss.item():.3f}")
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def clip_image_embeddings(model, x: Tensor, batch_size: int = 256) -> Tensor:
+    """L2-normalised image embeddings of images in [0, 1] already at the model's size. [B, D]"""
+    out = [F.normalize(model.encode_image(_normalise(x[i:i + batch_size])), dim=-1) for i in range(0, len(x), batch_size)]
+    return torch.cat(out)
+
+
+def train_head(model, x_N: Tensor, steps: int, seed: int, copies: int = 3):
+    from unialign.rewards.image import AestheticMLP
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [x_N] + [_augment(x_N, rng, gen, p_degrade=0.8)[0] for _ in range(copies)]
+    images = torch.cat(xs)
+    emb, gold = clip_image_embeddings(model, images), gold_score(images)
+    head = AestheticMLP(emb.shape[1])
+    opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+    head.train()
+    for step in range(steps):
+        idx = torch.randint(0, len(emb), (512,), generator=gen)
+        loss = F.mse_loss(head(emb[idx]).squeeze(-1), gold[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 200 == 0 or step == steps - 1:
+            _log(f"  head step {step:4d} mse {loss.item():.5f}")
+    head.eval().requires_grad_(False)
+    with torch.no_grad():
+        pred = head(emb).squeeze(-1)
+    return head, float(torch.corrcoef(torch.stack([pred, gold]))[0, 1])
+
+
+def _text_config(vocab_size: int, hidden: int, projection: int, eos_id: int, bos_id: int):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+                          num_hidden_layers=2, max_position_embeddings=CONTEXT_LENGTH, projection_dim=projection,
+                          bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id, hidden_act="quick_gelu")
+
+
+def build_diffusion_components(tokenizer, seed: int) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    vocab = tokenizer.get_vocab()
+    ids = dict(vocab_size=len(vocab), eos_id=vocab[EOS_TOKEN], bos_id=vocab[BOS_TOKEN])
+    text_encoder = CLIPTextModel(_text_config(hidden=32, projection=32, **ids))
+    text_encoder_2 = CLIPTextModelWithProjection(_text_config(hidden=32, projection=32, **ids))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), latent_channels=4,
+                        norm_num_groups=8, layers_per_block=1, sample_size=IMAGE_SIZE, mid_block_add_attention=False)
+    unet = UNet2DConditionModel(
+        sample_size=IMAGE_SIZE // 4, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), norm_num_groups=8, use_linear_projection=True, transformer_layers_per_block=(1, 1),
+        addition_embed_type="text_time", addition_time_embed_dim=8,
+        cross_attention_dim=32 + 32,  # hidden sizes of text_encoder + text_encoder_2
+        projection_class_embeddings_input_dim=6 * 8 + 32,  # 6 time ids x 8 + pooled (projection_dim 32)
+    )
+    scheduler = DDIMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    return dict(unet=unet, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, scheduler=scheduler)
+
+
+def train_vae(vae, x_N: Tensor, steps: int, batch_size: int, seed: int, kl_weight: float = 1e-6) -> float:
+    """Train the VAE as an autoencoder (L1 + MSE reconstruction of [-1, 1] pixels, tiny KL); set its
+    ``scaling_factor`` to 1 / std of the latents (as SD). Returns the final reconstruction MSE."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    vae.train()
+    pixels = x_N * 2 - 1
+    for step in range(steps):
+        batch = pixels[torch.randint(0, len(pixels), (batch_size,), generator=gen)]
+        dist = vae.encode(batch).latent_dist
+        recon = vae.decode(dist.sample(gen)).sample
+        mse = F.mse_loss(recon, batch)
+        loss = mse + F.l1_loss(recon, batch) + kl_weight * dist.kl().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            _log(f"  vae step {step:4d} mse {mse.item():.4f}")
+    vae.eval().requires_grad_(False)
+    with torch.no_grad():
+        latents = torch.cat([vae.encode(pixels[i:i + 256]).latent_dist.mean for i in range(0, len(pixels), 256)])
+        recon = torch.cat([vae.decode(latents[i:i + 256]).sample for i in range(0, len(latents), 256)])
+    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
+    return float(F.mse_loss(recon, pixels))
+
+
+def _encode_text(text_encoder, text_encoder_2, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """SDXL conditioning as the stock pipeline / DiffusionPolicy: penultimate hidden states of both
+    encoders concatenated, and the 2nd encoder's projected pooled output."""
+    out1 = text_encoder(ids, output_hidden_states=True)
+    out2 = text_encoder_2(ids, output_hidden_states=True)
+    return torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1), out2.text_embeds
+
+
+def train_unet(parts: dict[str, Any], latents_N: Tensor, prompt_ids_N: Tensor, steps: int, batch_size: int,
+               seed: int, p_uncond: float = 0.1) -> None:
+    """Epsilon-prediction training of the UNet and both text encoders; conditioning dropped (set to
+    zeros, SDXL's ``force_zeros_for_empty_prompt``) with probability ``p_uncond``."""
+    unet, te1, te2, scheduler = parts["unet"], parts["text_encoder"], parts["text_encoder_2"], parts["scheduler"]
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    params = [*unet.parameters(), *te1.parameters(), *te2.parameters()]
+    opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
+    time_ids = torch.tensor([[IMAGE_SIZE, IMAGE_SIZE, 0, 0, IMAGE_SIZE, IMAGE_SIZE]], dtype=torch.float32)
+    for m in (unet, te1, te2):
+        m.train()
+    ema = None
+    for step in range(steps):
+        idx = torch.randint(0, len(latents_N), (batch_size,), generator=gen)
+        x0 = latents_N[idx]
+        noise = torch.randn(x0.shape, generator=gen)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (batch_size,), generator=gen)
+        x_t = scheduler.add_noise(x0, noise, t)
+        embeds, pooled = _encode_text(te1, te2, prompt_ids_N[idx])
+        keep = (torch.rand(batch_size, generator=gen) >= p_uncond).float()
+        embeds, pooled = embeds * keep.view(-1, 1, 1), pooled * keep.view(-1, 1)
+        pred = unet(x_t, t, encoder_hidden_states=embeds,
+                    added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.expand(batch_size, -1)}).sample
+        loss = F.mse_loss(pred, noise)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 100 == 0 or step == steps - 1:
+            _log(f"  unet step {step:4d} loss(ema) {ema:.4f}")
+    for m in (unet, te1, te2):
+        m.eval().requires_grad_(False)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps: int = 600, vae_steps: int = 200,
+          unet_steps: int = 600, per_prompt: int = 16, threads: int = 1, n_eval: int = 64) -> dict[str, Any]:
+    """Build every asset into ``out_dir`` deterministically (same machine, torch and ``threads``)."""
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t_all = t0 = time.perf_counter()
+
+    data = shape_dataset("train", per_prompt=per_prompt, seed=seed)
+    x_N = to_tensor([d.image for d in data])
+    tok_dir = write_tokenizer(out / "tokenizer")
+    tokenizer = load_tokenizer(tok_dir)
+    for word in caption_words():  # every caption word must be a single token
+        assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, word
+    (out / "prompts.json").write_text(json.dumps({"train": prompts("train"), "test": prompts("test")}, indent=1))
+    timings["data"] = time.perf_counter() - t0
+    _log(f"data: {len(data)} images, {len(prompts('train'))} train / {len(prompts('test'))} test prompts, "
+         f"vocab {len(tokenizer.get_vocab())} ({timings['data']:.1f}s)")
+
+    t0 = time.perf_counter()
+    clip = train_clip(data, x_N, tokenizer, clip_steps, batch_size=128, seed=seed)
+    (out / "clip").mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in clip.state_dict().items()}, str(out / "clip" / "open_clip_model.safetensors"))
+    cfg = {"model_cfg": clip_config(len(tokenizer.get_vocab())),
+           "preprocess_cfg": {"size": IMAGE_SIZE, "mean": list(CLIP_MEAN), "std": list(CLIP_STD),
+                              "interpolation": "bicubic", "resize_mode": "shortest"},
+           "tokenizer": "../tokenizer (transformers.CLIPTokenizer)"}
+    (out / "clip" / "open_clip_config.json").write_text(json.dumps(cfg, indent=1))
+    timings["clip"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    head, head_corr = train_head(clip, x_N, head_steps, seed=seed)
+    torch.save({k: v.contiguous() for k, v in head.state_dict().items()}, out / "aesthetic_head.pth")
+    timings["head"] = time.perf_counter() - t0
+    _log(f"head: train corr(pred, gold) {head_corr:.3f} ({timings['head']:.1f}s)")
+
+    t0 = time.perf_counter()
+    parts = build_diffusion_components(tokenizer, seed)
+    vae_mse = train_vae(parts["vae"], x_N, vae_steps, batch_size=32, seed=seed)
+    timings["vae"] = time.perf_counter() - t0
+    _log(f"vae: recon mse {vae_mse:.4f} ([-1,1] pixels), scaling_factor {parts['vae'].config.scaling_factor:.3f} "
+         f"({timings['vae']:.1f}s)")
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        pixels = x_N * 2 - 1
+        latents = torch.cat([parts["vae"].encode(pixels[i:i + 256]).latent_dist.mean for i in range(0, len(pixels), 256)])
+        latents = latents * parts["vae"].config.scaling_factor
+    prompt_ids = tokenize(tokenizer, [d.prompt for d in data])
+    train_unet(parts, latents, prompt_ids, unet_steps, batch_size=64, seed=seed)
+    timings["unet"] = time.perf_counter() - t0
+
+    pipe = StableDiffusionXLPipeline(vae=parts["vae"], text_encoder=parts["text_encoder"],
+                                     text_encoder_2=parts["text_encoder_2"], tokenizer=tokenizer, tokenizer_2=tokenizer,
+                                     unet=parts["unet"], scheduler=parts["scheduler"],
+                                     force_zeros_for_empty_prompt=True, add_watermarker=False)
+    pipe.save_pretrained(str(out / "sdxl"))
+    timings["total_build"] = time.perf_counter() - t_all
+
+    t0 = time.perf_counter()
+    stats = evaluate(out, n=n_eval, seed=seed)
+    timings["eval"] = time.perf_counter() - t0
+    sizes = {p.name: _dir_size(p) if p.is_dir() else p.stat().st_size for p in sorted(out.iterdir())}
+    report = {"seed": seed, "threads": threads, "steps": dict(clip=clip_steps, head=head_steps, vae=vae_steps,
+              unet=unet_steps), "per_prompt": per_prompt, "train_images": len(data), "head_train_corr": head_corr,
+              "vae_recon_mse": vae_mse, "timings_s": timings, "sizes_bytes": sizes, "eval": stats}
+    (out / "build_report.json").write_text(json.dumps(report, indent=1))
+    (out / "BUILD.md").write_text(build_markdown(report))
+    _log(json.dumps(report, indent=1))
+    return report
+
+
+def build_markdown(report: dict[str, Any]) -> str:
+    """``BUILD.md`` for the asset folder, from ``build``'s report."""
+    t, e, sizes = report["timings_s"], report["eval"], report["sizes_bytes"]
+    steps = report["steps"]
+    lines = [
+        "# Embedded image default: build record",
+        "",
+        "Built by `unialign.image.embedded` (read its module docstring for the data, gold score and models):",
+        "",
+        "```",
+        f"python -m unialign.image.embedded build --out unialign/assets/image --seed {report['seed']} "
+        f"--clip-steps {steps['clip']} --head-steps {steps['head']} --vae-steps {steps['vae']} "
+        f"--unet-steps {steps['unet']} --per-prompt {report['per_prompt']} --threads {report['threads']}",
+        "python -m unialign.image.embedded eval     # re-measures the sample statistics below",
+        "```",
+        "",
+        f"Deterministic for a fixed seed, torch version and thread count ({report['threads']}; with more threads",
+        "than free cores, OpenMP oversubscription makes these tiny models 10-30x slower).",
+        "",
+        "## Contents and sizes",
+        "",
+        "| path | bytes | what |",
+        "|---|---:|---|",
+    ]
+    what = {"sdxl": "diffusers `StableDiffusionXLPipeline` folder (UNet, VAE, 2 text encoders, tokenizers, DDIM)",
+            "clip": "open_clip `CLIP` state dict + config (tiny ViT / text transformer, embed dim 64)",
+            "aesthetic_head.pth": "`AestheticMLP(64)` state dict (LAION key names)",
+            "tokenizer": "CLIP BPE `vocab.json` / `merges.txt` written in code",
+            "prompts.json": "train / held-out prompt split",
+            "build_report.json": "the numbers of this page, machine readable"}
+    for name, size in sizes.items():
+        lines.append(f"| `{name}` | {size:,} | {what.get(name, '')} |")
+    lines += [
+        f"| total | {sum(sizes.values()):,} | |",
+        "",
+        "## Build (wall seconds, one CPU thread, shared 2-core machine)",
+        "",
+        "| stage | steps | seconds |",
+        "|---|---:|---:|",
+        f"| data ({report['train_images']} images, {report['per_prompt']} per training prompt) | | {t['data']:.1f} |",
+        f"| CLIP (contrastive, batch 128) | {steps['clip']} | {t['clip']:.1f} |",
+        f"| aesthetic head (MSE on gold, batch 512) | {steps['head']} | {t['head']:.1f} |",
+        f"| VAE (L1 + MSE + 1e-6 KL, batch 32) | {steps['vae']} | {t['vae']:.1f} |",
+        f"| UNet + text encoders (eps-prediction, batch 64) | {steps['unet']} | {t['unet']:.1f} |",
+        f"| **total build** | | **{t['total_build']:.1f}** |",
+        f"| evaluation below (sampling + rewards) | | {t['eval']:.1f} |",
+        "",
+        f"Aesthetic head: Pearson r(prediction, gold) = {report['head_train_corr']:.3f} on its training images "
+        f"(clean + degraded). VAE reconstruction MSE on [-1, 1] pixels: {report['vae_recon_mse']:.4f}.",
+        "",
+        f"## Samples ({e['n']} images, training prompts, {SAMPLING_DEFAULTS['num_steps']} DDIM steps, eta "
+        f"{SAMPLING_DEFAULTS['eta']}, CFG {SAMPLING_DEFAULTS['guidance_scale']}, seed {report['seed']})",
+        "",
+        "| quantity | mean | std |",
+        "|---|---:|---:|",
+        f"| embedded aesthetic reward | {e['aesthetic_mean']:.4f} | {e['aesthetic_std']:.4f} |",
+        f"| gold_score | {e['gold_mean']:.4f} | {e['gold_std']:.4f} |",
+        f"| embedded CLIP score (2.5 max(cos, 0)) | {e['clip_score_mean']:.4f} | {e['clip_score_std']:.4f} |",
+        f"| gold_score of the training images (reference) | {e['dataset_gold_mean']:.4f} | {e['dataset_gold_std']:.4f} |",
+        "",
+        f"Pearson correlation of aesthetic reward with gold_score on the samples: **{e['corr_aesthetic_gold']:.3f}**.",
+        f"Sampling the {e['n']} images took {e['sample_seconds']:.1f} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: str = "train",
+             **policy_kwargs: Any) -> dict[str, float]:
+    """Sample ``n`` images (``SAMPLING_DEFAULTS``) for prompts of ``split`` cycled in order; report the
+    mean/std of the embedded aesthetic reward, the CLIP score and ``gold_score``, and the Pearson
+    correlation of aesthetic reward with gold."""
+    from unialign.rewards.image import AestheticReward, ClipScoreReward
+
+    policy = load_embedded(path, **policy_kwargs)
+    plist = prompts(split)
+    batch = [plist[(i * 7) % len(plist)] for i in range(n)]
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    images = policy.sample(batch, generator=gen).completions
+    sample_s = time.perf_counter() - t0
+    aesthetic = torch.tensor(AestheticReward.embedded(path)(prompts=batch, completions=images))
+    clip_score = torch.tensor(ClipScoreReward.embedded(path)(prompts=batch, completions=images))
+    gold = gold_score(images)
+    data_gold = gold_score([d.image for d in shape_dataset(split, per_prompt=1, seed=seed + 1)])
+
+    def corr(a: Tensor, b: Tensor) -> float:
+        return float(torch.corrcoef(torch.stack([a.float(), b.float()]))[0, 1])
+
+    return {"n": n, "sample_seconds": sample_s, "aesthetic_mean": float(aesthetic.mean()),
+            "aesthetic_std": float(aesthetic.std()), "gold_mean": float(gold.mean()), "gold_std": float(gold.std()),
+            "corr_aesthetic_gold": corr(aesthetic, gold), "clip_score_mean": float(clip_score.mean()),
+            "clip_score_std": float(clip_score.std()), "dataset_gold_mean": float(data_gold.mean()),
+            "dataset_gold_std": float(data_gold.std())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m unialign.image.embedded", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build the assets deterministically")
+    b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
+    b.add_argument("--seed", type=int, default=0)
+    for name, default in (("clip_steps", 150), ("head_steps", 600), ("vae_steps", 200), ("unet_steps", 600),
+                          ("per_prompt", 16), ("threads", 1), ("n_eval", 64)):
+        b.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    e = sub.add_parser("eval", help="reward / gold statistics of samples from the embedded model")
+    e.add_argument("--path", default=None)
+    e.add_argument("--n", type=int, default=64)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--split", default="train")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build(args.out, seed=args.seed, clip_steps=args.clip_steps, head_steps=args.head_steps,
+              vae_steps=args.vae_steps, unet_steps=args.unet_steps, per_prompt=args.per_prompt, threads=args.threads,
+              n_eval=args.n_eval)
+    else:
+        print(json.dumps(evaluate(args.path, n=args.n, seed=args.seed, split=args.split), indent=1))
+
+
+if __name__ == "__main__":
+    main()
