@@ -53,7 +53,9 @@ class DiffusionPolicy:
         gradient_checkpointing: UNet gradient checkpointing.  enable_xformers: xformers attention
             (raises if xformers is not installed).
         seed: seeds the policy's own generator, used by ``sequence_log_prob`` when a batch does not
-            carry its timesteps/noise.
+            carry its timesteps/noise, and by ``preference_batch``.
+        caption_dropout: probability of training a preference pair on the empty caption (Diffusion-DPO
+            uses 0.2), so classifier-free guidance keeps working.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class DiffusionPolicy:
         enable_xformers: bool = False,
         force_zeros_for_empty_prompt: bool = False,
         seed: int = 0,
+        caption_dropout: float = 0.0,
     ) -> None:
         from diffusers import DDIMScheduler
 
@@ -102,6 +105,7 @@ class DiffusionPolicy:
         self.timestep_fraction = timestep_fraction
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
+        self.caption_dropout = caption_dropout
 
         for module in (self.vae, text_encoder, text_encoder_2):
             if module is not None:
@@ -141,11 +145,14 @@ class DiffusionPolicy:
         torch_dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         variant: str | None = None,
+        vae_name_or_path: str | None = None,
         **kwargs: Any,
     ) -> DiffusionPolicy:
         """Load the components of a diffusers SD1.x / SDXL pipeline folder or hub id.
 
-        ``sdxl=None`` detects SDXL from ``model_index.json``. ``kwargs`` go to the constructor.
+        ``sdxl=None`` detects SDXL from ``model_index.json``. ``vae_name_or_path`` swaps in another VAE
+        (e.g. ``madebyollin/sdxl-vae-fp16-fix``). ``torch_dtype`` may be a name ("float16").
+        ``kwargs`` go to the constructor.
         Fails at once with a RuntimeError when the weights are neither local nor downloadable
         (offline with ``HF_HUB_OFFLINE=1``, unknown id, no network).
         """
@@ -153,6 +160,13 @@ class DiffusionPolicy:
         from huggingface_hub import constants as hub_constants
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+        from unialign.hub import require_hub
+
+        if isinstance(torch_dtype, str):
+            torch_dtype = getattr(torch, torch_dtype)
+        for name in (path_or_hub_id, vae_name_or_path):
+            if name is not None:
+                require_hub(name, "model")  # fail in seconds, not after a minute of retries
         local = os.path.isdir(path_or_hub_id)
         offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         opts: dict[str, Any] = {"local_files_only": True} if (offline and not local) else {}
@@ -163,7 +177,8 @@ class DiffusionPolicy:
             model_kw = dict(opts, torch_dtype=torch_dtype, variant=variant)
             parts = {
                 "unet": UNet2DConditionModel.from_pretrained(path_or_hub_id, subfolder="unet", **model_kw),
-                "vae": AutoencoderKL.from_pretrained(path_or_hub_id, subfolder="vae", **opts),
+                "vae": (AutoencoderKL.from_pretrained(vae_name_or_path, **opts) if vae_name_or_path
+                        else AutoencoderKL.from_pretrained(path_or_hub_id, subfolder="vae", **opts)),
                 "text_encoder": CLIPTextModel.from_pretrained(path_or_hub_id, subfolder="text_encoder", **model_kw),
                 "tokenizer": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer", **opts),
                 "scheduler": DDIMScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler", **opts),
@@ -292,6 +307,40 @@ class DiffusionPolicy:
         if getattr(self.vae.config, "shift_factor", None):
             z = z - self.vae.config.shift_factor
         return z * self.vae.config.scaling_factor
+
+    @torch.no_grad()
+    def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
+        """Pairs from ``unialign.image.data.normalize_pickapic`` (PIL images) -> a ``PreferenceBatch``:
+        each image resized / centre-cropped to ``resolution`` (default: the policy's height), VAE-encoded
+        (posterior sample, fp32), SDXL ``time_ids`` from its real original size and crop; ONE timestep and
+        ONE noise per pair in ``payload`` (shared by chosen, rejected, policy and reference); the prompt
+        embeddings, with each caption replaced by "" with probability ``caption_dropout`` while the UNet
+        is in training mode (keeps classifier-free guidance usable)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from unialign.image.data import to_pixels
+
+        res = resolution or self.height
+        captions = [r["prompt"] for r in rows]
+        if self.caption_dropout and self.unet.training:
+            drop = torch.rand(len(rows), generator=self.generator) < self.caption_dropout
+            captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+        sides = []
+        for key in ("chosen", "rejected"):
+            pix, sizes, crops = zip(*(to_pixels(r[key], res) for r in rows))
+            latents = self.encode_images(torch.stack(pix), generator=self.generator)
+            side = {"latents": latents}
+            if self.is_sdxl:
+                side["time_ids"] = torch.tensor([[*s, *c, res, res] for s, c in zip(sizes, crops)],
+                                                dtype=self.dtype, device=self.device)
+            sides.append(side)
+        b = len(rows)
+        payload = {"timesteps": torch.randint(0, self.scheduler.config.num_train_timesteps, (b,),
+                                              generator=self.generator),
+                   "noise": randn_tensor(tuple(sides[0]["latents"].shape), generator=self.generator,
+                                         dtype=torch.float32),
+                   **self.encode_prompts(captions)}
+        return PreferenceBatch(prompts=captions, chosen=sides[0], rejected=sides[1], payload=payload)
 
     # ------------------------------------------------------------------ Policy protocol
     @torch.no_grad()
