@@ -39,12 +39,21 @@ class Policy(Protocol):
         else a frozen copy. Its ``log_prob`` runs without gradients."""
         ...
 
-    def sequence_log_prob(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def preference_batch(self, rows: list[dict[str, Any]]) -> PreferenceBatch:
+        """Turn normalised pairs (``prompt``, ``chosen``, ``rejected``) into model inputs: tokenised
+        text, or VAE latents with the pair's shared timestep and noise in ``payload``."""
+        ...
+
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen_B, rejected_B) log-likelihoods of a preference batch (text: sum of token
-        log-probs; diffusion: the ELBO surrogate with shared t and noise per pair)."""
+        log-probs, or their mean with ``length_normalize`` for IPO; diffusion: the ELBO surrogate with
+        shared t and noise per pair, already a mean)."""
         ...
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+    # Optional, for PPO with a critic on the policy's backbone (text): ``log_prob_and_values(trajectory)
+    # -> (logp_B_T, entropy_B_T, values_B_T)``. Presets with ``value_coef > 0`` require it.
 
     def save(self, path: str) -> None:
         """Write weights (or adapters) loadable by the stock library (transformers / diffusers)."""

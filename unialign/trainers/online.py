@@ -23,6 +23,7 @@ Departures from the papers, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -318,7 +319,7 @@ class OnlineTrainer:
                 normalizer = normalizer / acc.num_processes
                 for j, idx in enumerate(micro):
                     mb = traj.select(idx)
-                    ctx = acc.no_sync(model) if j < len(micro) - 1 else _null()
+                    ctx = acc.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
                     with ctx:
                         loss, m = self._loss(mb, normalizer[0], normalizer[1])
                         acc.backward(loss)
@@ -389,11 +390,3 @@ class OnlineTrainer:
                         ("reward/mean", "frac_reward_zero_std", "entropy"))
         acc.end_training()
         return self.history
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
