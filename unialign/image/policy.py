@@ -538,6 +538,9 @@ class _ReferencePolicy:
         with self._frozen():
             return self.policy._sequence_log_prob(self.model, batch)
 
+    def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
+        return self.policy.preference_batch(rows, resolution)
+
     def reference(self) -> _ReferencePolicy:
         return self
 
