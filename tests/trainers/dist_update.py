@@ -14,7 +14,14 @@ from unialign.text.policy import CausalLMPolicy, unwrap
 from unialign.trainers import OnlineConfig, OnlineTrainer
 
 
-def main(out_path: str, loss_type: str) -> None:
+def main(out_path: str, loss_types: str) -> None:
+    """One update per loss type (comma-separated); saves {loss_type: gradients} from rank 0."""
+    results = {lt: one_update(lt) for lt in loss_types.split(",")}
+    if int(__import__("os").environ.get("RANK", "0")) == 0:
+        torch.save(results, out_path)
+
+
+def one_update(loss_type: str) -> dict:
     model, tok = make_tiny_lm(seed=0)
     policy = CausalLMPolicy(model, tok, max_new_tokens=8)
     cfg = OnlineConfig(algorithm="grpo", beta=0.0, loss_type=loss_type, num_generations=4, prompts_per_step=2,
@@ -30,8 +37,7 @@ def main(out_path: str, loss_type: str) -> None:
     named = list(unwrap(policy.model).named_parameters())
     trainer.optimizer.step = lambda *a, **k: grads.update({n: p.grad.detach().clone() for n, p in named})
     trainer.update(traj.select(list(range(rank * per, (rank + 1) * per))))
-    if trainer.acc.is_main_process:  # the gradients after DDP's all-reduce, as the optimizer sees them
-        torch.save(grads, out_path)
+    return grads  # after DDP's all-reduce, as the optimizer sees them
 
 
 if __name__ == "__main__":
