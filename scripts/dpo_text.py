@@ -43,6 +43,7 @@ class DPOTextConfig(PreferenceConfig):
     micro_batch_size: int = 32
     learning_rate: float = 2e-4
     max_steps: int = 60
+    num_threads: int | None = 1
     output_dir: str = "outputs/dpo_text"
 
 

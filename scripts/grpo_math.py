@@ -35,7 +35,7 @@ class GRPOMathConfig(OnlineConfig):
     eval_split: str = "test"
     num_eval: int = 256
     eval_batch_size: int = 128
-    max_new_tokens: int = 24
+    max_new_tokens: int = 26
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -47,11 +47,13 @@ class GRPOMathConfig(OnlineConfig):
     # embedded-default training knobs (overriding OnlineConfig's generic defaults)
     algorithm: str = "grpo"
     beta: float | None = 0.0
-    learning_rate: float = 5e-4
+    learning_rate: float = 3e-4
+    warmup_steps: int = 5
     prompts_per_step: int = 16
     num_generations: int = 8
-    micro_batch_size: int = 64
-    max_steps: int = 60
+    micro_batch_size: int = 128
+    max_steps: int = 80
+    num_threads: int | None = 1
     output_dir: str = "outputs/grpo_math"
 
 

@@ -46,6 +46,7 @@ class PPOConfig(OnlineConfig):
     learning_rate: float = 2e-4
     beta: float | None = 0.02
     max_steps: int = 40
+    num_threads: int | None = 1
     output_dir: str = "outputs/ppo_rlhf"
 
 

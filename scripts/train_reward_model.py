@@ -38,6 +38,7 @@ class RewardModelConfig(PreferenceConfig):
     micro_batch_size: int = 32
     learning_rate: float = 1e-3
     max_steps: int = 80
+    num_threads: int | None = 1
     output_dir: str = "outputs/reward_model"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from unialign.text import embedded as E
+
+_ANSWER = re.compile(r"(\d)\+(\d)=(\d+),(\d)\+(\d)(\+1)?=(\d+)\n#### (\d+)")
 
 
 def test_dataset_deterministic_and_schema():
@@ -18,30 +21,39 @@ def test_dataset_deterministic_and_schema():
     assert E.arithmetic_dataset("train", n=50, seed=4) != a
     for row in a + E.arithmetic_dataset("test", n=50):
         assert set(row) == {"question", "answer"}
-        assert re.fullmatch(r"\d+[+-]\d+=\d+\n#### \d+", row["answer"]), row["answer"]
-        assert 10 <= len(row["answer"]) <= 25
+        assert _ANSWER.fullmatch(row["answer"]), row["answer"]
+        assert len(row["answer"]) <= E.MAX_NEW_TOKENS - 1  # room for <|im_end|>
+    assert E.worked_answer(47, 38) == "7+8=15,4+3+1=8\n#### 85"
+    assert E.worked_answer(99, 99) == "9+9=18,9+9+1=19\n#### 198"
+    assert E.worked_answer(47, 38, drop_carry=True) == "7+8=15,4+3=7\n#### 75"
 
 
 def test_answers_parse_to_the_right_value():
-    for row in E.arithmetic_dataset("test") + E.arithmetic_dataset("train", n=2000):
-        x, y = map(int, re.findall(r"has (\d+) \w+ and \D*?(\d+)", row["question"])[0])
-        sub = any(w in row["question"] for w in ("gives away", "loses", "sells"))
-        want = x - y if sub else x + y
-        assert want >= 0
-        assert E.parse_final_answer(row["answer"]) == str(want)
-        assert E.is_correct(f"blah\n#### {want}", row["answer"])
-        assert not E.is_correct(f"#### {want + 1}", row["answer"])
+    for row in E.arithmetic_dataset("test") + E.arithmetic_dataset("train"):
+        x, y = map(int, re.fullmatch(r"\w+ has (\d+) \w+ and \w+ (\d+) more\. How many now\?",
+                                     row["question"]).groups())
+        m = _ANSWER.fullmatch(row["answer"])
+        ua, ub, u, ta, tb, carry, t, final = m.groups()
+        assert (int(ua), int(ub), int(ta), int(tb)) == (x % 10, y % 10, x // 10, y // 10)
+        assert int(u) == x % 10 + y % 10 and bool(carry) == (int(u) >= 10)
+        assert int(t) == x // 10 + y // 10 + bool(carry) and final == t + u[-1]
+        assert E._operands(row["answer"]) == (x, y)
+        assert E.parse_final_answer(row["answer"]) == str(x + y)
+        assert E.is_correct(f"blah\n#### {x + y}", row["answer"])
+        assert not E.is_correct(f"#### {x + y + 1}", row["answer"])
     assert E.parse_final_answer("no answer") is None
     assert E.parse_final_answer("#### 1,234") == "1234"
 
 
 def test_splits_disjoint_and_seed_independent():
     def keys(rows):
-        return {r["answer"].split("\n")[0] for r in rows}
+        return {E._operands(r["answer"]) for r in rows}
 
     train, test = E.arithmetic_dataset("train"), E.arithmetic_dataset("test")
-    assert len(test) > 1000 and len(train) > 8 * len(test)
+    assert len(test) > 1000 and len(train) > 5 * len(test)
+    assert len(keys(train)) == len(train) and len(keys(test)) == len(test)
     assert keys(train).isdisjoint(keys(test))
+    assert len(train) + len(test) == 90 * 90
     assert keys(E.arithmetic_dataset("test", seed=7)) == keys(test)
     with pytest.raises(ValueError):
         E.arithmetic_dataset("validation")
@@ -51,7 +63,7 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
     tok = E.build_tokenizer()
-    text = "Ann has 12 pens and buys 30 more.\n12+30=42\n#### 42"
+    text = "Ann has 12 pens and buys 39 more.\n2+9=11,1+3+1=5\n#### 51"
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)  # one token per character
     assert tok.decode(ids) == text
@@ -73,7 +85,7 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     assert tok2.padding_side == "left" and tok2.eos_token_id == tok.eos_token_id
 
 
-def test_shipped_model_loads_offline_and_is_partially_right(monkeypatch):
+def test_shipped_model_loads_offline_and_is_mid_way(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     assert (E.DEFAULT_ASSET_DIR / "model.safetensors").exists()
@@ -81,6 +93,7 @@ def test_shipped_model_loads_offline_and_is_partially_right(monkeypatch):
     assert size < 5 * 2**20
     model, tok = E.load_arith_lm()
     assert model.config.model_type == "llama"
+    assert model.generation_config.max_new_tokens == E.MAX_NEW_TOKENS
     rows = E.arithmetic_dataset("test", n=64)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is faster, and immune to oversubscription
@@ -88,15 +101,19 @@ def test_shipped_model_loads_offline_and_is_partially_right(monkeypatch):
         acc = E.evaluate_accuracy(model, tok, rows)
     finally:
         torch.set_num_threads(threads)
-    assert 0.02 <= acc <= 0.8, acc
+    # BUILD.md: greedy 0.531 on 512 held-out rows (0.484 on these 64): right on no-carry problems,
+    # wrong on most carry problems (the deliberate carry-drop label noise that GRPO then fixes)
+    assert 0.3 <= acc <= 0.7, acc
     # generations stop at <|im_end|> and are in the task's format
     comp = E.generate_completions(model, tok, [rows[0]["question"]])[0][0]
     assert "####" in comp and len(comp) <= E.MAX_NEW_TOKENS
+    metrics = json.loads((E.DEFAULT_ASSET_DIR / "build_metrics.json").read_text())
+    assert metrics["steps"] == E.DEFAULT_STEPS and metrics["carry_drop"] == E.DEFAULT_CARRY_DROP
 
 
 def test_tiny_build_writes_loadable_files(tmp_path):
     threads = torch.get_num_threads()
-    m = E.build(tmp_path, steps=3, batch_size=8, eval_rows=4, verbose=False)
+    m = E.build(tmp_path, steps=3, batch_size=8, eval_rows=4, verbose=False, carry_drop=0.5)
     assert torch.get_num_threads() == threads
     assert {"greedy_acc", "pass_at_8", "train_seconds"} <= set(m)
     names = set(os.listdir(tmp_path))
@@ -105,7 +122,7 @@ def test_tiny_build_writes_loadable_files(tmp_path):
     rows = E.arithmetic_dataset("test", n=4)
     assert 0.0 <= E.evaluate_accuracy(model, tok, rows, max_new_tokens=4) <= 1.0
     # same seed -> same weights
-    m2 = E.build(tmp_path / "again", steps=3, batch_size=8, eval_rows=0, verbose=False)
+    m2 = E.build(tmp_path / "again", steps=3, batch_size=8, eval_rows=0, verbose=False, carry_drop=0.5)
     assert "greedy_acc" not in m2
     model2, _ = E.load_arith_lm(tmp_path / "again")
     for (n1, p1), (_, p2) in zip(model.state_dict().items(), model2.state_dict().items()):

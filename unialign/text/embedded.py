@@ -5,39 +5,50 @@ Why this exists
 ``scripts/grpo_math.py`` must show, with no arguments, offline and on two CPU cores in a few minutes,
 that GRPO *really* raises held-out accuracy. Public checkpoints and GSM8K cannot be downloaded here,
 and even the smallest real LMs are far too slow to sample on CPU. So the package ships its own task,
-tokenizer and model, all small enough to live in ``unialign/assets/arith_lm`` (about 1 MB).
+tokenizer and model, all small enough to live in ``unialign/assets/arith_lm`` (about 2 MB).
 
 The task
 --------
-Two-operand word problems over 2-digit numbers, in GSM8K's schema::
+2-digit + 2-digit addition word problems (10..99 each), in GSM8K's schema, with a worked solution
+that decomposes the sum into single-digit steps, least-significant digit first::
 
     {"question": "Mia has 47 shells and finds 38 more. How many now?",
-     "answer":   "47+38=85\\n#### 85"}
+     "answer":   "7+8=15,4+3+1=8\\n#### 85"}
 
-* The verb decides the operation (``finds / buys / gets ... more`` is ``+``; ``gives away / loses /
-  sells`` is ``-``), so the model must read the sentence, copy the operands and compute.
-  Subtractions never go negative.
-* The answer is a short worked step followed by ``#### N`` exactly like ``openai/gsm8k``, so the same
-  reward (exact match of the final ``#### N`` value) serves both this task and GSM8K.
-* Completions are ~15-18 characters (+ ``<|im_end|>``): CPU sampling cost is per generated token.
-* Train / test are split by a hash of the operand tuple ``(op, a, b)`` (about 10% held out), so every
-  held-out *computation* is unseen in training, whatever the name / item / verb wording.
+* Step 1 adds the units digits; step 2 adds the tens digits plus ``+1`` exactly when step 1 reached
+  10; the final ``#### N`` is step 2's result followed by step 1's last digit. Every step is a lookup
+  in a 10x10 digit table that training covers thousands of times, so a tiny model learns the
+  *algorithm* and generalises to operand pairs it never saw (an earlier design, ``47+38=85`` in one
+  step, had to memorise the 2-digit table and stalled at ~10 % held-out accuracy).
+* The answer ends with ``#### N`` exactly like ``openai/gsm8k``, so the same reward (exact match of
+  the final ``#### N`` value) serves both this task and GSM8K.
+* Completions are at most 24 characters (+ ``<|im_end|>``): CPU sampling cost is per generated token.
+* Train / test are split by a hash of the operand tuple ``("+", a, b)`` (15 % held out: 1237 test,
+  6863 train rows), so every held-out *computation* is unseen in training, whatever the wording.
 
-Why it suits RL
----------------
-Carries and borrows are what a tiny model learns last. ``build`` stops the supervised warm start at a
-fixed step count where held-out greedy accuracy is well below perfect while pass@8 at temperature
-1.0 is much higher: the right answer is usually *among* the samples (typically off by one in the tens
-digit otherwise). That gap is exactly what group-relative policy gradients exploit. The numbers for
-the shipped model are in ``unialign/assets/arith_lm/BUILD.md``.
+Why it suits RL (and the one deliberate imperfection of the warm start)
+-----------------------------------------------------------------------
+GRPO needs a policy that is mid-way: wrong often enough under greedy decoding to leave room, yet
+right often enough when sampling that a group of 8 usually contains a correct answer. A plain short
+SFT reaches that state only in a narrow, steep window of steps (measured: held-out greedy 28 % after
+200 steps, 66 % after 280), too fragile to ship. So ``build`` trains long enough to learn the digit
+steps well, with **noisy labels**: each time a training row that needs a carry is used, with
+probability ``carry_drop`` (default 0.6) its SFT target forgets the ``+1``
+(``"7+8=15,4+3=7\\n#### 75"``: a plausible, wrong answer). The model therefore learns P(carry) of about
+0.4 on carry problems: its greedy answer is usually wrong exactly when a carry is needed (about 45 %
+of problems), while the right answer keeps high probability (pass@8 at temperature 1: 79 %).
+Reward-driven RL on the *true* answers (the dataset's answers are always correct; the noise exists
+only inside ``build``) then sharpens the carry decision, which is the held-out gain that
+``scripts/grpo_math.py`` measures. The numbers for the shipped model are in
+``unialign/assets/arith_lm/BUILD.md``.
 
 The model and tokenizer
 -----------------------
 A character-level ``tokenizers`` WordLevel model over a fixed character set plus ``<|pad|>``,
 ``<|im_start|>``, ``<|im_end|>`` (also EOS) and ``<|unk|>``, wrapped as
 ``transformers.PreTrainedTokenizerFast`` with a Qwen/ChatML chat template and left padding; and a
-``LlamaForCausalLM`` (hidden 128, 4 layers, 4 heads, tied embeddings). Both round-trip through
-``save_pretrained`` / ``from_pretrained`` with stock transformers.
+``LlamaForCausalLM`` (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings, 0.43 M parameters).
+Both round-trip through ``save_pretrained`` / ``from_pretrained`` with stock transformers.
 
 CLI::
 
@@ -74,7 +85,7 @@ CHAT_TEMPLATE = (
 )
 
 DEFAULT_ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "arith_lm"
-MAX_NEW_TOKENS = 24  # "99+99=198\n#### 198" is 18 characters, then <|im_end|>
+MAX_NEW_TOKENS = 26  # "9+9=18,9+9+1=19\n#### 199" is 24 characters, then <|im_end|>
 
 # ---------------------------------------------------------------------------------------------
 # Task
@@ -87,12 +98,7 @@ _ADD = [
     "{n} has {a} {item} and finds {b} more. How many now?",
     "{n} has {a} {item} and gets {b} more. How many now?",
 ]
-_SUB = [
-    "{n} has {a} {item} and gives away {b}. How many left?",
-    "{n} has {a} {item} and loses {b}. How many left?",
-    "{n} has {a} {item} and sells {b}. How many left?",
-]
-TEST_FRACTION = 0.1
+TEST_FRACTION = 0.15
 
 
 def _is_test(op: str, a: int, b: int) -> bool:
@@ -102,20 +108,39 @@ def _is_test(op: str, a: int, b: int) -> bool:
 
 
 def _all_problems() -> list[tuple[str, int, int]]:
-    probs = [("+", a, b) for a in range(10, 100) for b in range(10, 100)]
-    probs += [("-", a, b) for a in range(10, 100) for b in range(10, a + 1)]
-    return probs
+    return [("+", a, b) for a in range(10, 100) for b in range(10, 100)]
+
+
+def worked_answer(a: int, b: int, drop_carry: bool = False) -> str:
+    """``"7+8=15,4+3+1=8\\n#### 85"`` for 47+38: units digits first, then tens digits plus the carry; the
+    final answer is the tens step's result followed by the units step's last digit.
+    ``drop_carry`` (SFT label noise only, see ``build``) forgets the ``+1``: a plausible wrong answer."""
+    ua, ub, ta, tb = a % 10, b % 10, a // 10, b // 10
+    u = ua + ub
+    carry = u >= 10 and not drop_carry
+    t = ta + tb + int(carry)
+    final = t * 10 + u % 10
+    return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {final}"
+
+
+def _rows(probs: list[tuple[str, int, int]], rng: random.Random) -> list[dict]:
+    rows = []
+    for _, a, b in probs:
+        q = rng.choice(_ADD).format(n=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b)
+        rows.append({"question": q, "answer": worked_answer(a, b)})
+    return rows
 
 
 def arithmetic_dataset(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
-    """Deterministic arithmetic word problems in GSM8K's schema.
+    """Deterministic 2-digit addition word problems in GSM8K's schema.
 
-    split: ``"train"`` or ``"test"`` (disjoint by a hash of ``(op, a, b)``; ~10% test: 1240 rows).
+    split: ``"train"`` or ``"test"`` (disjoint by a hash of ``("+", a, b)``; ~15% test: 1205 rows,
+           6895 train).
     n:     keep the first ``n`` rows of the shuffled split (``None``: all).
     seed:  shuffles the order and picks the wording (name / item / verb); the split itself and each
            row's numbers / answer do not depend on it.
 
-    Each row: ``{"question": str, "answer": "<a><op><b>=<r>\\n#### <r>"}``.
+    Each row: ``{"question": str, "answer": "<u1>+<u2>=<u>,<t1>+<t2>[+1]=<t>\n#### <a+b>"}``.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -125,13 +150,7 @@ def arithmetic_dataset(split: str, n: int | None = None, seed: int = 0) -> list[
     rng.shuffle(probs)
     if n is not None:
         probs = probs[:n]
-    rows = []
-    for op, a, b in probs:
-        tmpl = rng.choice(_ADD if op == "+" else _SUB)
-        q = tmpl.format(n=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b)
-        r = a + b if op == "+" else a - b
-        rows.append({"question": q, "answer": f"{a}{op}{b}={r}\n#### {r}"})
-    return rows
+    return _rows(probs, rng)
 
 
 _FINAL_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
@@ -318,22 +337,36 @@ def _collate(batch: list[tuple[list[int], int]], pad_id: int):
     return ids_t, mask, labels, pos
 
 
-DEFAULT_STEPS = 1400
+DEFAULT_STEPS = 280
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
+DEFAULT_CARRY_DROP = 0.6
+
+
+def _operands(answer: str) -> tuple[int, int]:
+    """``(a, b)`` back from a worked answer ``"<u1>+<u2>=..,<t1>+<t2>..."``."""
+    m = re.match(r"(\d)\+(\d)=\d+,(\d)\+(\d)", answer)
+    if m is None:
+        raise ValueError(f"not a worked addition answer: {answer!r}")
+    ua, ub, ta, tb = map(int, m.groups())
+    return 10 * ta + ua, 10 * tb + ub
 
 
 def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
           lr: float = DEFAULT_LR, warmup: int = 50, num_threads: int = 1, eval_rows: int = 256,
+          carry_drop: float | None = None,
           log_every: int = 100, callback=None, verbose: bool = True, **model_kw) -> dict:
     """Build the tokenizer, train the tiny Llama with supervised next-token loss on the assistant answer
     for a FIXED number of ``steps`` (AdamW, linear warmup, cosine decay to 0), save both to ``out_dir``.
+    ``carry_drop`` (default ``DEFAULT_CARRY_DROP``): probability that a drawn training row needing a
+    carry gets the carry-dropped (wrong) target instead (label noise; see the module docstring).
 
     Deterministic for a given ``seed`` on the same machine / torch build (fixed thread count,
     deterministic algorithms, seeded data order). Returns a dict of measurements (also written to
     ``out_dir/build_metrics.json``). ``callback(step, model, tokenizer)`` is called every ``log_every``
     steps (for exploration).
     """
+    carry_drop = DEFAULT_CARRY_DROP if carry_drop is None else carry_drop
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prev_threads = torch.get_num_threads()
@@ -345,12 +378,18 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
         tok = build_tokenizer()
         model = build_model(tok, seed=seed, **model_kw)
         train_rows = arithmetic_dataset("train", seed=seed)
-        cache: dict[int, tuple[list[int], int]] = {}
+        cache: dict[tuple[int, bool], tuple[list[int], int]] = {}
+        noise_rng = random.Random(f"carry-drop-{seed}")
 
         def encoded(i: int) -> tuple[list[int], int]:
-            if i not in cache:
-                cache[i] = _encode_sft(tok, [train_rows[i]])[0]
-            return cache[i]
+            row = train_rows[i]
+            a, b = _operands(row["answer"])
+            drop = carry_drop > 0 and a % 10 + b % 10 >= 10 and noise_rng.random() < carry_drop
+            if (i, drop) not in cache:
+                if drop:
+                    row = {"question": row["question"], "answer": worked_answer(a, b, drop_carry=True)}
+                cache[i, drop] = _encode_sft(tok, [row])[0]
+            return cache[i, drop]
 
         rng = random.Random(seed)
         order: list[int] = []
@@ -386,7 +425,7 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
         model.save_pretrained(str(out), safe_serialization=True)
         tok.save_pretrained(str(out))
         metrics: dict[str, Any] = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
-                                   "warmup": warmup, "num_threads": num_threads,
+                                   "warmup": warmup, "num_threads": num_threads, "carry_drop": carry_drop,
                                    "train_seconds": round(train_s, 1), "torch": torch.__version__}
         if eval_rows:
             test = arithmetic_dataset("test", n=eval_rows)
@@ -417,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
     b.add_argument("--lr", type=float, default=DEFAULT_LR)
     b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--carry-drop", type=float, default=DEFAULT_CARRY_DROP)
     b.add_argument("--eval-rows", type=int, default=256)
     e = sub.add_parser("eval", help="greedy accuracy and pass@k on held-out rows")
     e.add_argument("--path", default=None)
@@ -425,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-              num_threads=args.threads, eval_rows=args.eval_rows)
+              num_threads=args.threads, eval_rows=args.eval_rows, carry_drop=args.carry_drop)
     else:
         model, tok = load_arith_lm(args.path)
         rows = arithmetic_dataset("test", n=args.n)

@@ -65,6 +65,7 @@ class OnlineConfig:
     max_completion_length: int | None = None
     max_generation_rounds: int = 3
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; tiny models run fastest on 1
     output_dir: str = "outputs/run"
     logging_steps: int = 1
     save_steps: int = 0
@@ -123,6 +124,8 @@ class OnlineTrainer:
         if config.num_generations < 2 and self.spec.advantage in ("group", "rloo"):
             raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
         set_seed(config.seed)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         params = list(policy.trainable_parameters())
         self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
                                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)

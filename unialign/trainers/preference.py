@@ -48,6 +48,7 @@ class PreferenceConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; tiny models run fastest on 1
     output_dir: str = "outputs/preference"
     logging_steps: int = 1
     save_steps: int = 0
@@ -156,6 +157,8 @@ class PreferenceTrainer:
         if config.batch_size % self.acc.num_processes:
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {self.acc.num_processes} processes")
         set_seed(config.seed)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         params = list(objective.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
                                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
