@@ -126,3 +126,30 @@ def test_load_embedded_policy_samples_images():
 def test_missing_asset_folder_says_how_to_build(tmp_path):
     with pytest.raises(FileNotFoundError, match="embedded build"):
         E.load_embedded_clip(tmp_path)
+
+
+def test_policy_space_images_are_vae_decodes_and_deterministic():
+    policy = E.load_embedded(num_steps=2)
+    x = E.to_tensor([d.image for d in E.shape_dataset("train", per_prompt=1)[:3]])
+    kw = dict(noise_per_scale=2, samples_per_scale=2, noise_scales=(0.5,), guidance_scales=(0.0, 3.0))
+    a = E.policy_space_images(policy, x, seed=0, **kw)
+    b = E.policy_space_images(policy, x, seed=0, **kw)
+    assert a.shape == (3 + 2 + 2 + 2 * 2, 3, E.IMAGE_SIZE, E.IMAGE_SIZE)
+    assert a.min() >= 0 and a.max() <= 1 and torch.equal(a, b)
+    assert policy.guidance_scale == E.SAMPLING_DEFAULTS["guidance_scale"]  # restored
+    # the reconstructions come first and resemble their images (the VAE works)
+    assert float((a[:3] - x).abs().mean()) < 0.15
+
+
+def test_shipped_aesthetic_head_tracks_gold_on_model_samples():
+    """The head is trained on the diffusion model's own output space, so the reward DDPO maximises
+    follows the pixel-level gold score on samples (BUILD.md has the full measurement)."""
+    from unialign.rewards.image import AestheticReward
+
+    policy = E.load_embedded(num_steps=8)
+    plist = E.prompts("test")
+    batch = [plist[i % len(plist)] for i in range(24)]
+    images = policy.sample(batch, generator=torch.Generator().manual_seed(0)).completions
+    reward = torch.tensor(AestheticReward.embedded()(prompts=batch, completions=images))
+    gold = E.gold_score(images)
+    assert float(torch.corrcoef(torch.stack([reward, gold]))[0, 1]) > 0.7

@@ -42,7 +42,12 @@ The models
   dark") of augmented images, so its embedding carries them as a real CLIP's does.
 * aesthetic head: ``AestheticMLP`` (the LAION improved-aesthetic-predictor shape, 64 -> 1024 -> 128 ->
   64 -> 16 -> 1, no activations) on the L2-normalised CLIP image embedding, trained with MSE to predict
-  ``gold_score`` on clean and degraded images.
+  ``gold_score`` on clean and degraded images AND on "policy-space" images (``policy_space_images``:
+  VAE decodes of data, noised and random latents, and the diffusion model's own samples at CFG 0-6).
+  Every image a DDPO policy produces is a VAE decode, so this keeps the reward faithful where RL goes;
+  trained on dataset images only, the head rated the blotchy images of a policy pushed off its manifold
+  above the base model's samples while their gold score fell (reward hacking within a few steps).
+  Built last (it needs the saved diffusion model); ``build-head`` re-runs only this stage.
 * diffusion model: the SDXL architecture in miniature: ``UNet2DConditionModel`` with
   ``addition_embed_type="text_time"``, ``CLIPTextModel`` + ``CLIPTextModelWithProjection``, a 3-level
   ``AutoencoderKL`` (32x32x3 <-> 4x8x8), SD's ``DDIMScheduler`` config; epsilon-prediction trained on the
@@ -52,6 +57,7 @@ The models
 CLI::
 
     python -m unialign.image.embedded build --out unialign/assets/image   # deterministic rebuild
+    python -m unialign.image.embedded build-head --out unialign/assets/image   # only the (last) head stage
     python -m unialign.image.embedded eval [--path DIR] [--n 64]           # reward / gold statistics
 """
 
@@ -425,13 +431,49 @@ def clip_image_embeddings(model, x: Tensor, batch_size: int = 256) -> Tensor:
     return torch.cat(out)
 
 
-def train_head(model, x_N: Tensor, steps: int, seed: int, copies: int = 3):
+@torch.no_grad()
+def policy_space_images(policy, x_N: Tensor, seed: int, noise_per_scale: int = 1200, samples_per_scale: int = 300,
+                        noise_scales=(0.3, 0.6, 1.0), guidance_scales=(0.0, 1.0, 3.0, 6.0)) -> Tensor:
+    """Images of the space the RL policy actually reaches: VAE decodes (every image a ``DiffusionPolicy``
+    samples is ``vae.decode(z)``). The VAE reconstructions of ``x_N``, decodes of their latents plus
+    Gaussian noise (``noise_scales``, in scaled-latent units), decodes of pure N(0, 1) latents, and samples
+    of ``policy`` on training prompts at several CFG weights (0 = unconditional; large ones oversaturate).
+    Deterministic for a fixed ``seed``. Float [M, 3, H, W] in [0, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    vae, sf = policy.vae, policy.vae.config.scaling_factor
+
+    def decode(z: Tensor) -> Tensor:
+        return torch.cat([((vae.decode(z[i:i + 256] / sf).sample + 1) / 2).clamp(0, 1) for i in range(0, len(z), 256)])
+
+    latents = torch.cat([vae.encode(x_N[i:i + 256] * 2 - 1).latent_dist.mean for i in range(0, len(x_N), 256)]) * sf
+    out = [decode(latents)]
+    for scale in noise_scales:
+        idx = torch.randperm(len(latents), generator=gen)[:noise_per_scale]
+        out.append(decode(latents[idx] + scale * torch.randn(latents[idx].shape, generator=gen)))
+    out.append(decode(torch.randn((noise_per_scale, *latents.shape[1:]), generator=gen)))
+    plist, guidance = prompts("train"), policy.guidance_scale
+    try:
+        for w in guidance_scales:
+            policy.guidance_scale = w
+            batch = [plist[i % len(plist)] for i in range(samples_per_scale)]
+            out.append(to_tensor(policy.sample(batch, generator=gen).completions))
+    finally:
+        policy.guidance_scale = guidance
+    return torch.cat(out)
+
+
+def train_head(model, x_N: Tensor, steps: int, seed: int, copies: int = 3, extra: Tensor | None = None):
+    """MSE regression of ``gold_score`` on the L2-normalised CLIP image embedding, on ``x_N``, ``copies``
+    degraded copies of it and ``extra`` images (``policy_space_images``). Returns the head and Pearson
+    r(prediction, gold) on its training images (and on ``extra`` alone, None without it)."""
     from unialign.rewards.image import AestheticMLP
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     xs = [x_N] + [_augment(x_N, rng, gen, p_degrade=0.8)[0] for _ in range(copies)]
+    if extra is not None:
+        xs.append(extra)
     images = torch.cat(xs)
     emb, gold = clip_image_embeddings(model, images), gold_score(images)
     head = AestheticMLP(emb.shape[1])
@@ -448,7 +490,10 @@ def train_head(model, x_N: Tensor, steps: int, seed: int, copies: int = 3):
     head.eval().requires_grad_(False)
     with torch.no_grad():
         pred = head(emb).squeeze(-1)
-    return head, float(torch.corrcoef(torch.stack([pred, gold]))[0, 1])
+    corr = float(torch.corrcoef(torch.stack([pred, gold]))[0, 1])
+    n = 0 if extra is None else len(extra)
+    extra_corr = float(torch.corrcoef(torch.stack([pred[-n:], gold[-n:]]))[0, 1]) if n else None
+    return head, corr, extra_corr
 
 
 def _text_config(vocab_size: int, hidden: int, projection: int, eos_id: int, bos_id: int):
@@ -563,7 +608,45 @@ def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps: int = 600, vae_steps: int = 200,
+def build_head(out: Path, x_N: Tensor, clip, steps: int, seed: int) -> tuple[float, float | None, int]:
+    """Train and save the aesthetic head of ``out`` from its CLIP and diffusion model (which must be
+    saved there already). Returns r(pred, gold) on all its training images, on the policy-space ones,
+    and how many of those there are."""
+    policy = load_embedded(out, num_steps=8)
+    extra = policy_space_images(policy, x_N, seed)
+    head, corr, extra_corr = train_head(clip, x_N, steps, seed=seed, extra=extra)
+    torch.save({k: v.contiguous() for k, v in head.state_dict().items()}, out / "aesthetic_head.pth")
+    _log(f"head: train corr(pred, gold) {corr:.3f}, on {len(extra)} policy-space images {extra_corr:.3f}")
+    return corr, extra_corr, len(extra)
+
+
+def rebuild_head(out_dir: str | Path, seed: int = 0, head_steps: int = 1500, per_prompt: int = 16, threads: int = 1,
+                 n_eval: int = 64) -> dict[str, Any]:
+    """Re-run only the head stage of ``build`` on the CLIP and diffusion model already in ``out_dir``
+    (same result as the head stage of a full build with the same arguments); rewrites the report."""
+    torch.set_num_threads(threads)
+    out = Path(out_dir)
+    report = json.loads((out / "build_report.json").read_text())
+    x_N = to_tensor([d.image for d in shape_dataset("train", per_prompt=per_prompt, seed=seed)])
+    t0 = time.perf_counter()
+    corr, extra_corr, n_extra = build_head(out, x_N, load_embedded_clip(out).model, head_steps, seed)
+    t = report["timings_s"]
+    t["total_build"] += time.perf_counter() - t0 - t["head"]
+    t["head"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report["eval"] = evaluate(out, n=n_eval, seed=seed)
+    t["eval"] = time.perf_counter() - t0
+    report["steps"]["head"] = head_steps
+    report.update(head_train_corr=corr, head_policy_space_corr=extra_corr, head_policy_space_images=n_extra)
+    report["sizes_bytes"] = {p.name: _dir_size(p) if p.is_dir() else p.stat().st_size for p in sorted(out.iterdir())
+                             if p.name not in ("build_report.json", "BUILD.md")}
+    (out / "build_report.json").write_text(json.dumps(report, indent=1))
+    (out / "BUILD.md").write_text(build_markdown(report))
+    _log(json.dumps(report, indent=1))
+    return report
+
+
+def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps: int = 1500, vae_steps: int = 200,
           unet_steps: int = 600, per_prompt: int = 16, threads: int = 1, n_eval: int = 64) -> dict[str, Any]:
     """Build every asset into ``out_dir`` deterministically (same machine, torch and ``threads``)."""
     from diffusers import StableDiffusionXLPipeline
@@ -598,12 +681,6 @@ def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps:
     timings["clip"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    head, head_corr = train_head(clip, x_N, head_steps, seed=seed)
-    torch.save({k: v.contiguous() for k, v in head.state_dict().items()}, out / "aesthetic_head.pth")
-    timings["head"] = time.perf_counter() - t0
-    _log(f"head: train corr(pred, gold) {head_corr:.3f} ({timings['head']:.1f}s)")
-
-    t0 = time.perf_counter()
     parts = build_diffusion_components(tokenizer, seed)
     vae_mse = train_vae(parts["vae"], x_N, vae_steps, batch_size=32, seed=seed)
     timings["vae"] = time.perf_counter() - t0
@@ -624,6 +701,11 @@ def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps:
                                      unet=parts["unet"], scheduler=parts["scheduler"],
                                      force_zeros_for_empty_prompt=True, add_watermarker=False)
     pipe.save_pretrained(str(out / "sdxl"))
+
+    # the head last: it is trained on what the saved diffusion model can produce (``policy_space_images``)
+    t0 = time.perf_counter()
+    head_corr, head_extra_corr, n_extra = build_head(out, x_N, clip, head_steps, seed)
+    timings["head"] = time.perf_counter() - t0
     timings["total_build"] = time.perf_counter() - t_all
 
     t0 = time.perf_counter()
@@ -632,6 +714,7 @@ def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps:
     sizes = {p.name: _dir_size(p) if p.is_dir() else p.stat().st_size for p in sorted(out.iterdir())}
     report = {"seed": seed, "threads": threads, "steps": dict(clip=clip_steps, head=head_steps, vae=vae_steps,
               unet=unet_steps), "per_prompt": per_prompt, "train_images": len(data), "head_train_corr": head_corr,
+              "head_policy_space_corr": head_extra_corr, "head_policy_space_images": n_extra,
               "vae_recon_mse": vae_mse, "timings_s": timings, "sizes_bytes": sizes, "eval": stats}
     (out / "build_report.json").write_text(json.dumps(report, indent=1))
     (out / "BUILD.md").write_text(build_markdown(report))
@@ -680,14 +763,16 @@ def build_markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|",
         f"| data ({report['train_images']} images, {report['per_prompt']} per training prompt) | | {t['data']:.1f} |",
         f"| CLIP (contrastive, batch 128) | {steps['clip']} | {t['clip']:.1f} |",
-        f"| aesthetic head (MSE on gold, batch 512) | {steps['head']} | {t['head']:.1f} |",
+        f"| aesthetic head (MSE on gold, batch 512; after the UNet: needs its samples) | {steps['head']} | {t['head']:.1f} |",
         f"| VAE (L1 + MSE + 1e-6 KL, batch 32) | {steps['vae']} | {t['vae']:.1f} |",
         f"| UNet + text encoders (eps-prediction, batch 64) | {steps['unet']} | {t['unet']:.1f} |",
         f"| **total build** | | **{t['total_build']:.1f}** |",
         f"| evaluation below (sampling + rewards) | | {t['eval']:.1f} |",
         "",
         f"Aesthetic head: Pearson r(prediction, gold) = {report['head_train_corr']:.3f} on its training images "
-        f"(clean + degraded). VAE reconstruction MSE on [-1, 1] pixels: {report['vae_recon_mse']:.4f}.",
+        f"(clean + degraded + {report.get('head_policy_space_images', 0)} policy-space images: VAE decodes of data / "
+        f"noised / random latents and model samples at CFG 0-6), {report.get('head_policy_space_corr') or float('nan'):.3f} "
+        f"on the policy-space ones alone. VAE reconstruction MSE on [-1, 1] pixels: {report['vae_recon_mse']:.4f}.",
         "",
         f"## Samples ({e['n']} images, training prompts, {SAMPLING_DEFAULTS['num_steps']} DDIM steps, eta "
         f"{SAMPLING_DEFAULTS['eta']}, CFG {SAMPLING_DEFAULTS['guidance_scale']}, seed {report['seed']})",
@@ -700,6 +785,9 @@ def build_markdown(report: dict[str, Any]) -> str:
         f"| gold_score of the training images (reference) | {e['dataset_gold_mean']:.4f} | {e['dataset_gold_std']:.4f} |",
         "",
         f"Pearson correlation of aesthetic reward with gold_score on the samples: **{e['corr_aesthetic_gold']:.3f}**.",
+        f"Within a prompt ({e['within_prompt_groups']} prompts x samples, each centred on its prompt's mean, as per-prompt",
+        f"advantages see it): **{e['corr_aesthetic_gold_within_prompt']:.3f}** (mean within-prompt std: reward "
+        f"{e['aesthetic_within_prompt_std']:.4f}, gold {e['gold_within_prompt_std']:.4f}).",
         f"Sampling the {e['n']} images took {e['sample_seconds']:.1f} s.",
         "",
     ]
@@ -707,8 +795,8 @@ def build_markdown(report: dict[str, Any]) -> str:
 
 
 @torch.no_grad()
-def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: str = "train",
-             **policy_kwargs: Any) -> dict[str, float]:
+def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: str = "train", n_groups: int = 16,
+             group: int = 8, **policy_kwargs: Any) -> dict[str, Any]:
     """Sample ``n`` images (``SAMPLING_DEFAULTS``) for prompts of ``split`` cycled in order; report the
     mean/std of the embedded aesthetic reward, the CLIP score and ``gold_score``, and the Pearson
     correlation of aesthetic reward with gold."""
@@ -729,7 +817,17 @@ def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: 
     def corr(a: Tensor, b: Tensor) -> float:
         return float(torch.corrcoef(torch.stack([a.float(), b.float()]))[0, 1])
 
+    # within a prompt (what per-prompt advantages see): n_groups prompts x group samples, centred per prompt
+    groups = [plist[(i * 11) % len(plist)] for i in range(n_groups)]
+    batch_g = [p for p in groups for _ in range(group)]
+    images_g = policy.sample(batch_g, generator=gen).completions
+    aes_g = torch.tensor(AestheticReward.embedded(path)(prompts=batch_g, completions=images_g)).view(n_groups, group)
+    gold_g = gold_score(images_g).view(n_groups, group)
+    within = corr((aes_g - aes_g.mean(1, keepdim=True)).flatten(), (gold_g - gold_g.mean(1, keepdim=True)).flatten())
+
     return {"n": n, "sample_seconds": sample_s, "aesthetic_mean": float(aesthetic.mean()),
+            "corr_aesthetic_gold_within_prompt": within, "within_prompt_groups": f"{n_groups}x{group}",
+            "aesthetic_within_prompt_std": float(aes_g.std(1).mean()), "gold_within_prompt_std": float(gold_g.std(1).mean()),
             "aesthetic_std": float(aesthetic.std()), "gold_mean": float(gold.mean()), "gold_std": float(gold.std()),
             "corr_aesthetic_gold": corr(aesthetic, gold), "clip_score_mean": float(clip_score.mean()),
             "clip_score_std": float(clip_score.std()), "dataset_gold_mean": float(data_gold.mean()),
@@ -742,9 +840,14 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("build", help="build the assets deterministically")
     b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
     b.add_argument("--seed", type=int, default=0)
-    for name, default in (("clip_steps", 150), ("head_steps", 600), ("vae_steps", 200), ("unet_steps", 600),
+    for name, default in (("clip_steps", 150), ("head_steps", 1500), ("vae_steps", 200), ("unet_steps", 600),
                           ("per_prompt", 16), ("threads", 1), ("n_eval", 64)):
         b.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    h = sub.add_parser("build-head", help="re-run only the (last) head stage on the CLIP / model already built")
+    h.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
+    h.add_argument("--seed", type=int, default=0)
+    for name, default in (("head_steps", 1500), ("per_prompt", 16), ("threads", 1), ("n_eval", 64)):
+        h.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     e = sub.add_parser("eval", help="reward / gold statistics of samples from the embedded model")
     e.add_argument("--path", default=None)
     e.add_argument("--n", type=int, default=64)
@@ -755,6 +858,9 @@ def main(argv: list[str] | None = None) -> None:
         build(args.out, seed=args.seed, clip_steps=args.clip_steps, head_steps=args.head_steps,
               vae_steps=args.vae_steps, unet_steps=args.unet_steps, per_prompt=args.per_prompt, threads=args.threads,
               n_eval=args.n_eval)
+    elif args.command == "build-head":
+        rebuild_head(args.out, seed=args.seed, head_steps=args.head_steps, per_prompt=args.per_prompt,
+                     threads=args.threads, n_eval=args.n_eval)
     else:
         print(json.dumps(evaluate(args.path, n=args.n, seed=args.seed, split=args.split), indent=1))
 
