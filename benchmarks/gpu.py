@@ -1,0 +1,462 @@
+"""GPU benchmark entry (called by benchmarks/gpu.sh on a lent H200): the suite's comparisons at real sizes
+with randomly initialised real architectures. Nothing is downloaded.
+
+    python benchmarks/gpu.py                        # cuda, real sizes, writes $OUT/gpu_results.{json,md}
+    python benchmarks/gpu.py --device cpu --tiny    # dry run of every code path on CPU (tiny sizes)
+
+Architectures (random init from configs with the published dims):
+  LM     Qwen2.5-0.5B: Qwen2Config(hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads,
+         vocab 151936, rope_theta 1e6, tied embeddings), bf16, sdpa attention. The prompts use the embedded
+         character tokenizer (its ids are a subset of the vocab; unknown sampled ids decode to nothing).
+  SD1.5  UNet2DConditionModel(block_out_channels (320, 640, 1280, 1280), 2 layers/block, cross-attn 768,
+         head dim 8), 64x64 latents (512 px), fp16.
+  SDXL   UNet2DConditionModel(block_out_channels (320, 640, 1280), transformer layers (1, 2, 10), head dims
+         (5, 10, 20), cross-attn 2048, text_time embedding 256 / 2816), 128x128 latents (1024 px), fp16.
+  Text encoders / VAE: small random ones (they are not what is measured), except where noted.
+
+Rows (each in try/except; a failure is recorded in its row and the rest continue; a time guard skips
+what would overrun the budget):
+  G-P1     token log-prob + entropy fwd+bwd, B x T = 4 x 1024, V 151936, H 896: ours vs TRL (benchmarks/logprob.py)
+  G-LM     ours CausalLMPolicy.log_prob fwd+bwd on the Qwen2.5-0.5B-sized model: tokens/s, peak memory, MFU
+  G-P2     GRPO end to end ours vs TRL GRPOTrainer (P2's harness) on the Qwen-sized model: completion tokens/s
+  G-P3     DPO step ours vs TRL DPOTrainer on the Qwen-sized model: step time, first-step loss
+  G-P4-*   SD1.5 / SDXL sampling, DiffusionPolicy.sample vs the stock pipeline: samples/s, MFU of the UNet
+  G-P5     Diffusion-DPO peak memory at SD1.5 size: adapter-disabled reference vs frozen copy (subprocesses)
+
+Memory: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. MFU = FLOPs / time / peak,
+FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` on one extra (untimed) iteration of the
+same work (matmuls, convolutions and SDPA attention; a fwd+bwd counts both), peak = 989.4e12 FLOP/s (H200
+dense bf16/fp16 tensor core; ``--peak-tflops`` to change). For P1 the analytic 6*N*H*V is also given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine_info, markdown_table, median, row
+
+T0 = time.perf_counter()
+ARGS = None
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak():
+    gc.collect()
+    if ARGS.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mem():
+    return torch.cuda.max_memory_allocated() if ARGS.device.startswith("cuda") else None
+
+
+def count_flops(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return float(fc.get_total_flops())
+
+
+def gib(x) -> str:
+    return "n/a" if x is None else f"{x / 2**30:.2f} GiB"
+
+
+def mfu(flops, seconds):
+    return flops / seconds / (ARGS.peak_tflops * 1e12) if flops and seconds else None
+
+
+def guarded(id_, measure, budget_s):
+    """Decorator: run the measurement unless the time guard says it would overrun; errors go in the row."""
+    def deco(fn):
+        def wrapper(rows):
+            if elapsed() + budget_s > ARGS.time_budget:
+                rows.append(row(id_, measure, None, None, None, "lower", notes=f"SKIPPED by the time guard "
+                                f"({elapsed():.0f}s used, needs ~{budget_s}s, budget {ARGS.time_budget}s)"))
+                return
+            t0 = time.perf_counter()
+            try:
+                out = fn()
+                for r in out:
+                    r["seconds"] = round(time.perf_counter() - t0, 1)
+                rows.extend(out)
+            except Exception as e:  # noqa: BLE001
+                rows.append({**row(id_, measure, None, None, None, "lower", notes=f"ERROR {type(e).__name__}: {e}"),
+                             "traceback": traceback.format_exc()[-2000:]})
+            finally:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            print(f"[gpu] {id_} done at {elapsed():.0f}s", file=sys.stderr, flush=True)
+        return wrapper
+    return deco
+
+
+# ----------------------------------------------------------------------------- LM
+def qwen_model(dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from unialign.text.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    if ARGS.tiny:
+        cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                          tie_word_embeddings=True)
+    else:  # Qwen/Qwen2.5-0.5B config.json
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(ARGS.device):
+        model = Qwen2ForCausalLM(cfg)
+    model.to(dtype)
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return model, tok
+
+
+def lm_dtype():
+    return torch.float32 if ARGS.device == "cpu" else torch.bfloat16
+
+
+def rows_p1(rows):
+    @guarded("G-P1", "log-prob+entropy fwd+bwd (4x1024, V 151936)", 60)
+    def go():
+        from benchmarks import logprob
+
+        T = 32 if ARGS.tiny else 1024
+        V = 4096 if ARGS.tiny else 151936
+        out = []
+        for dt in ("float32", "bfloat16"):
+            raw = {r["id"]: r for r in logprob.run(3, device=ARGS.device, tokens=T, vocab=V, dtype=dt,
+                                                   methods=("ours", "trl", "floor"))}
+            t, m = raw["P1-time"], raw["P1-mem"]
+            flops = 6 * 4 * T * 896 * V
+            out.append(row(f"G-P1-time-{dt}", f"log-prob+entropy fwd+bwd time ({dt})", t["ours_s"], t["baseline_trl_s"],
+                           "s", "lower", 1.0, f"B x T = 4 x {T}, V {V}, H 896; floor {t['floor_s']:.4f}s "
+                           f"(ours/floor {t['floor_ratio']:.2f}, target 1.4); MFU ours (6NHV) "
+                           f"{(mfu(flops, t['ours_s']) or 0):.3f}", floor_s=t["floor_s"], mfu_ours=mfu(flops, t["ours_s"])))
+            out.append(row(f"G-P1-mem-{dt}", f"log-prob+entropy activation memory ({dt})", m["ours_bytes_upper"],
+                           m["baseline_trl_bytes"], "bytes", "lower", 1 / 8, m["mem_method"]))
+        return out
+    go(rows)
+
+
+def rows_lm(rows):
+    @guarded("G-LM", "ours log_prob fwd+bwd on Qwen2.5-0.5B-sized model", 60)
+    def go():
+        from unialign.text.policy import CausalLMPolicy
+
+        model, tok = qwen_model(lm_dtype())
+        pol = CausalLMPolicy(model, tok)
+        B, P, C = (2, 16, 16) if ARGS.tiny else (8, 512, 512)
+        g = torch.Generator().manual_seed(0)
+        V = model.config.vocab_size
+        payload = {"prompt_ids": torch.randint(0, V, (B, P), generator=g).to(ARGS.device),
+                   "prompt_mask": torch.ones(B, P, dtype=torch.long, device=ARGS.device),
+                   "completion_ids": torch.randint(0, V, (B, C), generator=g).to(ARGS.device),
+                   "completion_mask": torch.ones(B, C, dtype=torch.long, device=ARGS.device)}
+        from unialign.types import Trajectory
+
+        traj = Trajectory(prompts=[""] * B, completions=[""] * B, mask_B_T=torch.ones(B, C, device=ARGS.device),
+                          old_logp_B_T=torch.zeros(B, C), group_ids_B=torch.arange(B),
+                          truncated_B=torch.zeros(B, dtype=torch.bool), payload=payload)
+
+        def it():
+            lp, ent = pol.log_prob(traj, with_entropy=True)
+            (lp.mean() + 0.01 * ent.mean()).backward()
+            model.zero_grad(set_to_none=True)
+
+        it()
+        reset_peak()
+        times = []
+        for _ in range(3 if ARGS.tiny else 5):
+            sync()
+            t0 = time.perf_counter()
+            it()
+            sync()
+            times.append(time.perf_counter() - t0)
+        peak = peak_mem()
+        flops = count_flops(it)
+        t = median(times)
+        tokens = B * (P + C)
+        return [row("G-LM-tput", "ours log_prob+entropy fwd+bwd tokens/s (prompt+completion)", tokens / t, None,
+                    "tok/s", "higher", None, f"Qwen2.5-0.5B dims, {lm_dtype()}, B={B}, prompt {P} + completion {C}; "
+                    f"peak mem {gib(peak)}; MFU {(mfu(flops, t) or 0):.3f} (FlopCounterMode "
+                    f"{flops / 1e12:.2f} TFLOP/iter)", peak_bytes=peak, flops=flops, mfu=mfu(flops, t), step_s=t)]
+    go(rows)
+
+
+def rows_p2(rows):
+    @guarded("G-P2", "GRPO end to end ours vs TRL (Qwen-sized)", 150)
+    def go():
+        from benchmarks import p2_grpo
+
+        model, tok = qwen_model(lm_dtype())
+        P, G, L, steps = (2, 4, 8, 2) if ARGS.tiny else (8, 8, 256, 4)
+        tr_rows = p2_grpo.train_rows()
+        o_t, o_n, t_t, t_n = [], [], [], []
+        with tempfile.TemporaryDirectory() as d:
+            ours = p2_grpo.make_ours(copy.deepcopy(model), copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/o")
+            trl_model = model  # the original: TRL trains it in place
+            trainer, reward = p2_grpo.make_trl(trl_model, copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/t")
+            trainer.add_callback(p2_grpo._interleave_callback(t_t, t_n, o_t, o_n, reward, ours))
+            reset_peak()
+            trainer.train()
+        tps = lambda ts, ns: [n / t for t, n in zip(ts[1:], ns[1:])]  # noqa: E731
+        return [row("G-P2-tput", "GRPO completion tokens/s (sample+score+update)", median(tps(o_t, o_n)),
+                    median(tps(t_t, t_n)), "tok/s", "higher", 1.5,
+                    f"Qwen2.5-0.5B dims {lm_dtype()}, P={P} x G={G}, {L} new tokens, beta 0, dapo; TRL transformers "
+                    f"generate (no vLLM); {steps} interleaved steps, median after the first; peak mem (both models "
+                    f"resident) {gib(peak_mem())}",
+                    raw={"ours_times": o_t, "ours_tokens": o_n, "trl_times": t_t, "trl_tokens": t_n})]
+    go(rows)
+
+
+def rows_p3(rows):
+    @guarded("G-P3", "DPO step ours vs TRL (Qwen-sized)", 90)
+    def go():
+        from transformers import TrainerCallback
+
+        from benchmarks import p3_dpo
+
+        model, tok = qwen_model(lm_dtype())
+        B, steps = (2, 3) if ARGS.tiny else (8, 6)
+        pr = p3_dpo.pairs(256)
+        o_t, t_t, o_l, t_l = [], [], [], []
+        with tempfile.TemporaryDirectory() as d:
+            ours = p3_dpo.make_ours(copy.deepcopy(model), copy.deepcopy(tok), pr, B, steps, d + "/o")
+
+            def ours_step():
+                sync()
+                t0 = time.perf_counter()
+                m = ours.train_step()
+                sync()
+                o_t.append(time.perf_counter() - t0)
+                o_l.append(m["loss"])
+
+            class CB(TrainerCallback):
+                def on_step_begin(self, args, state, control, **kw):
+                    if state.global_step % 2 == 1:
+                        ours_step()
+                    sync()
+                    self.t0 = time.perf_counter()
+
+                def on_step_end(self, args, state, control, **kw):
+                    sync()
+                    t_t.append(time.perf_counter() - self.t0)
+                    if (state.global_step - 1) % 2 == 0:
+                        ours_step()
+
+                def on_log(self, args, state, control, logs=None, **kw):
+                    if logs and "loss" in logs:
+                        t_l.append(float(logs["loss"]))
+
+            tr = p3_dpo.make_trl(model, copy.deepcopy(tok), pr, B, steps, d + "/t")
+            tr.add_callback(CB())
+            tr.train()
+        l0o, l0t = (o_l or [None])[0], (t_l or [None])[0]
+        return [row("G-P3-time", "DPO optimizer-step time", median(o_t[1:]), median(t_t[1:]), "s", "lower", None,
+                    f"Qwen2.5-0.5B dims {lm_dtype()}, B={B} pairs, full-copy reference, no precompute, no grad "
+                    f"checkpointing; {steps} interleaved steps", raw={"ours": o_t, "trl": t_t}),
+                row("G-P3-loss0", "first-step DPO loss (ln 2)", l0o, l0t, "nats", "lower", None,
+                    f"|ours - TRL| = {abs(l0o - l0t) if l0o is not None and l0t is not None else 'n/a'}")]
+    go(rows)
+
+
+# ----------------------------------------------------------------------------- diffusion
+SD15 = dict(block_out_channels=(320, 640, 1280, 1280), layers_per_block=2, cross_attention_dim=768,
+            attention_head_dim=8, sample_size=64,
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+SDXL = dict(block_out_channels=(320, 640, 1280), layers_per_block=2, cross_attention_dim=2048,
+            attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+            sample_size=128, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"))
+
+
+def tiny_cfg(kind):
+    base = dict(block_out_channels=(32, 64), layers_per_block=1, attention_head_dim=8, sample_size=8,
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    if kind == "sd15":
+        return {**base, "cross_attention_dim": 32}
+    return {**base, "cross_attention_dim": 48, "use_linear_projection": True, "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 6 * 8 + 16,
+            "transformer_layers_per_block": (1, 1), "attention_head_dim": (2, 4)}
+
+
+def sd_components(kind):
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from benchmarks import sd_parts
+
+    cfg = tiny_cfg(kind) if ARGS.tiny else (SD15 if kind == "sd15" else SDXL)
+    dtype = torch.float32 if ARGS.device == "cpu" else torch.float16
+    torch.manual_seed(0)
+    with torch.device(ARGS.device):
+        unet = UNet2DConditionModel(in_channels=4, out_channels=4, **cfg)
+    unet.to(dtype)
+    tok = sd_parts.tokenizer()
+
+    def enc(hidden, proj=None):
+        c = CLIPTextConfig(vocab_size=520, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                           num_hidden_layers=2, max_position_embeddings=sd_parts.MAX_LEN, projection_dim=proj or hidden,
+                           bos_token_id=sd_parts.BOS, eos_token_id=sd_parts.EOS, pad_token_id=sd_parts.EOS)
+        with torch.device(ARGS.device):
+            m = (CLIPTextModelWithProjection if proj else CLIPTextModel)(c)
+        return m.to(dtype).eval()
+
+    parts = dict(unet=unet, vae=sd_parts.vae().to(ARGS.device), tokenizer=tok,
+                 scheduler=DDIMScheduler(**sd_parts.SD15_SCHEDULER))
+    if kind == "sd15":
+        parts["text_encoder"] = enc(cfg["cross_attention_dim"])
+    else:  # SDXL: 768 + 1280 = 2048 (tiny: 32 + 16), pooled projection 1280 (tiny 16)
+        h1, h2 = (32, 16) if ARGS.tiny else (768, 1280)
+        parts["text_encoder"], parts["text_encoder_2"], parts["tokenizer_2"] = enc(h1), enc(h2, h2), tok
+    return parts
+
+
+def rows_p4(rows, kind, budget):
+    @guarded(f"G-P4-{kind}", f"{kind} sampling", budget)
+    def go():
+        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+        from unialign.image import DiffusionPolicy
+
+        parts = sd_components(kind)
+        steps = 4 if ARGS.tiny else 20
+        batch = 2 if ARGS.tiny else 4
+        # pixels = latents x 2 with the small VAE (scale factor 2): we time the UNet-dominated loop; both decode alike
+        policy = DiffusionPolicy(**parts, num_steps=steps, guidance_scale=5.0, eta=1.0)
+        cls = StableDiffusionXLPipeline if kind == "sdxl" else StableDiffusionPipeline
+        extra = {} if kind == "sdxl" else dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe = cls(**{k: v for k, v in parts.items() if k != "scheduler"}, scheduler=policy.scheduler, **extra)
+        pipe.set_progress_bar_config(disable=True)
+        prompts = ["a cat on a mat"] * batch
+        dev = ARGS.device
+
+        def ours():
+            return policy.sample(prompts, generator=torch.Generator(dev).manual_seed(0))
+
+        def base():
+            return pipe(prompts, num_inference_steps=steps, guidance_scale=5.0, eta=1.0, height=policy.height,
+                        width=policy.width, generator=torch.Generator(dev).manual_seed(0), output_type="pil")
+
+        with torch.no_grad():
+            ours()
+            base()
+            reset_peak()
+            ours()
+            peak = peak_mem()
+            times = {"ours": [], "base": []}
+            for i in range(3 if ARGS.tiny else 5):
+                for name, fn in ((("ours", ours), ("base", base)) if i % 2 == 0 else (("base", base), ("ours", ours))):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    times[name].append(time.perf_counter() - t0)
+            lat = torch.randn(2 * batch, 4, policy.height // 2, policy.width // 2, device=dev, dtype=policy.dtype)
+            cond = policy.encode_prompts(prompts * 2)
+            added = None
+            if policy.is_sdxl:
+                added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": policy.time_ids(2 * batch)}
+            t_B = torch.full((2 * batch,), 500, device=dev)
+            unet_flops = count_flops(lambda: policy.unet(lat, t_B, encoder_hidden_states=cond["prompt_embeds"],
+                                                         added_cond_kwargs=added))
+        to, tb = median(times["ours"]), median(times["base"])
+        flops = unet_flops * steps
+        return [row(f"G-P4-{kind}", f"{kind}-sized UNet sampling, samples/s", batch / to, batch / tb, "samples/s",
+                    "higher", 1 / 1.03, f"{policy.height // 2}x{policy.width // 2} latents, {steps} DDIM steps, eta 1, "
+                    f"CFG 5, batch {batch}, fp16; UNet MFU ours {(mfu(flops, to) or 0):.3f} / pipeline "
+                    f"{(mfu(flops, tb) or 0):.3f}; peak mem ours {gib(peak)}; overhead ratio "
+                    f"(time) {to / tb:.3f} (target <= 1.03)", ours_s=to, base_s=tb, unet_flops_per_call=unet_flops,
+                    peak_bytes=peak, raw=times)]
+    go(rows)
+
+
+def rows_p5(rows):
+    @guarded("G-P5", "Diffusion-DPO memory SD1.5-sized", 120)
+    def go():
+        from benchmarks.common import run_child
+
+        kw = dict(block_out_channels=[32, 64] if ARGS.tiny else [320, 640, 1280, 1280],
+                  sample_size=8 if ARGS.tiny else 64, pairs=2, steps=2,
+                  cross_attention_dim=32 if ARGS.tiny else 768, device=ARGS.device)
+        res = {impl: run_child("p5_diffusion_dpo_memory", "dpo_child", dict(impl=impl, **kw), timeout=300)
+               for impl in ("ours", "copy")}
+        errs = [v["error"] for v in res.values() if "error" in v]
+        if errs:
+            raise RuntimeError("; ".join(errs))
+        o, c = res["ours"], res["copy"]
+        return [row("G-P5", "Diffusion-DPO peak memory (adapter-off ref vs frozen copy)", o["peak_bytes"],
+                    c["peak_bytes"], "bytes", "lower", 0.6, f"SD1.5-sized UNet fp32 ({o['unet_bytes'] / 2**30:.2f} GiB), "
+                    f"LoRA r8, 64x64 latents, 2 pairs, 2 steps; {o['method']}; loss0 ours {o['losses'][0]:.6f} / copy "
+                    f"{c['losses'][0]:.6f}", raw=res)]
+    go(rows)
+
+
+def main(argv=None):
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU dry run of the code paths)")
+    p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16/fp16 peak of the accelerator")
+    p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped past it")
+    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P3,P4,P5")
+    p.add_argument("--output-dir", default=os.environ.get("OUT") or ".")
+    ARGS = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if ARGS.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out_dir = Path(ARGS.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine_info(), "args": vars(ARGS), "rows": []}
+    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P3", "P4", "P5"}
+    steps = [("P1", rows_p1), ("LM", rows_lm), ("P4", lambda r: rows_p4(r, "sd15", 60)),
+             ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2)]
+    for key, fn in steps:
+        if key in want:
+            fn(result["rows"])
+            result["seconds"] = round(elapsed(), 1)
+            (out_dir / "gpu_results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+            (out_dir / "gpu_results.md").write_text(
+                f"Device: {result['machine'].get('cuda') or 'cpu'}; torch {result['machine']['torch']}; "
+                f"{'TINY dry run' if ARGS.tiny else 'real sizes'}\n\n" + markdown_table(result["rows"]))
+    print(markdown_table(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()

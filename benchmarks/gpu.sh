@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU benchmarks for a lent H200 (one call, < 8 minutes). Assumes torch, transformers, diffusers, trl, peft and
+# accelerate are already installed in the active python; installs only this package (editable, no deps).
+# Results: $OUT/gpu_results.json and $OUT/gpu_results.md (./gpu_results.* when $OUT is unset).
+#   bash benchmarks/gpu.sh                 # everything, real sizes, time guard 420 s
+#   bash benchmarks/gpu.sh --only P4,P5    # a subset
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
+"$PY" -m pip install -e . --no-deps -q 2>&1 | tail -2 || echo "pip install -e . failed; continuing with PYTHONPATH"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TQDM_DISABLE=1
+OUTDIR="${OUT:-.}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+timeout 470 "$PY" benchmarks/gpu.py --device cuda --time-budget 400 --output-dir "$OUTDIR" "$@"
+rc=$?
+[ $rc -eq 124 ] && echo "gpu.py hit the 470 s timeout; partial results are in $OUTDIR/gpu_results.*"
+cat "$OUTDIR/gpu_results.md" 2>/dev/null
+exit $rc

@@ -1,0 +1,275 @@
+"""Benchmark P2: GRPO end to end, ``unialign.trainers.OnlineTrainer`` vs TRL's ``GRPOTrainer``.
+
+Identical on both sides: the model (the same initial weights, deep-copied), the embedded character
+tokenizer and chat template (conversational prompts for TRL, so both condition on the same text),
+the data (``unialign.text.embedded.arithmetic_dataset("train")``), the reward
+(``unialign.rewards.math.math_accuracy_reward``), P prompts x G generations per step, completion
+length, temperature 1 / top-p 1 / top-k 0, beta = 0, token-mean ("dapo") aggregation, epsilon 0.2,
+AdamW (torch, unfused; betas 0.9/0.999, eps 1e-8, wd 0), constant lr, grad clip 1.0, fp32,
+no gradient checkpointing, one optimizer step per generation batch (num_iterations 1).
+TRL keeps its documented defaults otherwise; the settings we change and why:
+  gradient_checkpointing=False (TRL's default is True; ours does not checkpoint, so both off),
+  lr_scheduler_type="constant" (ours' default; TRL's is linear decay), optim="adamw_torch" (ours
+  uses torch.optim.AdamW; transformers may pick the fused variant), bf16=False (CPU, fp32 both),
+  report_to=[], save_strategy="no", logging_steps=1, use_cpu on CPU.
+
+Throughput: the two trainers run in ONE process, steps interleaved (TRL's step k is bracketed by a
+callback's on_step_begin / on_step_end; our step k runs from the same callback, before TRL's step on
+odd k and after it on even k, so background load and order effects hit both). A step = sample P*G
+completions, score, advantages, one optimizer step. Tokens = completion tokens actually generated
+(up to and including EOS). Reported: median over steps after the first (warm-up) step of
+tokens/step_time.
+
+Peak memory: each trainer alone in a fresh subprocess (same imports on both sides), peak RSS
+(VmHWM) minus RSS after imports, over the same number of steps.
+
+Embedded model: when ``unialign/assets/arith_lm/config.json`` exists, the same run on the shipped
+arithmetic LM, plus held-out greedy accuracy after the same number of steps for both (few steps on CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (error_row, median, peak_rss_bytes, reset_peak_rss, row, rss_bytes,
+                               rss_tracks_tensors, run_child)
+
+LR = 5e-4  # the embedded default's GRPO lr (scripts/grpo_math.py)
+RANDOM_DIMS = dict(hidden=128, layers=4, heads=4, intermediate=512)  # the arith_lm architecture
+
+
+def _imports():
+    import datasets  # noqa: F401
+    import trl  # noqa: F401
+    from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+
+    from unialign.text.policy import CausalLMPolicy  # noqa: F401
+    from unialign.trainers.online import OnlineConfig, OnlineTrainer  # noqa: F401
+
+
+def arith_available() -> bool:
+    from unialign.text.embedded import DEFAULT_ASSET_DIR
+
+    return (Path(DEFAULT_ASSET_DIR) / "config.json").exists()
+
+
+def build_model(kind: str, seed: int = 0):
+    from unialign.text import embedded
+
+    if kind == "arith":
+        model, tok = embedded.load_arith_lm()
+    else:
+        tok = embedded.build_tokenizer()
+        model = embedded.build_model(tok, seed=seed, **RANDOM_DIMS)
+    model.train()
+    return model, tok
+
+
+def train_rows(n: int | None = None):
+    from unialign.text.embedded import arithmetic_dataset
+
+    return [{"prompt": r["question"], "answer": r["answer"]} for r in arithmetic_dataset("train", n=n)]
+
+
+class _TokenCountingReward:
+    """math_accuracy_reward that records how many completion tokens TRL handed it (ids up to EOS)."""
+
+    __name__ = "math_accuracy"
+
+    def __init__(self):
+        from unialign.rewards.math import math_accuracy_reward
+
+        self.fn, self.last_tokens = math_accuracy_reward, 0
+
+    def __call__(self, prompts, completions, completion_ids=None, answer=None, **kw):
+        self.last_tokens = sum(len(c) for c in completion_ids) if completion_ids is not None else 0
+        return self.fn(prompts, completions, answer=answer)
+
+
+# ----------------------------------------------------------------------------- builders
+def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0):
+    from unialign.rewards.math import math_accuracy_reward
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.trainers.online import OnlineConfig, OnlineTrainer
+
+    policy = CausalLMPolicy(model, tok, max_new_tokens=L, temperature=1.0, top_p=1.0, top_k=0)
+    cfg = OnlineConfig(algorithm="grpo", beta=0.0, loss_type="dapo", num_generations=G, prompts_per_step=P,
+                       micro_batch_size=P * G, num_mini_batches=1, max_steps=steps, learning_rate=LR,
+                       max_completion_length=L, report_to="none", output_dir=out_dir, seed=seed,
+                       lr_scheduler_type="constant", max_grad_norm=1.0, epsilon=0.2, scale_rewards="group",
+                       num_iterations=1)
+    return OnlineTrainer(policy, math_accuracy_reward, rows, cfg)
+
+
+def ours_step(trainer) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    traj, _ = trainer.collect()
+    tokens = 0
+    if traj is not None:
+        tokens = int(traj.mask_B_T.sum())
+        trainer.update(traj)
+    trainer.step += 1
+    return time.perf_counter() - t0, tokens
+
+
+def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0):
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                                     for r in rows])
+    cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+        max_completion_length=L, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, beta=0.0,
+        loss_type="dapo", epsilon=0.2, scale_rewards="group", num_iterations=1, use_vllm=False, report_to=[],
+        bf16=False, fp16=False, gradient_checkpointing=False, lr_scheduler_type="constant", optim="adamw_torch",
+        weight_decay=0.0, max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=seed, use_cpu=not cuda, dataloader_num_workers=0)
+    reward = _TokenCountingReward()
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
+                          callbacks=list(callbacks))
+    return trainer, reward
+
+
+def _interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward, ours_trainer):
+    from transformers import TrainerCallback
+
+    class Interleave(TrainerCallback):
+        t0 = 0.0
+
+        def _ours(self):
+            dt, n = ours_step(ours_trainer)
+            ours_times.append(dt)
+            ours_tokens.append(n)
+
+        def on_step_begin(self, args, state, control, **kw):
+            if ours_trainer is not None and state.global_step % 2 == 1:
+                self._ours()
+            gc.collect()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            trl_times.append(time.perf_counter() - self.t0)
+            trl_tokens.append(reward.last_tokens)
+            # global_step was incremented before on_step_end: step k (0-based) is global_step - 1
+            if ours_trainer is not None and (state.global_step - 1) % 2 == 0:
+                gc.collect()
+                self._ours()
+
+    return Interleave()
+
+
+# ----------------------------------------------------------------------------- measurements
+def throughput(kind: str, P: int, G: int, L: int, steps: int, eval_rows: int = 0, seed: int = 0) -> dict:
+    """Both trainers in this process, steps interleaved; optional held-out greedy accuracy afterwards."""
+    from unialign.text.embedded import arithmetic_dataset, evaluate_accuracy
+
+    base, tok = build_model(kind, seed)
+    rows = train_rows()
+    res: dict = {"kind": kind, "P": P, "G": G, "L": L, "steps": steps, "params": sum(p.numel() for p in base.parameters())}
+    test = arithmetic_dataset("test", n=eval_rows) if eval_rows else []
+    if test:
+        res["acc_before"] = evaluate_accuracy(copy.deepcopy(base), tok, test)
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(seed)
+        ours = make_ours(copy.deepcopy(base), copy.deepcopy(tok), rows, P, G, L, steps, os.path.join(d, "ours"), seed)
+        trl_times, trl_tokens, ours_times, ours_tokens = [], [], [], []
+        cb_holder = {}
+        trl_model = copy.deepcopy(base)
+        trainer, reward = make_trl(trl_model, copy.deepcopy(tok), rows, P, G, L, steps, os.path.join(d, "trl"),
+                                   seed=seed)
+        cb = _interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward, ours)
+        trainer.add_callback(cb)
+        cb_holder["cb"] = cb
+        trainer.train()
+        if test:
+            res["acc_ours"] = evaluate_accuracy(ours.policy.model, tok, test)
+            res["acc_trl"] = evaluate_accuracy(trainer.model, tok, test)
+            res["eval_rows"] = len(test)
+    res.update(trl_times=trl_times, trl_tokens=trl_tokens, ours_times=ours_times, ours_tokens=ours_tokens)
+    tps = lambda ts, ns: [n / t for t, n in zip(ts[1:], ns[1:]) if t > 0]  # noqa: E731  (drop warm-up)
+    res["ours_tok_s"] = median(tps(ours_times, ours_tokens))
+    res["trl_tok_s"] = median(tps(trl_times, trl_tokens))
+    res["ours_step_s"] = median(ours_times[1:])
+    res["trl_step_s"] = median(trl_times[1:])
+    return res
+
+
+def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed: int = 0) -> dict:
+    """One trainer alone (run in a fresh process): peak RSS over ``steps`` steps minus RSS after imports."""
+    torch.manual_seed(seed)
+    _imports()
+    rows = train_rows()
+    rss_tracks_tensors()
+    gc.collect()
+    rss0 = rss_bytes()
+    reset_peak_rss()
+    base, tok = build_model(kind, seed)
+    with tempfile.TemporaryDirectory() as d:
+        if impl == "ours":
+            tr = make_ours(base, tok, rows, P, G, L, steps, d, seed)
+            for _ in range(steps):
+                ours_step(tr)
+        else:
+            tr, _ = make_trl(base, tok, rows, P, G, L, steps, d, seed=seed)
+            tr.train()
+    peak = peak_rss_bytes()
+    return {"impl": impl, "peak_rss_bytes": peak, "rss_after_imports": rss0, "peak_delta_bytes": peak - rss0}
+
+
+def run(quick: bool = False) -> list[dict]:
+    P, G, L = (4 if quick else 8), 8, 24
+    steps = 3 if quick else 8
+    kinds = ["random"] + (["arith"] if arith_available() else [])
+    rows = []
+    for kind in kinds:
+        tag = "P2" if kind == "random" else "P2-arith"
+        model_desc = (f"random-init Llama h{RANDOM_DIMS['hidden']} x{RANDOM_DIMS['layers']}L" if kind == "random"
+                      else "embedded arith_lm")
+        eval_rows = 0 if kind == "random" else (64 if quick else 256)
+        st = steps if kind == "random" else (3 if quick else 10)
+        common = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, dapo/token-mean, "
+                  f"lr {LR}, {st} steps (median of steps 2..{st}; interleaved in one process); CPU fp32")
+        try:
+            r = throughput(kind, P, G, L, st, eval_rows=eval_rows)
+            rows.append(row(f"{tag}-tput", "GRPO completion tokens/s (sample+score+update)", r["ours_tok_s"],
+                            r["trl_tok_s"], "tok/s", "higher", 1.5, common,
+                            ours_step_s=r["ours_step_s"], baseline_step_s=r["trl_step_s"], raw=r))
+            if eval_rows:
+                rows.append(row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({r['eval_rows']} rows)",
+                                r["acc_ours"], r["acc_trl"], "frac", "higher", None,
+                                f"before training: {r['acc_before']:.3f}; few steps on CPU, so this only checks "
+                                "that both learn comparably (data order differs: TRL shuffles its own way)"))
+        except Exception as e:  # noqa: BLE001
+            rows.append(error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
+        mem_steps = 2 if quick else 3
+        m = {impl: run_child("p2_grpo", "memory_child", dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps))
+             for impl in ("ours", "trl")}
+        if any("error" in v for v in m.values()):
+            rows.append(error_row(f"{tag}-mem", "GRPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
+        else:
+            rows.append(row(f"{tag}-mem", "GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
+                            m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
+                            f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus "
+                            "RSS after importing both libraries; informative (no target)",
+                            ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=1, default=str))

@@ -1,0 +1,112 @@
+"""Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md.
+
+    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~20 min on 2 CPU cores
+    .venv/bin/python benchmarks/run.py --output /tmp/b.json --quick          # ~3-5 min smoke version
+    .venv/bin/python benchmarks/run.py --output b.json --only P2,P4          # a subset
+    .venv/bin/python benchmarks/run.py --output b.json --full                # P1 at the issue's full size
+
+Rows (see benchmarks/README.md): P1 token log-prob + entropy fwd+bwd vs TRL's materialised logits;
+P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sampling with log-prob
+recording vs plain diffusers; P5 Diffusion-DPO memory with the adapter-disabled reference vs a frozen
+copy. JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
+"target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import error_row, machine_info, markdown_table, row  # noqa: E402
+
+MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
+           "P5": "p5_diffusion_dpo_memory"}
+
+
+def p1_rows(quick: bool, full: bool) -> list[dict]:
+    """P1 through benchmarks.logprob.run(): ours (chunked token_logprobs) vs TRL's selective_log_softmax +
+    entropy_from_logits on materialised logits, plus the bare matmul floor."""
+    from benchmarks import logprob
+
+    # CPU sizing: one fwd+bwd at T=1024 is ~0.8 TFLOP per method (~40 s here), so the CPU default is T=64
+    T = 1024 if full else (16 if quick else 64)
+    repeats = 2 if quick else 3
+    methods = ("ours", "trl", "floor")
+    raw = logprob.run(repeats, tokens=T, methods=methods)
+    by = {r["id"]: r for r in raw}
+    t, m = by["P1-time"], by["P1-mem"]
+    size = (f"B x T = 4 x {T}, V 151936, H 896 (Qwen2.5-0.5B lm_head), fp32"
+            + ("" if T == 1024 else f"; T reduced from 1024 on CPU (--full for the issue's size)"))
+    floor_note = f"floor (bare h@W^T fwd+bwd) {t['floor_s']:.3f} s, ours/floor {t['floor_ratio']:.2f} (target 1.4)"
+    return [
+        row("P1-time", "log-prob+entropy fwd+bwd time", t["ours_s"], t["baseline_trl_s"], "s", "lower", 1.0,
+            f"{size}; median of {repeats}, interleaved after warm-up; {floor_note}",
+            floor_s=t["floor_s"], floor_ratio=t["floor_ratio"]),
+        row("P1-mem", "log-prob+entropy activation memory", m["ours_bytes_upper"], m["baseline_trl_bytes"], "bytes",
+            "lower", 1 / 8, f"{size}; {m['mem_method']}; ours incl. the grad_W tile bound "
+            f"({(m['ours_bytes_upper'] - m['ours_bytes']) / 2**20:.0f} MiB; at reduced T it dominates, the 1/8 target "
+            f"is for T=1024)", floor_bytes=m["floor_bytes"], ours_bytes_measured=m["ours_bytes"]),
+    ]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", required=True, help="JSON path; the markdown table goes next to it (.md)")
+    p.add_argument("--quick", action="store_true", help="smoke version (~3-5 min)")
+    p.add_argument("--full", action="store_true", help="P1 at full size (T=1024)")
+    p.add_argument("--only", default="", help="comma-separated row groups, e.g. P2,P4")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    a = p.parse_args(argv)
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    want = [k for k in MODULES if not a.only or k in a.only.split(",")]
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine_info(), "mode": "quick" if a.quick else ("full" if a.full else "default"),
+              "rows": [], "timings_s": {}}
+    t_all = time.perf_counter()
+    for key in want:
+        t0 = time.perf_counter()
+        print(f"[bench] {key} ...", file=sys.stderr, flush=True)
+        try:
+            rows = p1_rows(a.quick, a.full) if key == "P1" else \
+                importlib.import_module(f"benchmarks.{MODULES[key]}").run(quick=a.quick)
+        except Exception as e:  # noqa: BLE001 - a failing comparison is a row, not a crash
+            rows = [error_row(key, key, e)]
+        result["rows"].extend(rows)
+        result["timings_s"][key] = round(time.perf_counter() - t0, 1)
+        for r in rows:
+            print(f"[bench] {r['id']}: ours={r.get('ours')} baseline={r.get('baseline')} ratio={r.get('ratio')} "
+                  f"target={r.get('target_ratio')} {r.get('notes', '')[:80]}", file=sys.stderr, flush=True)
+        _write(out, result)  # keep partial results
+    result["seconds"] = round(time.perf_counter() - t_all, 1)
+    _write(out, result)
+    print(markdown_table(result["rows"]))
+    return result
+
+
+def _write(out: Path, result: dict) -> None:
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    mach = result["machine"]
+    head = (f"Machine: {mach.get('cpu')} ({mach.get('affinity_cpus')} CPUs, torch threads {mach.get('torch_threads')}), "
+            f"torch {mach.get('torch')}, transformers {mach.get('transformers')}, trl {mach.get('trl')}, "
+            f"diffusers {mach.get('diffusers')}, peft {mach.get('peft')}; mode {result.get('mode')}\n\n")
+    out.with_suffix(".md").write_text(head + markdown_table(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()
