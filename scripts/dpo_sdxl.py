@@ -50,6 +50,7 @@ class DiffusionDPOConfig(PreferenceConfig):
     eval_split: str = "validation"
     num_eval: int = 256
     pairs_per_prompt: int = 4
+    num_prompts: int | None = field(default=None, metadata={"help": "embedded: use only the first N training captions"})
     eval_pairs_per_prompt: int = field(default=2, metadata={"help": "embedded: held-out pairs per training caption"})
     min_gap: float = field(default=0.02, metadata={"help": "embedded: gold-score gap below which a pair is a tie"})
     eval_timestep_samples: int = field(
@@ -109,7 +110,7 @@ def main(cfg: DiffusionDPOConfig) -> dict:
         policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, vae_name_or_path=cfg.vae_name_or_path,
                                                  torch_dtype=cfg.torch_dtype, **opts)
     if cfg.dataset_name == "embedded":  # AI feedback: two samples per caption, the higher gold score wins
-        train_prompts = emb.prompts("train")
+        train_prompts = emb.prompts("train")[:cfg.num_prompts]
         train_rows = synthetic_pairs(policy, train_prompts, emb.gold_score, cfg.pairs_per_prompt, cfg.seed + 1,
                                      cfg.min_gap)
         eval_rows = synthetic_pairs(policy, train_prompts, emb.gold_score, cfg.eval_pairs_per_prompt, cfg.seed + 2,

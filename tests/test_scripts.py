@@ -78,3 +78,19 @@ def test_reward_model_then_ppo_two_steps(tmp_path):
                      "--report_to", "none"])
     s = check_summary(tmp_path / "ppo", "accuracy")
     assert math.isfinite(s["rm_before"]) and math.isfinite(s["rm_after"])
+
+
+def test_ddpo_aesthetic_two_steps(tmp_path):
+    run("ddpo_aesthetic", ["--max_steps", "2", "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",
+                           "--micro_batch_size", "8", "--output_dir", str(tmp_path), "--report_to", "none"])
+    s = check_summary(tmp_path, "reward")
+    assert {"before_std", "gold_before", "gold_after"} <= set(s)
+    assert (tmp_path / "grid_before.png").exists() and (tmp_path / "grid_after.png").exists()
+
+
+def test_dpo_sdxl_two_steps(tmp_path):
+    run("dpo_sdxl", ["--max_steps", "2", "--num_prompts", "4", "--pairs_per_prompt", "2", "--eval_pairs_per_prompt", "2",
+                     "--min_gap", "0", "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "1",
+                     "--output_dir", str(tmp_path), "--report_to", "none"])
+    s = check_summary(tmp_path, "gold_score")
+    assert abs(s["first_loss"] - math.log(2)) < 1e-4
