@@ -35,7 +35,6 @@ import argparse
 import copy
 import gc
 import json
-import math
 import os
 import sys
 import tempfile

@@ -42,8 +42,16 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (error_row, median, peak_rss_bytes, reset_peak_rss, row, rss_bytes,
-                               rss_tracks_tensors, run_child)
+from benchmarks.common import (
+    error_row,
+    median,
+    peak_rss_bytes,
+    reset_peak_rss,
+    row,
+    rss_bytes,
+    rss_tracks_tensors,
+    run_child,
+)
 
 LR = 5e-4  # the embedded default's GRPO lr (scripts/grpo_math.py)
 RANDOM_DIMS = dict(hidden=128, layers=4, heads=4, intermediate=512)  # the arith_lm architecture

@@ -33,8 +33,16 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (error_row, median, peak_rss_bytes, reset_peak_rss, row, rss_bytes,
-                               rss_tracks_tensors, run_child)
+from benchmarks.common import (
+    error_row,
+    median,
+    peak_rss_bytes,
+    reset_peak_rss,
+    row,
+    rss_bytes,
+    rss_tracks_tensors,
+    run_child,
+)
 from benchmarks.p2_grpo import RANDOM_DIMS, build_model
 
 LR = 1e-5

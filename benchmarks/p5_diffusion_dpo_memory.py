@@ -25,8 +25,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sd_parts
-from benchmarks.common import (error_row, peak_rss_bytes, reset_peak_rss, row, rss_bytes, rss_tracks_tensors,
-                               run_child)
+from benchmarks.common import (
+    error_row,
+    peak_rss_bytes,
+    reset_peak_rss,
+    row,
+    rss_bytes,
+    rss_tracks_tensors,
+    run_child,
+)
 
 BETA = 5000.0
 

@@ -48,7 +48,7 @@ def p1_rows(quick: bool, full: bool) -> list[dict]:
     by = {r["id"]: r for r in raw}
     t, m = by["P1-time"], by["P1-mem"]
     size = (f"B x T = 4 x {T}, V 151936, H 896 (Qwen2.5-0.5B lm_head), fp32"
-            + ("" if T == 1024 else f"; T reduced from 1024 on CPU (--full for the issue's size)"))
+            + ("" if T == 1024 else "; T reduced from 1024 on CPU (--full for the issue's size)"))
     floor_note = f"floor (bare h@W^T fwd+bwd) {t['floor_s']:.3f} s, ours/floor {t['floor_ratio']:.2f} (target 1.4)"
     return [
         row("P1-time", "log-prob+entropy fwd+bwd time", t["ours_s"], t["baseline_trl_s"], "s", "lower", 1.0,
