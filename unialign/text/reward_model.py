@@ -66,7 +66,9 @@ class RewardModel:
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _scores(self, enc: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(**enc).logits.squeeze(-1).float()
+        # position ids follow the attention mask (left padding), as in generation and the policy
+        position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return self.model(**enc, position_ids=position_ids).logits.squeeze(-1).float()
 
     @torch.no_grad()
     def score(self, prompts: list[Any], completions: list[Any], batch_size: int = 64) -> torch.Tensor:
