@@ -33,7 +33,7 @@ right often enough when sampling that a group of 8 usually contains a correct an
 SFT reaches that state only in a narrow, steep window of steps (measured: held-out greedy 28 % after
 200 steps, 66 % after 280), too fragile to ship. So ``build`` trains long enough to learn the digit
 steps well, with **noisy labels**: each time a training row that needs a carry is used, with
-probability ``carry_drop`` (default 0.6) its SFT target forgets the ``+1``
+probability ``carry_drop`` (default 0.4) its SFT target forgets the ``+1``
 (``"7+8=15,4+3=7\\n#### 75"``: a plausible, wrong answer). The model therefore learns P(carry) of about
 0.4 on carry problems: its greedy answer is usually wrong exactly when a carry is needed (about 45 %
 of problems), while the right answer keeps high probability (pass@8 at temperature 1: 79 %).
@@ -340,7 +340,7 @@ def _collate(batch: list[tuple[list[int], int]], pad_id: int):
 DEFAULT_STEPS = 280
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
-DEFAULT_CARRY_DROP = 0.6
+DEFAULT_CARRY_DROP = 0.4
 
 
 def _operands(answer: str) -> tuple[int, int]:
