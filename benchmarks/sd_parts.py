@@ -19,16 +19,7 @@ MAX_LEN = 16
 BOS, EOS = 514, 515
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
-
+from unialign.image.embedded import _bytes_to_unicode  # noqa: E402  (CLIP byte map, one copy)
 
 _TOK_DIR: Path | None = None
 

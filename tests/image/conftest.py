@@ -20,16 +20,7 @@ MAX_LEN = 8
 BOS, EOS = 514, 515  # ids of <|startoftext|>, <|endoftext|> in the tiny vocabulary below
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 / CLIP byte -> printable unicode map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
+from unialign.image.embedded import _bytes_to_unicode  # noqa: E402  (CLIP byte map, one copy)
 
 
 @pytest.fixture(scope="session")
