@@ -6,11 +6,55 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 CHECKPOINT_PREFIX = "checkpoint-"
+
+
+@dataclass
+class TrainConfig:
+    """Fields every loop shares: optimisation, schedule, seeding, logging and checkpoints."""
+
+    max_steps: int = 100
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; tiny models run fastest on 1
+    output_dir: str = "outputs/run"
+    logging_steps: int = 1
+    save_steps: int = 0
+    save_total_limit: int = 2
+    report_to: str = "tensorboard"
+    resume_from_checkpoint: str | None = None
+
+
+def make_optimizer(params, cfg: TrainConfig):
+    """AdamW and its LambdaLR schedule from a ``TrainConfig``."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps))
+    return optimizer, scheduler
+
+
+def epoch_order(cursor: int, n: int, count: int, seed: int) -> list[int]:
+    """Row indices ``cursor .. cursor + count`` of an endless stream of epochs, each a permutation of
+    ``range(n)`` seeded by (seed, epoch): the same on every process and after a resume."""
+    out = []
+    for c in range(cursor, cursor + count):
+        epoch, pos = divmod(c, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+        out.append(int(perm[pos]))
+    return out
 
 
 def atomic_replace_dir(tmp_dir: Path, final_dir: Path) -> None:

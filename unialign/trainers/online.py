@@ -40,12 +40,20 @@ from unialign import algos
 from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
 from unialign.rewards.base import CombinedReward
-from unialign.trainers.common import find_checkpoint, load_checkpoint, lr_lambda, save_checkpoint, save_curves
+from unialign.trainers.common import (
+    TrainConfig,
+    epoch_order,
+    find_checkpoint,
+    load_checkpoint,
+    make_optimizer,
+    save_checkpoint,
+    save_curves,
+)
 from unialign.types import Trajectory
 
 
 @dataclass
-class OnlineConfig:
+class OnlineConfig(TrainConfig):
     """Knobs of the on-policy loop. Algorithm fields left at ``None`` take the preset's value."""
 
     algorithm: str = "grpo"
@@ -54,24 +62,8 @@ class OnlineConfig:
     micro_batch_size: int = 32
     num_mini_batches: int = 1
     max_steps: int = 50
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    lr_scheduler_type: str = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
     max_completion_length: int | None = None
     max_generation_rounds: int = 3
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; tiny models run fastest on 1
-    output_dir: str = "outputs/run"
-    logging_steps: int = 1
-    save_steps: int = 0
-    save_total_limit: int = 2
-    report_to: str = "tensorboard"
-    resume_from_checkpoint: str | None = None
     ratio_check_tol: float | None = None
     # algorithm overrides (TRL names)
     epsilon: float | None = None
@@ -127,10 +119,7 @@ class OnlineTrainer:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         params = list(policy.trainable_parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
-                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(config.lr_scheduler_type, config.warmup_steps, config.max_steps))
+        self.optimizer, self.scheduler = make_optimizer(params, config)
         policy.model, self.optimizer, self.scheduler = self.acc.prepare(policy.model, self.optimizer, self.scheduler)
         self.stat_tracker = algos.PerPromptStatTracker(self.spec.stat_buffer_size, self.spec.stat_min_count)
         self.kl_ctl = algos.AdaptiveKLController(self.spec.beta, self.spec.kl_target, self.spec.kl_horizon)
@@ -142,13 +131,9 @@ class OnlineTrainer:
     # ------------------------------------------------------------------ data
     def _next_prompts(self) -> list[int]:
         """Global row indices for this step (same on every process): an epoch-seeded permutation."""
-        n, out = len(self.rows), []
-        for _ in range(self.cfg.prompts_per_step):
-            epoch, pos = divmod(self.cursor, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch))
-            out.append(int(perm[pos]))
-            self.cursor += 1
-        return out
+        ids = epoch_order(self.cursor, len(self.rows), self.cfg.prompts_per_step, self.cfg.seed)
+        self.cursor += len(ids)
+        return ids
 
     def _sample_groups(self, row_ids: list[int]) -> Trajectory:
         G = self.cfg.num_generations

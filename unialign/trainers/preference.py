@@ -30,31 +30,23 @@ from accelerate.utils import gather, set_seed
 from tqdm.auto import tqdm
 
 from unialign import algos
-from unialign.trainers.common import find_checkpoint, load_checkpoint, lr_lambda, save_checkpoint, save_curves
+from unialign.trainers.common import (
+    TrainConfig,
+    epoch_order,
+    find_checkpoint,
+    load_checkpoint,
+    make_optimizer,
+    save_checkpoint,
+    save_curves,
+)
 from unialign.types import PreferenceBatch
 
 
 @dataclass
-class PreferenceConfig:
+class PreferenceConfig(TrainConfig):
     batch_size: int = 16
     micro_batch_size: int = 8
-    max_steps: int = 100
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    lr_scheduler_type: str = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; tiny models run fastest on 1
     output_dir: str = "outputs/preference"
-    logging_steps: int = 1
-    save_steps: int = 0
-    save_total_limit: int = 2
-    report_to: str = "tensorboard"
-    resume_from_checkpoint: str | None = None
     eval_batch_size: int = 32
 
 
@@ -159,24 +151,16 @@ class PreferenceTrainer:
         set_seed(config.seed)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        params = list(objective.parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
-                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(config.lr_scheduler_type, config.warmup_steps, config.max_steps))
+        self.optimizer, self.scheduler = make_optimizer(list(objective.parameters()), config)
         prepared, self.optimizer, self.scheduler = self.acc.prepare(objective.model, self.optimizer, self.scheduler)
         _set_model(objective, prepared)
         self.step, self.cursor, self.history = 0, 0, []
         self.counters = {"skipped_steps": 0}
 
     def _next_rows(self) -> list[int]:
-        n, out = len(self.rows), []
-        for _ in range(self.cfg.batch_size):
-            epoch, pos = divmod(self.cursor, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch))
-            out.append(int(perm[pos]))
-            self.cursor += 1
-        return out
+        ids = epoch_order(self.cursor, len(self.rows), self.cfg.batch_size, self.cfg.seed)
+        self.cursor += len(ids)
+        return ids
 
     def train_step(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
