@@ -10,7 +10,7 @@ held-out implicit accuracy before/after and the first logged loss; loss_curve.pn
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from unialign.config import exit_on_user_error, parse_config
@@ -18,7 +18,7 @@ from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
 from unialign.text.data import gsm8k_prompts
 from unialign.text.preference import normalize_pairs, wrong_answer_pairs
-from unialign.trainers import write_json_atomic
+from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
 
 
@@ -88,13 +88,8 @@ def main(cfg: DPOTextConfig) -> dict:
                "after": acc_after if embedded else implicit_after,
                "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
                "first_loss": history[0]["loss"] if history else None, "steps": trainer.step,
-               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out),
-               "config": {k: v for k, v in asdict(cfg).items() if v is not None}}
-    if trainer.acc.is_main_process:
-        policy.save(str(Path(cfg.output_dir) / "final"))
-        write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
-        trainer.acc.print({k: v for k, v in summary.items() if k != "config"})
-    return summary
+               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out)}
+    return finish_run(trainer.acc, cfg, summary, policy.save)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ TensorBoard logs and checkpoints (resume with --resume_from_checkpoint latest).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
 from unialign.rewards import CombinedReward, get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
 from unialign.text.data import gsm8k_prompts
-from unialign.trainers import OnlineConfig, OnlineTrainer, write_json_atomic
+from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
 
 SYSTEM_GSM8K = ("Solve the problem step by step. End your answer with a final line of the form "
                 "'#### <number>'.")
@@ -90,12 +89,8 @@ def main(cfg: GRPOMathConfig) -> dict:
     trainer.acc.print(f"held-out greedy accuracy after:  {after:.3f}")
     summary = {"metric": "accuracy", "before": before, "after": after, "steps": trainer.step,
                "wall_seconds": time.time() - start, "num_eval": len(eval_rows),
-               "final_train_reward": history[-1].get("reward/mean") if history else None,
-               "config": {k: v for k, v in asdict(cfg).items() if v is not None}}
-    if trainer.acc.is_main_process:
-        policy.save(str(Path(cfg.output_dir) / "final"))
-        write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
-    return summary
+               "final_train_reward": history[-1].get("reward/mean") if history else None}
+    return finish_run(trainer.acc, cfg, summary, policy.save)
 
 
 if __name__ == "__main__":

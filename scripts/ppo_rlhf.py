@@ -12,14 +12,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from unialign.config import exit_on_user_error, parse_config
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
 from unialign.text.data import gsm8k_prompts
-from unialign.trainers import OnlineConfig, OnlineTrainer, write_json_atomic
+from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
 
 
 @dataclass
@@ -81,12 +81,8 @@ def main(cfg: PPOConfig) -> dict:
     acc_after = evaluate.greedy_score(policy, eval_rows, accuracy, cfg.eval_batch_size)
     summary = {"metric": "accuracy", "before": acc_before, "after": acc_after, "rm_before": rm_before,
                "rm_after": rm_after, "steps": trainer.step, "wall_seconds": time.time() - start,
-               "num_eval": len(eval_rows), "config": {k: v for k, v in asdict(cfg).items() if v is not None}}
-    if trainer.acc.is_main_process:
-        policy.save(str(Path(cfg.output_dir) / "final"))
-        write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
-        trainer.acc.print({k: v for k, v in summary.items() if k != "config"})
-    return summary
+               "num_eval": len(eval_rows)}
+    return finish_run(trainer.acc, cfg, summary, policy.save)
 
 
 if __name__ == "__main__":

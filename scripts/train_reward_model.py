@@ -10,14 +10,13 @@ stock ``*ForSequenceClassification`` checkpoint usable as ``get_reward("reward_m
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
 from unialign.text import load_rows
 from unialign.text.preference import normalize_pairs, wrong_answer_pairs
 from unialign.text.reward_model import RewardModel
-from unialign.trainers import write_json_atomic
+from unialign.trainers import finish_run
 from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig, PreferenceTrainer
 
 
@@ -65,13 +64,8 @@ def main(cfg: RewardModelConfig) -> dict:
     trainer.train()
     after = trainer.evaluate(held_out)["accuracy"]
     summary = {"metric": "pairwise_accuracy", "before": before, "after": after, "steps": trainer.step,
-               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out),
-               "config": {k: v for k, v in asdict(cfg).items() if v is not None}}
-    if trainer.acc.is_main_process:
-        rm.save(str(Path(cfg.output_dir) / "final"))
-        write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
-        trainer.acc.print({k: v for k, v in summary.items() if k != "config"})
-    return summary
+               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out)}
+    return finish_run(trainer.acc, cfg, summary, rm.save)
 
 
 if __name__ == "__main__":

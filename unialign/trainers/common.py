@@ -6,7 +6,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -76,6 +76,18 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=float))
     os.replace(tmp, path)
+
+
+def finish_run(acc, cfg, summary: dict, save) -> dict:
+    """End of a script: on the main process, ``save(<output_dir>/final)`` (stock-loadable weights), write
+    ``summary.json`` with the run's config added, and print the summary. Returns the summary."""
+    summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
+    if acc.is_main_process:
+        out = Path(cfg.output_dir)
+        save(str(out / "final"))
+        write_json_atomic(out / "summary.json", summary)
+        acc.print({k: v for k, v in summary.items() if k != "config"})
+    return summary
 
 
 def find_checkpoint(output_dir: str | Path, which: str) -> Path | None:
