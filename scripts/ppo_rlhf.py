@@ -38,13 +38,17 @@ class PPOConfig(OnlineConfig):
     max_new_tokens: int = 24
     temperature: float = 1.0
     lora_rank: int = 0
+    value_head: str = field(default="shared", metadata={
+        "help": "critic: 'shared' (head on the policy backbone), 'separate' (own backbone copy) or a "
+                "sequence-classification checkpoint such as the reward model"})
     torch_dtype: str = "float32"
     algorithm: str = "ppo"
     num_generations: int = 1
     prompts_per_step: int = 64
     micro_batch_size: int = 64
-    learning_rate: float = 2e-4
-    beta: float | None = 0.02
+    learning_rate: float = 1e-4
+    beta: float | None = field(default=0.5, metadata={
+        "help": "KL coefficient in the reward; the embedded default needs 0.5 (reward hacking below, see README)"})
     max_steps: int = 40
     num_threads: int | None = 1
     output_dir: str = "outputs/ppo_rlhf"
@@ -70,7 +74,7 @@ def main(cfg: PPOConfig) -> dict:
     eval_rows = gsm8k_prompts(load_rows(cfg.dataset_name, cfg.eval_split, cfg.dataset_config), "eval")[:cfg.num_eval]
     policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
-                                            temperature=cfg.temperature, value_head=True)
+                                            temperature=cfg.temperature, value_head=cfg.value_head)
     rm = get_reward("reward_model", path=str(rm_path))
     accuracy = get_reward("math_accuracy")
     trainer = OnlineTrainer(policy, rm, train, cfg)

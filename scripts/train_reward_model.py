@@ -12,9 +12,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from accelerate.utils import set_seed
+
 from unialign.config import exit_on_user_error, parse_config
 from unialign.text import load_rows
-from unialign.text.preference import normalize_pairs, wrong_answer_pairs
+from unialign.text.embedded import preference_pairs
+from unialign.text.preference import normalize_pairs
 from unialign.text.reward_model import RewardModel
 from unialign.trainers import finish_run
 from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig, PreferenceTrainer
@@ -36,7 +39,7 @@ class RewardModelConfig(PreferenceConfig):
     batch_size: int = 32
     micro_batch_size: int = 32
     learning_rate: float = 1e-3
-    max_steps: int = 80
+    max_steps: int = 150
     num_threads: int | None = 1
     output_dir: str = "outputs/reward_model"
 
@@ -51,9 +54,10 @@ PRESETS = {
 
 def main(cfg: RewardModelConfig) -> dict:
     start = time.time()
+    set_seed(cfg.seed)  # the new score head is initialised below
     if cfg.dataset_name == "embedded":
-        train = wrong_answer_pairs(load_rows("embedded", "train"), cfg.seed)
-        held_out = wrong_answer_pairs(load_rows("embedded", "test")[:cfg.num_eval], cfg.seed + 1)
+        train = preference_pairs("train", seed=cfg.seed)
+        held_out = preference_pairs("test", n=cfg.num_eval, seed=cfg.seed + 1)
     else:
         train = load_rows(cfg.dataset_name, cfg.train_split, cfg.dataset_config)
         held_out = load_rows(cfg.dataset_name, cfg.eval_split, cfg.dataset_config)[:cfg.num_eval]

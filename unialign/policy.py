@@ -24,9 +24,12 @@ class Policy(Protocol):
 
     model: torch.nn.Module
 
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
         """Sample one trajectory per prompt (repeat prompts for groups), recording
-        ``old_logp_B_T`` and ``mask_B_T``; no gradients."""
+        ``old_logp_B_T`` and ``mask_B_T``; no gradients. With ``record_logp=False`` a policy whose
+        log-probs cost an extra forward may leave ``old_logp_B_T`` None: the trainer asks so only when
+        the batch gets exactly one optimizer step, where old log-probs equal the first forward's, detached."""
         ...
 
     def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:

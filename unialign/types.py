@@ -121,6 +121,9 @@ class PreferenceBatch:
     chosen, rejected: modality-specific payloads with leading B (token ids and masks; latents).
     margin_B: optional per-pair margin (reward models).
     payload:  anything shared by both sides (for diffusion: the timestep and noise of the pair).
+    chosen_length_B: how many units the chosen log-likelihood sums over (completion tokens for text),
+              to turn it into a per-unit NLL (RPO); ``None`` means 1 (the diffusion ELBO surrogate is
+              already a mean).
     """
 
     prompts: list[Any]
@@ -128,6 +131,7 @@ class PreferenceBatch:
     rejected: dict[str, Any]
     margin_B: Tensor | None = None
     payload: dict[str, Any] = field(default_factory=dict)
+    chosen_length_B: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

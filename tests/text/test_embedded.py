@@ -127,3 +127,25 @@ def test_tiny_build_writes_loadable_files(tmp_path):
     model2, _ = E.load_arith_lm(tmp_path / "again")
     for (n1, p1), (_, p2) in zip(model.state_dict().items(), model2.state_dict().items()):
         assert torch.equal(p1, p2), n1
+
+
+def test_preference_pairs_reject_a_wrong_self_consistent_answer_of_the_models_kinds():
+    pairs = E.preference_pairs("train", n=2000, seed=3)
+    kinds = {"carry": 0, "sum": 0}
+    for p in pairs:
+        a, b = E._operands(p["chosen"])
+        assert p["chosen"] == E.worked_answer(a, b)
+        m = _ANSWER.fullmatch(p["rejected"])
+        assert m is not None, p["rejected"]
+        ua, ub, u, ta, tb, plus1, t, final = m.groups()
+        assert (int(ua), int(ub), int(ta), int(tb)) == (a % 10, b % 10, a // 10, b // 10)
+        assert int(final) == int(t) * 10 + int(u) % 10  # self-consistent: the final follows its steps
+        assert int(final) != a + b  # and wrong
+        carry_right = (bool(plus1) == (a % 10 + b % 10 >= 10))
+        kinds["sum" if carry_right else "carry"] += 1
+        if carry_right:
+            assert int(u) != a % 10 + b % 10 or int(t) != a // 10 + b // 10 + bool(plus1)
+    assert abs(kinds["carry"] / len(pairs) - E.CARRY_ERROR_SHARE) < 0.05
+    assert E.preference_pairs("train", n=50, seed=3) == pairs[:50]  # deterministic per seed
+    test_ops = {E._operands(r["answer"]) for r in E.arithmetic_dataset("test")}
+    assert all(E._operands(p["chosen"]) in test_ops for p in E.preference_pairs("test", n=200))

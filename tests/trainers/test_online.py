@@ -49,7 +49,7 @@ def test_ratio_check_fails_loudly_when_sampling_and_training_disagree(tmp_path):
     trainer = make(tmp_path)
     sample = trainer.policy.sample
 
-    def skewed_sample(prompts, generator=None):
+    def skewed_sample(prompts, generator=None, record_logp=True):
         traj = sample(prompts)
         traj.old_logp_B_T = traj.old_logp_B_T - 0.1 * traj.mask_B_T
         return traj
@@ -57,6 +57,33 @@ def test_ratio_check_fails_loudly_when_sampling_and_training_disagree(tmp_path):
     trainer.policy.sample = skewed_sample
     with pytest.raises(RatioCheckError, match="differ from the sampling-time"):
         trainer.train()
+
+
+def test_single_step_batches_skip_the_scoring_forward_and_update_identically(tmp_path):
+    """After the first step's ratio check, one-optimizer-step batches take old log-probs from the
+    update's own forward (no scoring forward at sampling); the gradients equal the recorded path's."""
+    def run(name: str, force_record: bool):
+        trainer = make(tmp_path / name, max_steps=3)
+        sample, flags, steps = trainer.policy.sample, [], []
+
+        def spy(prompts, generator=None, record_logp=True):
+            flags.append(record_logp)
+            return sample(prompts, generator, record_logp=force_record or record_logp)
+
+        trainer.policy.sample = spy
+        grads = capture_gradients(trainer)
+        record = trainer.optimizer.step
+        trainer.optimizer.step = lambda *a, **k: (record(), steps.append(dict(grads)))
+        trainer.train()
+        return flags, steps
+
+    runs = {"skip": run("skip", False), "record": run("record", True)}
+    flags, steps = runs["skip"]
+    assert flags == [True, False, False]  # the first batch is recorded for the ratio-1 check
+    assert runs["record"][0] == [True, False, False]
+    for skip, rec in zip(steps, runs["record"][1]):
+        for k in rec:
+            assert_close(skip[k], rec[k])
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path):
@@ -179,3 +206,58 @@ def test_ppo_trains_a_value_head_with_kl_in_the_reward(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))  # stock load, no unexpected keys needed
+
+
+@pytest.mark.parametrize("critic", ["separate", "reward_model"])
+def test_ppo_with_a_separate_critic(tmp_path, critic):
+    """value_head='separate' (a copy of the backbone) or a reward-model checkpoint: the critic has its own
+    weights, only the value loss trains it, and it is saved beside (not inside) the policy."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model, tok = make_tiny_lm()
+    source = "separate"
+    if critic == "reward_model":
+        rm_dir = tmp_path / "rm"
+        torch.manual_seed(7)
+        config = make_tiny_lm()[0].config
+        config.num_labels, config.pad_token_id = 1, tok.pad_token_id
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(str(rm_dir))
+        source = str(rm_dir)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=8, value_head=source)
+    assert policy.value_head is None and policy.value_model is not None
+    traj = policy.sample([r["prompt"] for r in ROWS[:3]])
+    _, _, values = policy.log_prob_and_values(traj)
+    # independent: the critic's own forward on the concatenated prompt + completion, at the states
+    # before each completion token
+    payload = traj.payload
+    ids = torch.cat([payload["prompt_ids"], payload["completion_ids"]], 1)
+    mask = torch.cat([payload["prompt_mask"], payload["completion_mask"]], 1)
+    T = payload["completion_ids"].shape[1]
+    if critic == "reward_model":
+        seq = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+        hidden = seq.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state
+        want = seq.score(hidden).squeeze(-1)[:, -T - 1:-1]
+        assert_close(values, want * traj.mask_B_T)
+    else:
+        assert torch.equal(values, torch.zeros_like(values))  # zero-initialised head
+    body_before = {k: v.detach().clone() for k, v in policy.value_model.named_parameters()}
+    cfg = OnlineConfig(algorithm="ppo", num_generations=2, prompts_per_step=4, micro_batch_size=4, max_steps=2,
+                       report_to="none", output_dir=str(tmp_path / "run"), learning_rate=1e-2)
+    OnlineTrainer(policy, length_reward, ROWS, cfg).train()
+    moved = [k for k, v in policy.value_model.named_parameters() if not torch.equal(v, body_before[k])]
+    assert any(k.startswith("head") for k in moved) and any(k.startswith("body") for k in moved)
+    assert not hasattr(unwrap(policy.reference().model), "value_model")  # the reference copies no critic
+    policy.save(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "value_model.safetensors").exists()
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))  # stock load of the policy alone
+
+
+def test_critic_from_a_checkpoint_with_another_vocabulary_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "other"))
+    model, tok = make_tiny_lm()
+    with pytest.raises(ValueError, match="vocabulary"):
+        CausalLMPolicy(model, tok, value_head=str(tmp_path / "other"))

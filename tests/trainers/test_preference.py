@@ -109,3 +109,54 @@ def test_normalize_pairs_formats_and_errors():
         normalize_pairs([{"prompt": "x", "chosen": "", "rejected": "y"}])
     with pytest.raises(ValueError, match="row 0: field 'margin' must be a number"):
         normalize_pairs([{"prompt": "x", "chosen": "a", "rejected": "y", "margin": "big"}])
+
+
+def _unbatched_logp(model, tok, prompt_ids: list[int], completion: str) -> torch.Tensor:
+    """Sum of log p(completion token) for ONE unpadded sequence, straight from the logits."""
+    comp = tok(completion + tok.eos_token, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids + comp])
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp)[:, None]).sum()
+
+
+def test_chosen_and_rejected_of_unequal_lengths_share_one_forward_and_match_unpadded_logps():
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok)
+    rows = [{"prompt": "1+1?", "chosen": "2", "rejected": "two, surely"},
+            {"prompt": "what is 10+10?", "chosen": "twenty exactly", "rejected": "21"}]
+    batch = policy.preference_batch(rows)
+    calls = []
+    hook = model.register_forward_hook(lambda m, a, k, out: calls.append(k["input_ids"].shape[0]), with_kwargs=True)
+    with torch.no_grad():
+        c, r = policy.sequence_log_prob(batch)
+        c_mean, _ = policy.sequence_log_prob(batch, length_normalize=True)
+    hook.remove()
+    assert calls == [4, 4]  # one 2B forward per call
+    for i, row in enumerate(rows):
+        enc = policy._encode_prompts([row["prompt"]])
+        prompt_ids = enc["input_ids"][0][enc["attention_mask"][0].bool()].tolist()
+        with torch.no_grad():
+            want_c = _unbatched_logp(model, tok, prompt_ids, row["chosen"])
+            want_r = _unbatched_logp(model, tok, prompt_ids, row["rejected"])
+        assert_close(c[i], want_c)
+        assert_close(r[i], want_r)
+        n_tokens = len(tok(row["chosen"] + tok.eos_token, add_special_tokens=False)["input_ids"])
+        assert_close(c_mean[i], want_c / n_tokens)
+        assert float(batch.chosen_length_B[i]) == n_tokens
+
+
+def test_rpo_adds_the_per_token_nll_of_the_chosen_side():
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    rows = [{"prompt": "3+4?", "chosen": "7", "rejected": "eight"}, {"prompt": "5+5?", "chosen": "ten", "rejected": "9"}]
+    batch = policy.preference_batch(rows)
+    plain, _ = DPOObjective(policy, beta=0.5).losses(batch)
+    rpo, metrics = DPOObjective(policy, beta=0.5, rpo_alpha=0.7).losses(batch)
+    c, _ = policy.sequence_log_prob(batch)
+    lengths = torch.tensor([len(tok(r["chosen"] + tok.eos_token, add_special_tokens=False)["input_ids"]) for r in rows])
+    nll = -c / lengths  # Pang et al. 2024 eq. 3: -log pi(y_w|x) / |y_w|
+    assert_close(rpo, plain + 0.7 * nll)
+    assert_close(metrics["nll_loss"], nll.mean())

@@ -344,9 +344,11 @@ class DiffusionPolicy:
 
     # ------------------------------------------------------------------ Policy protocol
     @torch.no_grad()
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
         """Sample one image per prompt with the DDIM (eta > 0) sampler and CFG; record every latent,
-        the timesteps, the conditioning and each step's log-prob (see module docstring)."""
+        the timesteps, the conditioning and each step's log-prob (see module docstring). The log-probs
+        come free with each step, so ``record_logp`` is ignored."""
         return self._sample(self.model, prompts, generator)
 
     def _sample(self, unet, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
@@ -526,7 +528,8 @@ class _ReferencePolicy:
             finally:
                 self.policy.unet.enable_adapters()
 
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
         with self._frozen():
             return self.policy._sample(self.model, prompts, generator)
 

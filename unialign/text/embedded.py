@@ -123,6 +123,46 @@ def worked_answer(a: int, b: int, drop_carry: bool = False) -> str:
     return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {final}"
 
 
+CARRY_ERROR_SHARE = 0.6  # measured: 137 of the shipped model's 240 wrong greedy answers (512 held-out) drop the carry
+
+
+def wrong_worked_answer(a: int, b: int, rng: random.Random, carry_error: float = CARRY_ERROR_SHARE) -> str:
+    """A plausible wrong worked answer for ``a + b``, internally consistent (the ``#### N`` line is what
+    its own steps give), with the two kinds of mistake the shipped model makes:
+
+    * with probability ``carry_error`` a **carry error**: the ``+1`` dropped when the units reach 10,
+      or added when they do not (the shipped model's most common greedy mistake, see
+      ``CARRY_ERROR_SHARE``);
+    * otherwise a **digit-sum error**: the units or the tens step's result off by 1 or 2 (never
+      negative), the rest of the answer following from it.
+    """
+    ua, ub, ta, tb = a % 10, b % 10, a // 10, b // 10
+    u = ua + ub
+    carry = u >= 10
+    if rng.random() < carry_error:
+        carry = not carry
+    else:
+        delta = rng.choice([d for d in (-2, -1, 1, 2) if u + d >= 0])
+        if rng.random() < 0.5:
+            u += delta
+        else:
+            t_err = rng.choice([d for d in (-2, -1, 1, 2) if ta + tb + int(u >= 10) + d >= 0])
+            t = ta + tb + int(carry) + t_err
+            return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {t * 10 + u % 10}"
+    t = ta + tb + int(carry)
+    return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {t * 10 + u % 10}"
+
+
+def preference_pairs(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    """Preference pairs on the arithmetic task in TRL's standard format: ``prompt`` (the question),
+    ``chosen`` (the correct worked answer), ``rejected`` (``wrong_worked_answer``, drawn per row from
+    ``seed``). Held-out pairs (``split="test"``) use only held-out computations."""
+    rows = arithmetic_dataset(split, n=n, seed=seed)
+    rng = random.Random(f"pairs-{split}-{seed}")
+    return [{"prompt": r["question"], "chosen": r["answer"], "rejected": wrong_worked_answer(*_operands(r["answer"]), rng)}
+            for r in rows]
+
+
 def _rows(probs: list[tuple[str, int, int]], rng: random.Random) -> list[dict]:
     rows = []
     for _, a, b in probs:

@@ -53,8 +53,12 @@ class CausalLMPolicy:
         use_chat_template: bool = True,
         system_prompt: str | None = None,
         chunk_size: int = 1024,
-        value_head: bool = False,
+        value_head: bool | str = False,
     ):
+        """``value_head`` (PPO's critic): ``False``; ``True`` / ``"shared"``: a zero-initialised scalar
+        head on the policy's backbone; ``"separate"``: a critic with its own copy of the backbone;
+        any other string: a sequence-classification checkpoint (e.g. the reward model, as InstructGPT
+        initialises its value model) whose backbone and score head become the critic."""
         self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
                                        else unwrap(model), chunk_size)
         self.model = model
@@ -66,15 +70,18 @@ class CausalLMPolicy:
         self.max_prompt_length = max_prompt_length
         self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self.system_prompt = system_prompt
-        if value_head:  # PPO critic sharing the backbone: a scalar head on the last hidden state, zero-initialised
+        self.value_head: torch.nn.Module | None = None  # shared critic: a head on the policy's last hidden state
+        self.value_model: ValueModel | None = None       # separate critic: its own backbone and head
+        if value_head:
             base = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
-            if not hasattr(base, "value_head"):
-                base.value_head = torch.nn.Linear(base.config.hidden_size, 1, device=self.head.weight.device)
-                torch.nn.init.zeros_(base.value_head.weight)
-                torch.nn.init.zeros_(base.value_head.bias)
-            self.value_head = base.value_head
-        else:
-            self.value_head = None
+            if value_head in (True, "shared"):
+                if not hasattr(base, "value_head"):
+                    base.value_head = _zero_linear(base.config.hidden_size, self.head.weight.device)
+                self.value_head = base.value_head
+            else:  # attached to the policy's module, so the trainer's optimizer and wrapper see it
+                if not hasattr(base, "value_model"):
+                    base.value_model = ValueModel.build(base, value_head)
+                self.value_model = base.value_model
         self._frozen_copy: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- loading
@@ -154,9 +161,11 @@ class CausalLMPolicy:
         return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion,
                 "completion_mask": mask, "truncated": truncated, "texts": texts}
 
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None) -> Trajectory:
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
         """One sampled completion per prompt (repeat prompts for groups). ``generator`` is unused:
-        ``generate`` draws from torch's global RNG, which the trainer seeds and checkpoints."""
+        ``generate`` draws from torch's global RNG, which the trainer seeds and checkpoints.
+        ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None)."""
         g = self.generate(prompts)
         first: dict[str, int] = {}
         traj = Trajectory(
@@ -169,6 +178,9 @@ class CausalLMPolicy:
             payload={"prompt_ids": g["prompt_ids"], "prompt_mask": g["prompt_mask"],
                      "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"]},
         )
+        if not record_logp:
+            traj.old_logp_B_T = None
+            return traj
         with torch.no_grad():  # the unwrapped module: no DDP collectives while ranks sample independently
             logp, _, _ = self._forward(unwrap(self.model), traj.payload, False)
         traj.old_logp_B_T = logp * traj.mask_B_T
@@ -191,16 +203,20 @@ class CausalLMPolicy:
         # hidden states at positions L-T-1 .. L-1 predict tokens L-T .. L-1 (plus one unused final slot)
         targets = torch.cat([completion, completion[:, :1]], dim=1)
         head = unwrap(model).get_output_embeddings()
+        if with_values and self.value_head is None and self.value_model is None:
+            raise ValueError("this policy has no critic: build it with value_head=True / 'separate' (PPO)")
+        shared = with_values and self.value_head is not None
         with head.targets(targets, self.temperature):
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=T + 1, output_hidden_states=with_values, use_cache=False)
+                        logits_to_keep=T + 1, output_hidden_states=shared, use_cache=False)
         stats = out.logits[:, :-1].float()
         logp, entropy = stats[..., 0], stats[..., 1]
         values = None
-        if with_values:  # V(s_t): the state before completion token t, read where that token is predicted
-            if self.value_head is None:
-                raise ValueError("this policy has no value head: build it with value_head=True (PPO)")
+        # V(s_t): the state before completion token t, read where that token is predicted
+        if shared:
             values = self.value_head(out.hidden_states[-1][:, -T - 1:-1]).squeeze(-1).float()
+        elif with_values:
+            values = self.value_model(input_ids, attention_mask, position_ids)[:, -T - 1:-1].float()
         return logp, entropy, values
 
     def log_prob(self, trajectory: Trajectory, with_entropy: bool = False):
@@ -210,7 +226,8 @@ class CausalLMPolicy:
         return (logp, entropy * mask) if with_entropy else logp
 
     def log_prob_and_values(self, trajectory: Trajectory):
-        """(logp_B_T, entropy_B_T, values_B_T) in one forward (PPO with a value head on the backbone)."""
+        """(logp_B_T, entropy_B_T, values_B_T): one forward with a shared value head, two with a
+        separate critic."""
         logp, entropy, values = self._forward(self.model, trajectory.payload, True, with_values=True)
         mask = trajectory.mask_B_T.to(logp.device)
         return logp * mask, entropy * mask, values * mask
@@ -232,7 +249,7 @@ class CausalLMPolicy:
                           "completion_mask": c["attention_mask"].to(self.device)})
         margin = torch.tensor([r["margin"] for r in rows]) if all("margin" in r for r in rows) else None
         return PreferenceBatch(prompts=[r["prompt"] for r in rows], chosen=sides[0], rejected=sides[1],
-                               margin_B=margin)
+                               margin_B=margin, chosen_length_B=sides[0]["completion_mask"].sum(-1).float())
 
     def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):
         """Sum (or, with ``length_normalize``, mean) of completion-token log-probs of the chosen and
@@ -246,7 +263,8 @@ class CausalLMPolicy:
         if hasattr(base, "disable_adapter"):
             return _ReferencePolicy(self, base, base.disable_adapter)
         if self._frozen_copy is None:
-            self._frozen_copy = copy.deepcopy(base).eval().requires_grad_(False)
+            with _detached_critics(base):  # the reference never needs the critic: do not copy it
+                self._frozen_copy = copy.deepcopy(base).eval().requires_grad_(False)
         return _ReferencePolicy(self, self._frozen_copy, contextlib.nullcontext)
 
     # ---------------------------------------------------------------- params / io
@@ -255,20 +273,76 @@ class CausalLMPolicy:
 
     def save(self, path: str) -> None:
         """``save_pretrained`` of the model (or adapters) and tokenizer, loadable by stock transformers;
-        a value head is written beside it as ``value_head.safetensors``, not into the model's weights."""
+        a critic is written beside it (``value_head.safetensors`` / ``value_model.safetensors``), not
+        into the model's weights."""
         from safetensors.torch import save_file
 
         model = unwrap(self.model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        head = base._modules.pop("value_head", None)
-        try:
+        with _detached_critics(base) as critics:
             model.save_pretrained(path)
-        finally:
-            if head is not None:
-                base.value_head = head
         self.tokenizer.save_pretrained(path)
-        if head is not None:
-            save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, f"{path}/value_head.safetensors")
+        for name, module in critics.items():
+            save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, f"{path}/{name}.safetensors")
+
+
+CRITIC_MODULES = ("value_head", "value_model")
+
+
+@contextlib.contextmanager
+def _detached_critics(base: torch.nn.Module):
+    """Temporarily remove the critic submodules from ``base`` (yields them by name)."""
+    critics = {name: base._modules.pop(name) for name in CRITIC_MODULES if name in base._modules}
+    try:
+        yield critics
+    finally:
+        for name, module in critics.items():
+            setattr(base, name, module)
+
+
+def _zero_linear(hidden: int, device) -> torch.nn.Linear:
+    head = torch.nn.Linear(hidden, 1, device=device)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return head
+
+
+class ValueModel(torch.nn.Module):
+    """A separate PPO critic: a transformer backbone and a scalar head, V [B, L] per position."""
+
+    def __init__(self, body: torch.nn.Module, head: torch.nn.Module):
+        super().__init__()
+        self.body, self.head = body, head
+
+    @classmethod
+    def build(cls, policy_base: torch.nn.Module, source: str) -> ValueModel:
+        """``"separate"``: a copy of the policy's backbone with a zero head; else load ``source`` as a
+        one-label sequence-classification checkpoint and take its backbone and score head."""
+        if source == "separate":
+            with _detached_critics(policy_base):
+                body = copy.deepcopy(policy_base.get_decoder())
+            device = next(body.parameters()).device
+            return cls(body.requires_grad_(True), _zero_linear(policy_base.config.hidden_size, device))
+        from transformers import AutoModelForSequenceClassification
+
+        require_hub(source, "model")
+        param = next(policy_base.parameters())
+        try:
+            seq = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=param.dtype)
+        except (OSError, ValueError) as err:
+            raise hub_error(source, err) from None
+        if seq.config.vocab_size != policy_base.config.vocab_size:
+            raise ValueError(f"value_head={source!r}: its vocabulary ({seq.config.vocab_size}) is not the policy's "
+                             f"({policy_base.config.vocab_size}); the critic must read the policy's token ids")
+        head = getattr(seq, "score", None) or getattr(seq, "classifier", None)
+        if head is None:
+            raise ValueError(f"value_head={source!r}: no 'score' / 'classifier' head on {type(seq).__name__}")
+        return cls(getattr(seq, seq.base_model_prefix), head).to(param.device)
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1)
 
 
 def _right_align(ids_B_W: torch.Tensor, mask_B_W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,10 +376,21 @@ class _ReferencePolicy:
 
 
 def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, length_normalize: bool):
-    out = []
-    for side in (batch.chosen, batch.rejected):
-        logp, _, _ = policy._forward(model, side, False)
-        mask = side["completion_mask"].to(logp.dtype)
-        total = (logp * mask).sum(-1)
-        out.append(total / mask.sum(-1).clamp(min=1) if length_normalize else total)
-    return out[0], out[1]
+    """Chosen and rejected run as one 2B batch (one forward, one backward: the prompt encoding is
+    shared and the fused head sees twice the rows), completions right-padded to a common length."""
+    sides = (batch.chosen, batch.rejected)
+    T = max(side["completion_ids"].shape[1] for side in sides)
+
+    def padded(side: dict, key: str) -> torch.Tensor:
+        x = side[key]
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+    joint = {key: torch.cat([side[key] for side in sides]) for key in ("prompt_ids", "prompt_mask")}
+    joint.update({key: torch.cat([padded(side, key) for side in sides]) for key in ("completion_ids", "completion_mask")})
+    logp, _, _ = policy._forward(model, joint, False)
+    mask = joint["completion_mask"].to(logp.dtype)
+    total = (logp * mask).sum(-1)
+    if length_normalize:
+        total = total / mask.sum(-1).clamp(min=1)
+    chosen, rejected = total.chunk(2)
+    return chosen, rejected

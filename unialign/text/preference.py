@@ -58,28 +58,3 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, str):
         return completion
     return "".join(m["content"] for m in completion if m.get("role") == "assistant")
-
-
-def wrong_answer_pairs(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """Preference pairs from GSM8K-schema rows (``question``, ``answer`` ending ``#### N``): chosen is the
-    reference solution, rejected the same text with its final result N (its last two occurrences: the
-    worked step and the ``#### N`` line) replaced by a wrong value N + d, d in {-10,-2,-1,1,2,10}, drawn
-    deterministically per row from ``seed``."""
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for i, row in enumerate(rows):
-        answer = row["answer"]
-        if "####" not in answer:
-            raise ValueError(f"row {i}: field 'answer' must end with '#### <number>'")
-        final = answer.rsplit("####", 1)[1].strip().replace(",", "")
-        try:
-            value = int(final)
-        except ValueError:
-            raise ValueError(f"row {i}: final answer {final!r} is not an integer") from None
-        wrong = str(value + rng.choice([-10, -2, -1, 1, 2, 10]))
-        head, *tail = answer.rsplit(final, 2)
-        rejected = head + wrong.join([""] + tail) if len(tail) == 2 else answer.rsplit(final, 1)[0] + wrong
-        out.append({"prompt": row["question"], "chosen": answer, "rejected": rejected})
-    return out

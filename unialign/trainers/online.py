@@ -128,6 +128,15 @@ class OnlineTrainer:
         self.ratio_checked = False
         self._param_dtype = params[0].dtype
 
+    @property
+    def _old_logp_from_update(self) -> bool:
+        """True when sampling need not score its samples: each batch gets exactly one optimizer step and
+        no KL in the reward, so the old log-probs are the update's own, detached (after the first
+        step's ratio-1 check has passed on recorded ones)."""
+        spec = self.spec
+        return (self.ratio_checked and spec.num_iterations == 1 and self.cfg.num_mini_batches == 1
+                and not (spec.kl_in_reward and spec.beta > 0))
+
     # ------------------------------------------------------------------ data
     def _next_prompts(self) -> list[int]:
         """Global row indices for this step (same on every process): an epoch-seeded permutation."""
@@ -144,7 +153,7 @@ class OnlineTrainer:
             for k, v in row.items():
                 if k != "prompt":
                     columns.setdefault(k, []).extend([v] * G)
-        traj = self.policy.sample(prompts)
+        traj = self.policy.sample(prompts, record_logp=not self._old_logp_from_update)
         traj.columns = columns
         traj.group_ids_B = torch.tensor(row_ids).repeat_interleave(G)
         return traj
@@ -259,7 +268,9 @@ class OnlineTrainer:
             logp, entropy, values = self.policy.log_prob_and_values(mb)
         else:
             logp, entropy = self.policy.log_prob(mb, with_entropy=True)
-        old_logp, adv = mb.old_logp_B_T.to(logp.device), mb.advantages_B_T.to(logp.device)
+        adv = mb.advantages_B_T.to(logp.device)
+        # one optimizer step per batch: the sampling policy is the current one, as TRL / verl use
+        old_logp = logp.detach() if mb.old_logp_B_T is None else mb.old_logp_B_T.to(logp.device)
         if not self.ratio_checked:
             self._check_ratio(logp.detach(), old_logp, mask)
         loss_B_T, m = algos.clipped_policy_loss(logp, old_logp, adv, mask, spec.epsilon, spec.epsilon_high,

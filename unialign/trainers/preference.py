@@ -56,11 +56,18 @@ def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch
 
 
 class DPOObjective:
-    """DPO-family losses of a policy against its reference (``algos.dpo_loss``)."""
+    """DPO-family losses of a policy against its reference (``algos.dpo_loss``).
+
+    ``rpo_alpha`` (TRL's name; RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization",
+    eq. 3) adds ``rpo_alpha * NLL`` of the chosen side, NLL = −log π(y_w|x) / |y_w| (per completion
+    token for text; for diffusion the ELBO surrogate, i.e. the plain denoising loss of the chosen image).
+    Plain DPO lowers the likelihood of *both* sides; the NLL term keeps the chosen one up.
+    """
 
     def __init__(self, policy, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 cache_reference: bool = False):
+                 cache_reference: bool = False, rpo_alpha: float | None = None):
         self.policy, self.beta, self.loss_type, self.label_smoothing = policy, beta, loss_type, label_smoothing
+        self.rpo_alpha = rpo_alpha
         self.reference = policy.reference()  # before any update: a full-model reference is copied here
         self.cache: dict[int, tuple[float, float]] | None = {} if cache_reference else None
 
@@ -106,7 +113,13 @@ class DPOObjective:
         ref_c, ref_r = self._reference_logps(batch, row_ids)
         ref_c, ref_r = ref_c.to(chosen.device, chosen.dtype), ref_r.to(chosen.device, chosen.dtype)
         losses, rc, rr = algos.dpo_loss(chosen, rejected, ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing)
-        metrics = {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margin": (rc - rr).mean(),
+        extra = {}
+        if self.rpo_alpha:
+            length = batch.chosen_length_B
+            per_unit = chosen if length is None or self.loss_type == "ipo" else chosen / length.to(chosen).clamp(min=1)
+            losses = losses - self.rpo_alpha * per_unit
+            extra["nll_loss"] = -per_unit.detach().mean()
+        metrics = {**extra, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margin": (rc - rr).mean(),
                    "implicit_accuracy": implicit_accuracy(rc, rr),
                    "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
                    "ref_logps/chosen": ref_c.mean(), "ref_logps/rejected": ref_r.mean()}
