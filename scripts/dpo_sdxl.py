@@ -60,6 +60,7 @@ class DiffusionDPOConfig(PreferenceConfig):
     caption_dropout: float = 0.1
     resolution: int | None = None
     lora_rank: int = 0
+    gradient_checkpointing: bool = False
     torch_dtype: str = "float32"
     num_threads: int | None = 1
     batch_size: int = 32
@@ -76,7 +77,9 @@ PRESETS = {
         model_name_or_path="stabilityai/stable-diffusion-xl-base-1.0", vae_name_or_path="madebyollin/sdxl-vae-fp16-fix",
         dataset_name="yuvalkirstain/pickapic_v2", eval_split="validation_unique", beta=5000.0, caption_dropout=0.2,
         resolution=1024, lora_rank=64, learning_rate=2e-5, batch_size=64, micro_batch_size=1, max_steps=2000,
-        warmup_steps=200, torch_dtype="float16", num_threads=None, output_dir="outputs/dpo_sdxl_pickapic"),
+        warmup_steps=200, lr_scheduler_type="constant", optim="adafactor", weight_decay=1e-2, gradient_checkpointing=True,
+        torch_dtype="float16",
+        num_threads=None, output_dir="outputs/dpo_sdxl_pickapic"),
 }
 
 
@@ -101,7 +104,8 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     embedded = cfg.model_name_or_path == "embedded"
-    opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed)
+    opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
+                gradient_checkpointing=cfg.gradient_checkpointing)
     if embedded:
         from unialign.image import embedded as emb
 

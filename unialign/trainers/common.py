@@ -24,6 +24,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
+    optim: str = "adamw_torch"  # adamw_torch | adafactor | adamw_8bit (TRL / transformers names)
     lr_scheduler_type: str = "constant"
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
@@ -37,10 +38,31 @@ class TrainConfig:
     resume_from_checkpoint: str | None = None
 
 
+OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
+
+
 def make_optimizer(params, cfg: TrainConfig):
-    """AdamW and its LambdaLR schedule from a ``TrainConfig``."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    """The optimizer named by ``cfg.optim`` and its LambdaLR schedule.
+
+    adamw_torch: ``torch.optim.AdamW``. adafactor: ``torch.optim.Adafactor`` with the given learning rate
+    (factored second moments, no first moment: optimizer state ~O(rows + cols) per matrix).
+    adamw_8bit: bitsandbytes' ``AdamW8bit`` (8-bit moments; needs ``pip install bitsandbytes`` and,
+    in practice, a GPU)."""
+    if cfg.optim == "adamw_torch":
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    elif cfg.optim == "adafactor":  # clip threshold d = 1, a fixed lr: DiffusionDPO's SDXL settings
+        optimizer = torch.optim.Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    elif cfg.optim == "adamw_8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ValueError("optim='adamw_8bit' needs bitsandbytes: pip install bitsandbytes "
+                             "(or use optim='adafactor')") from None
+        optimizer = bnb.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                        betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    else:
+        raise ValueError(f"optim: unknown optimizer {cfg.optim!r}; choose one of {', '.join(OPTIMIZERS)}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps))
     return optimizer, scheduler
