@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tests.conftest import make_tiny_lm
@@ -115,3 +117,65 @@ def test_save_roundtrip_with_stock_transformers(tiny_policy, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     for (n, p), (_, q) in zip(tiny_policy.model.named_parameters(), loaded.named_parameters()):
         assert_close(q, p, msg=n)
+
+
+@contextlib.contextmanager
+def input_shapes(model):
+    """Records the ``input_ids`` shape of every forward of ``model``."""
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_hook(lambda m, a, k, out: shapes.append(tuple(k["input_ids"].shape)),
+                                       with_kwargs=True)
+    try:
+        yield shapes
+    finally:
+        hook.remove()
+
+
+def test_shared_prompt_prefix_equals_the_full_pass_in_values_and_gradients():
+    """Each distinct prompt runs once and its KV cache is gathered to the samples: logp, entropy, the
+    shared value head and every gradient equal the standard full-sequence pass."""
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok, max_new_tokens=8, value_head=True)
+    with torch.no_grad():
+        policy.value_head.weight.normal_()
+    torch.manual_seed(3)
+    prompts = ["1+2?", "what is 33+4? be quick", "7-2?"]
+    traj = policy.sample([p for p in prompts for _ in range(3)])
+    traj = traj.select(torch.randperm(len(traj)))  # groups interleaved, as after the trainer's shuffle
+    w = torch.randn_like(traj.mask_B_T)
+    results = {}
+    for share in (True, False):
+        policy.share_prompt_prefix = share
+        with input_shapes(model) as calls:
+            logp, entropy, values = policy.log_prob_and_values(traj)
+        model.zero_grad()
+        ((logp + 0.1 * entropy + values) * w).sum().backward()
+        results[share] = (logp.detach(), entropy.detach(), values.detach(),
+                          {n: p.grad.clone() for n, p in model.named_parameters()}, calls)
+    (lp, en, va, gr, calls), (lp0, en0, va0, gr0, calls0) = results[True], results[False]
+    T = traj.payload["completion_ids"].shape[1]
+    assert calls[0][0] == 3 and calls[1] == (9, T + 1) and calls0[0][0] == 9 and len(calls0) == 1
+    assert_close(lp, lp0)
+    assert_close(en, en0)
+    assert_close(va, va0)
+    for n in gr0:  # relative to each tensor's scale: sums over positions are re-ordered (embeddings)
+        scale = gr0[n].abs().max().clamp(min=1e-30)
+        assert_close(gr[n] / scale, gr0[n] / scale, msg=n)
+
+
+def test_generation_prefills_each_distinct_prompt_once_and_samples_the_same_tokens():
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok, max_new_tokens=12)
+    prompts = [p for p in ["1+2?", "what is 33+4? be quick", "7-2?"] for _ in range(4)]
+    outs = {}
+    for share in (True, False):
+        policy.share_prompt_prefix = share
+        with input_shapes(model) as shapes:
+            torch.manual_seed(0)
+            sampled = policy.generate(prompts)["completion_ids"]
+            greedy = policy.generate(prompts, greedy=True)["completion_ids"]
+        outs[share] = (sampled, greedy, shapes)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    width = policy._encode_prompts(prompts)["input_ids"].shape[1]
+    assert outs[True][2][:2] == [(3, width - 1), (12, 1)]  # distinct prompts once, then one token per sample
+    assert outs[False][2][0] == (12, width)

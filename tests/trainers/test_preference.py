@@ -131,7 +131,7 @@ def test_chosen_and_rejected_of_unequal_lengths_share_one_forward_and_match_unpa
         c, r = policy.sequence_log_prob(batch)
         c_mean, _ = policy.sequence_log_prob(batch, length_normalize=True)
     hook.remove()
-    assert calls == [4, 4]  # one 2B forward per call
+    assert calls == [2, 4, 2, 4]  # per call: the 2 distinct prompts once, then one 2B pass
     for i, row in enumerate(rows):
         enc = policy._encode_prompts([row["prompt"]])
         prompt_ids = enc["input_ids"][0][enc["attention_mask"][0].bool()].tolist()
