@@ -170,3 +170,17 @@ def test_nonpositive_eta_raises(eta):
     scheduler = _scheduler()
     with pytest.raises(ValueError, match="eta must be > 0"):
         ddim_step_with_logprob(scheduler, torch.zeros(1, 4, 2, 2), 501, torch.zeros(1, 4, 2, 2), eta=eta)
+
+
+def test_precomputed_coefficients_give_the_same_step():
+    """A sampler computes every step's coefficients once (no host sync per step): same sample, same log-prob."""
+    sched = _scheduler(20)
+    x = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    eps = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    all_steps = ddim_step_coefficients(sched, sched.timesteps, 1.0)
+    for i in (0, 7, 19):
+        t = int(sched.timesteps[i])
+        plain = ddim_step_with_logprob(sched, eps, t, x, eta=1.0, generator=torch.Generator().manual_seed(2))
+        pre = ddim_step_with_logprob(sched, eps, t, x, eta=1.0, generator=torch.Generator().manual_seed(2),
+                                     coefficients={k: v[i].expand(3) for k, v in all_steps.items()})
+        assert torch.equal(plain[0], pre[0]) and torch.equal(plain[1], pre[1])

@@ -97,6 +97,7 @@ def ddim_step_with_logprob(
     eta: float = 1.0,
     prev_sample: Tensor | None = None,
     generator: torch.Generator | None = None,
+    coefficients: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DDIM step with log-probability (see the module docstring for the math and its origin).
 
@@ -109,13 +110,16 @@ def ddim_step_with_logprob(
         eta: > 0, scale of sigma_t (1 = DDPM posterior variance).
         prev_sample: [B, C, H, W] the recorded x_{t'} to score; when None it is drawn as mu + sigma_t z
             with z from ``generator``.
+        coefficients: ``ddim_step_coefficients(scheduler, timestep, eta)`` computed beforehand (each [B],
+            on ``sample.device``): a sampler computes them once for every step, which avoids one
+            host round trip (a device sync on GPU) per step.
     Returns:
         (prev_sample [B, C, H, W] in ``sample``'s dtype, log_prob [B] float32: the Gaussian
         log-density of prev_sample (detached) under N(mu, sigma_t^2 I), averaged over C,H,W).
     """
     batch = sample.shape[0]
     t = _as_batched_timesteps(timestep, batch, sample.device)
-    coef = ddim_step_coefficients(scheduler, t, eta)
+    coef = ddim_step_coefficients(scheduler, t, eta) if coefficients is None else coefficients
     view = (batch,) + (1,) * (sample.dim() - 1)
     coef = {k: v.to(torch.float32).view(view) for k, v in coef.items()}  # on sample.device, like t
     alpha_t, alpha_prev, std, eps_coef = (coef[k] for k in ("alpha_prod_t", "alpha_prod_prev", "std", "eps_coef"))

@@ -363,11 +363,15 @@ class DiffusionPolicy:
         latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
         latents = latents * self.scheduler.init_noise_sigma
         timesteps = self.scheduler.timesteps.to(self.device)
+        # every step's coefficients at once (float64 on the host, then one copy): no host sync per step
+        coefs = ddim_step_coefficients(self.scheduler, self.scheduler.timesteps, self.eta)
+        coefs = {k: v.to(self.device) for k, v in coefs.items()}
         all_latents, all_logps = [latents], []
-        for t in timesteps:
+        for i, t in enumerate(timesteps):
             t_B = t.expand(batch)
             out = self._predict(unet, latents, t_B, cond, self._cfg)
-            latents, logp = ddim_step_with_logprob(self.scheduler, out, t_B, latents, eta=self.eta, generator=generator)
+            latents, logp = ddim_step_with_logprob(self.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
+                                                   coefficients={k: v[i].expand(batch) for k, v in coefs.items()})
             all_latents.append(latents)
             all_logps.append(logp)
         first_index: dict[Any, int] = {}
