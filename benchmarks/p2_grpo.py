@@ -53,7 +53,7 @@ from benchmarks.common import (
     run_child,
 )
 
-LR = 5e-4  # the embedded default's GRPO lr (scripts/grpo_math.py)
+LR = 3e-4  # the embedded default's GRPO lr (scripts/grpo_math.py)
 RANDOM_DIMS = dict(hidden=128, layers=4, heads=4, intermediate=512)  # the arith_lm architecture
 
 

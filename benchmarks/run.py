@@ -1,9 +1,8 @@
 """Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md.
 
-    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~20 min on 2 CPU cores
+    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~12 min on 2 idle CPU cores
     .venv/bin/python benchmarks/run.py --output /tmp/b.json --quick          # ~3-5 min smoke version
     .venv/bin/python benchmarks/run.py --output b.json --only P2,P4          # a subset
-    .venv/bin/python benchmarks/run.py --output b.json --full                # P1 at the issue's full size
 
 Rows (see benchmarks/README.md): P1 token log-prob + entropy fwd+bwd vs TRL's materialised logits;
 P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sampling with log-prob
@@ -35,20 +34,20 @@ MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_samp
            "P5": "p5_diffusion_dpo_memory"}
 
 
-def p1_rows(quick: bool, full: bool) -> list[dict]:
+def p1_rows(quick: bool) -> list[dict]:
     """P1 through benchmarks.logprob.run(): ours (chunked token_logprobs) vs TRL's selective_log_softmax +
     entropy_from_logits on materialised logits, plus the bare matmul floor."""
     from benchmarks import logprob
 
-    # CPU sizing: one fwd+bwd at T=1024 is ~0.8 TFLOP per method (~40 s here), so the CPU default is T=64
-    T = 1024 if full else (16 if quick else 64)
+    # the issue's size (one fwd+bwd at T=1024 is ~0.8 TFLOP per method, 15-40 s on 2 CPU cores); quick: T=16
+    T = 16 if quick else 1024
     repeats = 2 if quick else 3
     methods = ("ours", "trl", "floor")
     raw = logprob.run(repeats, tokens=T, methods=methods)
     by = {r["id"]: r for r in raw}
     t, m = by["P1-time"], by["P1-mem"]
     size = (f"B x T = 4 x {T}, V 151936, H 896 (Qwen2.5-0.5B lm_head), fp32"
-            + ("" if T == 1024 else "; T reduced from 1024 on CPU (--full for the issue's size)"))
+            + ("" if T == 1024 else "; T reduced from 1024 (--quick)"))
     floor_note = f"floor (bare h@W^T fwd+bwd) {t['floor_s']:.3f} s, ours/floor {t['floor_ratio']:.2f} (target 1.4)"
     return [
         row("P1-time", "log-prob+entropy fwd+bwd time", t["ours_s"], t["baseline_trl_s"], "s", "lower", 1.0,
@@ -65,7 +64,6 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", required=True, help="JSON path; the markdown table goes next to it (.md)")
     p.add_argument("--quick", action="store_true", help="smoke version (~3-5 min)")
-    p.add_argument("--full", action="store_true", help="P1 at full size (T=1024)")
     p.add_argument("--only", default="", help="comma-separated row groups, e.g. P2,P4")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     a = p.parse_args(argv)
@@ -76,14 +74,14 @@ def main(argv=None) -> dict:
     want = [k for k in MODULES if not a.only or k in a.only.split(",")]
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine_info(), "mode": "quick" if a.quick else ("full" if a.full else "default"),
+    result = {"machine": machine_info(), "mode": "quick" if a.quick else "default",
               "rows": [], "timings_s": {}}
     t_all = time.perf_counter()
     for key in want:
         t0 = time.perf_counter()
         print(f"[bench] {key} ...", file=sys.stderr, flush=True)
         try:
-            rows = p1_rows(a.quick, a.full) if key == "P1" else \
+            rows = p1_rows(a.quick) if key == "P1" else \
                 importlib.import_module(f"benchmarks.{MODULES[key]}").run(quick=a.quick)
         except Exception as e:  # noqa: BLE001 - a failing comparison is a row, not a crash
             rows = [error_row(key, key, e)]
