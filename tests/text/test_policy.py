@@ -179,3 +179,21 @@ def test_generation_prefills_each_distinct_prompt_once_and_samples_the_same_toke
     width = policy._encode_prompts(prompts)["input_ids"].shape[1]
     assert outs[True][2][:2] == [(3, width - 1), (12, 1)]  # distinct prompts once, then one token per sample
     assert outs[False][2][0] == (12, width)
+
+
+def test_prefix_sharing_steps_aside_under_gradient_checkpointing_and_for_distinct_prompts():
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok, max_new_tokens=6)
+    torch.manual_seed(0)
+    traj = policy.sample(["1+2?", "1+2?", "what is 33+4?"])
+    width = traj.payload["prompt_ids"].shape[1] + traj.payload["completion_ids"].shape[1]
+    model.gradient_checkpointing_enable()
+    model.train()
+    with input_shapes(model) as shapes:
+        policy.log_prob(traj)
+    assert shapes == [(3, width)]  # one full pass: no KV cache while checkpointing
+    model.gradient_checkpointing_disable()
+    distinct = policy.sample(["1+2?", "what is 33+4?"])
+    with input_shapes(model) as shapes:
+        policy.log_prob(distinct)
+    assert len(shapes) == 1  # nothing repeats: nothing to share
