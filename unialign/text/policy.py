@@ -387,7 +387,7 @@ class ValueModel(torch.nn.Module):
         if seq.config.vocab_size != policy_base.config.vocab_size:
             raise ValueError(f"value_head={source!r}: its vocabulary ({seq.config.vocab_size}) is not the policy's "
                              f"({policy_base.config.vocab_size}); the critic must read the policy's token ids")
-        head = getattr(seq, "score", None) or getattr(seq, "classifier", None)
+        head = next((getattr(seq, n) for n in ("score", "classifier") if getattr(seq, n, None) is not None), None)
         if head is None:
             raise ValueError(f"value_head={source!r}: no 'score' / 'classifier' head on {type(seq).__name__}")
         return cls(getattr(seq, seq.base_model_prefix), head).to(param.device)
