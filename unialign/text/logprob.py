@@ -82,6 +82,72 @@ def _logits(h, weight, bias, inv_t: float, acc: torch.dtype) -> torch.Tensor:
     return z
 
 
+# ---------------------------------------------------------------------------------------------
+# Fused tile math for CUDA. Measured on an H200 (benchmarks/results/gpu_h200.md): with the eager ops
+# above ~60 % of the time went to unfused elementwise kernels over fp32 tiles. These two pure functions
+# hold the same math written for one fused kernel each (torch.compile -> Triton): the tile stays in
+# the matmul's dtype in memory, the softmax math runs in float32 in registers. CPU keeps the in-place
+# eager path (faster there); tests run these functions eagerly against the naive reference.
+# ---------------------------------------------------------------------------------------------
+_FUSED = {"enabled": True, "force_eager": False, "compiled": {}}
+
+
+def _tile_stats(z, bias, tok, inv_t: float, with_entropy: bool):
+    """z [R, V] raw logits h @ W^T (input dtype), bias [V] or None, tok [R] -> (logp, lse, ent) [R]."""
+    zf = z.float()
+    if bias is not None:
+        zf = zf + bias.float()
+    zf = zf * inv_t
+    m = zf.amax(1, keepdim=True)
+    e = torch.exp(zf - m)
+    s = e.sum(1)
+    log_s = s.log()
+    lse = m.squeeze(1) + log_s
+    logp = zf.gather(1, tok[:, None]).squeeze(1) - lse
+    ent = log_s - (e * (zf - m)).sum(1) / s if with_entropy else None
+    return logp, lse, ent
+
+
+def _tile_grad(z, bias, lse, a, c, gl, tok, v0: int, inv_t: float, out_dtype: torch.dtype):
+    """dL/dz of a vocabulary tile (see the module docstring), in ``out_dtype``: z [N, t] raw logits,
+    lse / gl [N], a / c [N, 1] (c None without entropy), tok [N] global ids, v0 the tile's first id."""
+    zf = z.float()
+    if bias is not None:
+        zf = zf + bias.float()
+    logp = zf * inv_t - lse[:, None]
+    p = torch.exp(logp)
+    g = p * (a + c * logp) if c is not None else p * a
+    cols = torch.arange(v0, v0 + z.shape[1], device=z.device)
+    g = g + torch.where(cols[None, :] == tok[:, None], gl[:, None], 0.0)
+    return g.to(out_dtype)
+
+
+def _fused_fn(name: str, h2: torch.Tensor):
+    """The fused version of ``_tile_stats`` / ``_tile_grad`` to use for ``h2``, or None (eager path):
+    compiled on CUDA (float32 / bfloat16 / float16), eager when tests force it."""
+    fn = {"stats": _tile_stats, "grad": _tile_grad}[name]
+    if _FUSED["force_eager"]:
+        return fn
+    if not (_FUSED["enabled"] and h2.is_cuda and h2.dtype != torch.float64):
+        return None
+    if name not in _FUSED["compiled"]:
+        _FUSED["compiled"][name] = torch.compile(fn, dynamic=True)
+    compiled = _FUSED["compiled"][name]
+
+    def guarded(*args):
+        try:
+            return compiled(*args)
+        except Exception as err:  # no Triton / compiler: the same math, eagerly, from now on
+            import warnings
+
+            _FUSED["enabled"] = False
+            warnings.warn(f"fused log-prob kernels unavailable ({type(err).__name__}: {err}); using eager ops",
+                          stacklevel=2)
+            return fn(*args)
+
+    return guarded
+
+
 def _forward(h2, weight, bias, tok1, inv_t, chunk_size, with_entropy):
     """Chunked forward on flattened rows. Returns (logp, lse, entropy-or-None), all [N] in acc dtype."""
     n = h2.shape[0]
@@ -89,8 +155,15 @@ def _forward(h2, weight, bias, tok1, inv_t, chunk_size, with_entropy):
     logp = torch.empty(n, dtype=acc, device=h2.device)
     lse = torch.empty(n, dtype=acc, device=h2.device)
     ent = torch.empty(n, dtype=acc, device=h2.device) if with_entropy else None
+    stats = _fused_fn("stats", h2)
     for s in range(0, n, chunk_size):
         e_ = min(s + chunk_size, n)
+        if stats is not None:
+            lp, ls, en = stats(h2[s:e_] @ weight.t(), bias, tok1[s:e_], inv_t, with_entropy)
+            logp[s:e_], lse[s:e_] = lp, ls
+            if with_entropy:
+                ent[s:e_] = en
+            continue
         z = _logits(h2[s:e_], weight, bias, inv_t, acc)
         z_tok = z.gather(1, tok1[s:e_, None]).squeeze(1)
         m = z.amax(1, keepdim=True)
@@ -157,10 +230,22 @@ class _TokenLogprobs(torch.autograd.Function):
         tile = max(1, min(vocab, (ctx.chunk_size * vocab) // max(n, 1)))
         lse_col = lse.unsqueeze(1)
         tok_col = tok1.unsqueeze(1)
+        fused = _fused_fn("grad", h2) if not need_b else None  # a bias gradient wants the fp32 tile
         for v0 in range(0, vocab, tile):
             v1 = min(v0 + tile, vocab)
             w_t = weight[v0:v1]
             b_t = bias[v0:v1] if bias is not None else None
+            if fused is not None:
+                gz = fused(h2 @ w_t.t(), b_t, lse, a, c if use_ent else None, gl, tok1, v0, inv_t, h2.dtype)
+                if need_w:
+                    torch.mm(gz.t(), h2, out=grad_w[v0:v1])
+                if need_h:
+                    if low_h:
+                        grad_h.add_(gz @ w_t)
+                    else:
+                        grad_h.addmm_(gz, w_t)
+                del gz
+                continue
             z = _logits(h2, w_t, b_t, inv_t, acc)  # [N, tile]
             z.sub_(lse_col)  # log p
             if use_ent:
