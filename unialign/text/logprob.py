@@ -42,7 +42,9 @@ log-softmax, softmax for the entropy, ...). :func:`token_logprobs` never materia
 Cost: the recomputation adds one projection matmul to the three of a plain fwd+bwd, i.e. about
 4/3 of the bare ``h @ W^T`` forward + backward, plus a few elementwise passes over each tile.
 Peak extra memory is about two float32 tiles (``2 * chunk_size * V * 4`` bytes) instead of several
-[B*T, V] tensors.
+[B*T, V] tensors. On CUDA the per-tile maths runs as one compiled kernel each way (``_tile_stats`` /
+``_tile_grad``: the tile stays in the matmul's dtype, the maths is float32 in registers), which on an
+H200 halved the time in bf16 and the memory to about one tile (``benchmarks/results/gpu_h200.md``).
 
 Precision: matmuls run in the input dtype (bf16 on GPU is fine), their result is upcast to float32
 (float64 inputs stay float64, so ``gradcheck`` works) before bias, temperature and the softmax math.
