@@ -33,6 +33,7 @@ class AlgoSpec:
     num_iterations: int = 1             # TRL; optimisation epochs per batch of samples
     advantage_clip: float | None = None  # DDPO clips advantages to +-5
     whiten_advantages: bool = False     # PPO: masked whitening of GAE advantages
+    whiten_rewards: bool = False        # PPO: masked whitening (mean kept) of the KL-shaped token rewards
     gamma: float = 1.0
     lam: float = 0.95
     value_coef: float = 0.0             # > 0 trains a value head (PPO)

@@ -261,3 +261,31 @@ def test_critic_from_a_checkpoint_with_another_vocabulary_is_refused(tmp_path):
     model, tok = make_tiny_lm()
     with pytest.raises(ValueError, match="vocabulary"):
         CausalLMPolicy(model, tok, value_head=str(tmp_path / "other"))
+
+
+def test_ppo_whiten_rewards_scales_the_kl_shaped_token_rewards(tmp_path, monkeypatch):
+    """TRL's whiten_rewards: the KL-shaped per-token rewards are whitened over real tokens with the mean
+    kept, (r - mean) / std + mean (unbiased std), before GAE."""
+    from unialign import algos
+
+    seen = []
+    real_gae = algos.gae
+    monkeypatch.setattr(algos, "gae", lambda r, v, m, g, lam: seen.append((r.clone(), m.clone())) or real_gae(r, v, m, g, lam))
+    model, tok = make_tiny_lm()
+    policy = CausalLMPolicy(model, tok, max_new_tokens=8, value_head=True)
+    runs = {}
+    for whiten in (False, True):
+        torch.manual_seed(0)
+        cfg = OnlineConfig(algorithm="ppo", num_generations=2, prompts_per_step=4, micro_batch_size=4, max_steps=1,
+                           report_to="none", output_dir=str(tmp_path / str(whiten)), learning_rate=0.0,
+                           whiten_rewards=whiten, seed=0)
+        trainer = OnlineTrainer(policy, length_reward, ROWS, cfg)
+        traj, _ = trainer.collect()
+        runs[whiten] = seen[-1]
+    (raw, mask), (whitened, mask2) = runs[False], runs[True]
+    assert torch.equal(mask, mask2)
+    x = raw[mask > 0].double()
+    mean, std = x.mean(), x.std(unbiased=True)
+    want = torch.zeros_like(raw, dtype=torch.float64)
+    want[mask > 0] = (x - mean) / torch.sqrt(std**2 + 1e-8) + mean
+    assert_close(whitened, want.to(whitened.dtype))

@@ -81,11 +81,13 @@ class OnlineConfig(TrainConfig):
     value_coef: float | None = None
     gamma: float | None = None
     lam: float | None = None
+    whiten_rewards: bool | None = None
+    dual_clip: float | None = None
 
     def algo_spec(self) -> AlgoSpec:
         names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
                  "mask_truncated_completions", "num_iterations", "kl_estimator", "dynamic_sampling", "entropy_coef",
-                 "kl_target", "value_coef", "gamma", "lam")
+                 "kl_target", "value_coef", "gamma", "lam", "whiten_rewards", "dual_clip")
         return get_algorithm(self.algorithm, **{n: getattr(self, n) for n in names})
 
 
@@ -184,6 +186,8 @@ class OnlineTrainer:
             kl = algos.kl_estimate(traj.old_logp_B_T, traj.ref_logp_B_T, spec.kl_estimator) if spec.beta > 0 \
                 else torch.zeros_like(mask)
             step_rewards = algos.kl_shaped_rewards(scores, kl, mask, self.kl_ctl.value)
+            if spec.whiten_rewards:  # TRL's whiten_rewards: scale only, the mean is kept
+                step_rewards = algos.whiten(step_rewards, mask, shift_mean=False)
             adv, returns = algos.gae(step_rewards, traj.values_B_T, mask, spec.gamma, spec.lam)
             if spec.whiten_advantages:
                 adv = algos.whiten(adv, mask)
