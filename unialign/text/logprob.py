@@ -42,9 +42,10 @@ log-softmax, softmax for the entropy, ...). :func:`token_logprobs` never materia
 Cost: the recomputation adds one projection matmul to the three of a plain fwd+bwd, i.e. about
 4/3 of the bare ``h @ W^T`` forward + backward, plus a few elementwise passes over each tile.
 Peak extra memory is about two float32 tiles (``2 * chunk_size * V * 4`` bytes) instead of several
-[B*T, V] tensors. On CUDA the per-tile maths runs as one compiled kernel each way (``_tile_stats`` /
-``_tile_grad``: the tile stays in the matmul's dtype, the maths is float32 in registers), which on an
-H200 halved the time in bf16 and the memory to about one tile (``benchmarks/results/gpu_h200.md``).
+[B*T, V] tensors. On CUDA (and on CPU for tiles of a real vocabulary) the per-tile maths runs as one
+compiled kernel each way (``_tile_stats`` / ``_tile_grad``: the tile stays in the matmul's dtype, the
+maths is float32 in registers), which on an H200 halved the time in bf16 and the memory to about one
+tile (``benchmarks/results/gpu_h200.md``); ``UNIALIGN_FUSED_LOGPROB=0`` turns it off.
 
 Precision: matmuls run in the input dtype (bf16 on GPU is fine), their result is upcast to float32
 (float64 inputs stay float64, so ``gradcheck`` works) before bias, temperature and the softmax math.
@@ -55,6 +56,8 @@ tests and as the baseline in ``benchmarks/logprob.py``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -91,7 +94,14 @@ def _logits(h, weight, bias, inv_t: float, acc: torch.dtype) -> torch.Tensor:
 # the matmul's dtype in memory, the softmax math runs in float32 in registers. CPU keeps the in-place
 # eager path (faster there); tests run these functions eagerly against the naive reference.
 # ---------------------------------------------------------------------------------------------
-_FUSED = {"enabled": True, "force_eager": False, "compiled": {}}
+_FUSED = {
+    "enabled": os.environ.get("UNIALIGN_FUSED_LOGPROB", "1") != "0",
+    "force_eager": False,  # tests: route through the fused functions without compiling
+    # CPU compiles only tiles this large (a real vocabulary): compiling costs ~20 s per function on 2 cores,
+    # which tiny models never amortise; measured on 2 cores, 512 x 151936 fp32: 187 ms eager -> 29 ms compiled
+    "cpu_min_elements": 1 << 25,
+    "compiled": {},
+}
 
 
 def _tile_stats(z, bias, tok, inv_t: float, with_entropy: bool):
@@ -124,13 +134,15 @@ def _tile_grad(z, bias, lse, a, c, gl, tok, v0: int, inv_t: float, out_dtype: to
     return g.to(out_dtype)
 
 
-def _fused_fn(name: str, h2: torch.Tensor):
+def _fused_fn(name: str, h2: torch.Tensor, tile_elements: int):
     """The fused version of ``_tile_stats`` / ``_tile_grad`` to use for ``h2``, or None (eager path):
-    compiled on CUDA (float32 / bfloat16 / float16), eager when tests force it."""
+    compiled on CUDA, and on CPU for tiles of at least ``cpu_min_elements``; eager when tests force it.
+    ``UNIALIGN_FUSED_LOGPROB=0`` turns the compiled path off."""
     fn = {"stats": _tile_stats, "grad": _tile_grad}[name]
     if _FUSED["force_eager"]:
         return fn
-    if not (_FUSED["enabled"] and h2.is_cuda and h2.dtype != torch.float64):
+    big_cpu = h2.device.type == "cpu" and tile_elements >= _FUSED["cpu_min_elements"]
+    if not (_FUSED["enabled"] and (h2.is_cuda or big_cpu) and h2.dtype != torch.float64):
         return None
     if name not in _FUSED["compiled"]:
         _FUSED["compiled"][name] = torch.compile(fn, dynamic=True)
@@ -157,7 +169,7 @@ def _forward(h2, weight, bias, tok1, inv_t, chunk_size, with_entropy):
     logp = torch.empty(n, dtype=acc, device=h2.device)
     lse = torch.empty(n, dtype=acc, device=h2.device)
     ent = torch.empty(n, dtype=acc, device=h2.device) if with_entropy else None
-    stats = _fused_fn("stats", h2)
+    stats = _fused_fn("stats", h2, min(chunk_size, n) * weight.shape[0])
     for s in range(0, n, chunk_size):
         e_ = min(s + chunk_size, n)
         if stats is not None:
@@ -232,7 +244,7 @@ class _TokenLogprobs(torch.autograd.Function):
         tile = max(1, min(vocab, (ctx.chunk_size * vocab) // max(n, 1)))
         lse_col = lse.unsqueeze(1)
         tok_col = tok1.unsqueeze(1)
-        fused = _fused_fn("grad", h2) if not need_b else None  # a bias gradient wants the fp32 tile
+        fused = _fused_fn("grad", h2, n * tile) if not need_b else None  # a bias gradient wants the fp32 tile
         for v0 in range(0, vocab, tile):
             v1 = min(v0 + tile, vocab)
             w_t = weight[v0:v1]
