@@ -139,6 +139,7 @@ def wrong_worked_answer(a: int, b: int, rng: random.Random, carry_error: float =
     ua, ub, ta, tb = a % 10, b % 10, a // 10, b // 10
     u = ua + ub
     carry = u >= 10
+    t_err = 0
     if rng.random() < carry_error:
         carry = not carry
     else:
@@ -146,10 +147,8 @@ def wrong_worked_answer(a: int, b: int, rng: random.Random, carry_error: float =
         if rng.random() < 0.5:
             u += delta
         else:
-            t_err = rng.choice([d for d in (-2, -1, 1, 2) if ta + tb + int(u >= 10) + d >= 0])
-            t = ta + tb + int(carry) + t_err
-            return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {t * 10 + u % 10}"
-    t = ta + tb + int(carry)
+            t_err = rng.choice([d for d in (-2, -1, 1, 2) if ta + tb + int(carry) + d >= 0])
+    t = ta + tb + int(carry) + t_err
     return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {t * 10 + u % 10}"
 
 
