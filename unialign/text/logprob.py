@@ -251,31 +251,23 @@ class _TokenLogprobs(torch.autograd.Function):
             b_t = bias[v0:v1] if bias is not None else None
             if fused is not None:
                 gz = fused(h2 @ w_t.t(), b_t, lse, a, c if use_ent else None, gl, tok1, v0, inv_t, h2.dtype)
-                if need_w:
-                    torch.mm(gz.t(), h2, out=grad_w[v0:v1])
-                if need_h:
-                    if low_h:
-                        grad_h.add_(gz @ w_t)
-                    else:
-                        grad_h.addmm_(gz, w_t)
-                del gz
-                continue
-            z = _logits(h2, w_t, b_t, inv_t, acc)  # [N, tile]
-            z.sub_(lse_col)  # log p
-            if use_ent:
-                p = torch.exp(z)
-                z.mul_(c).add_(a).mul_(p)
-                del p
             else:
-                z.exp_().mul_(a)
-            # one-hot term, only for targets inside this tile
-            in_tile = (tok_col >= v0) & (tok_col < v1)
-            idx = (tok_col - v0).clamp_(0, v1 - v0 - 1)
-            z.scatter_add_(1, idx, torch.where(in_tile, gl.unsqueeze(1), 0.0))
-            if need_b:
-                grad_b[v0:v1] = z.sum(0)
-            gz = z if z.dtype == h2.dtype else z.to(h2.dtype)
-            del z
+                z = _logits(h2, w_t, b_t, inv_t, acc)  # [N, tile]
+                z.sub_(lse_col)  # log p
+                if use_ent:
+                    p = torch.exp(z)
+                    z.mul_(c).add_(a).mul_(p)
+                    del p
+                else:
+                    z.exp_().mul_(a)
+                # one-hot term, only for targets inside this tile
+                in_tile = (tok_col >= v0) & (tok_col < v1)
+                idx = (tok_col - v0).clamp_(0, v1 - v0 - 1)
+                z.scatter_add_(1, idx, torch.where(in_tile, gl.unsqueeze(1), 0.0))
+                if need_b:
+                    grad_b[v0:v1] = z.sum(0)
+                gz = z if z.dtype == h2.dtype else z.to(h2.dtype)
+                del z
             if need_w:
                 torch.mm(gz.t(), h2, out=grad_w[v0:v1])
             if need_h:

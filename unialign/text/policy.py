@@ -261,11 +261,12 @@ class CausalLMPolicy:
             return None
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                     logits_to_keep=1, use_cache=True)
-        cache = out.get(_cache_kwarg(lm))
+        key = _cache_kwarg(lm)
+        cache = out.get(key)
         if cache is None:
             return None
         cache.reorder_cache(inverse)
-        return {_cache_kwarg(lm): cache}
+        return {key: cache}
 
     def log_prob(self, trajectory: Trajectory, with_entropy: bool = False):
         logp, entropy, _ = self._forward(self.model, trajectory.payload, with_entropy)
@@ -371,9 +372,8 @@ class ValueModel(torch.nn.Module):
     def build(cls, policy_base: torch.nn.Module, source: str) -> ValueModel:
         """``"separate"``: a copy of the policy's backbone with a zero head; else load ``source`` as a
         one-label sequence-classification checkpoint and take its backbone and score head."""
-        if source == "separate":
-            with _detached_critics(policy_base):
-                body = copy.deepcopy(policy_base.get_decoder())
+        if source == "separate":  # the decoder holds no critic: those sit on the causal-LM wrapper
+            body = copy.deepcopy(policy_base.get_decoder())
             device = next(body.parameters()).device
             return cls(body.requires_grad_(True), _zero_linear(policy_base.config.hidden_size, device))
         from transformers import AutoModelForSequenceClassification
