@@ -258,3 +258,24 @@ def test_fused_tile_path_bf16_matches_eager_path(fused_eager, monkeypatch):
     assert_close(en, en0, torch.float32)
     assert_close(gh, gh0)  # bf16 tolerance: both round dL/dz to bf16 before the grad GEMMs
     assert_close(gw, gw0)
+
+
+def test_compiled_cpu_tiles_write_the_gradient_in_place_correctly(monkeypatch):
+    """The compiled kernels (C++ via torch.compile on CPU; normally only for real-vocabulary tiles) on a
+    small problem: values and gradients against float64, with several chunks and a partial last tile,
+    so the in-place ``_tile_grad_`` and the reused workspace are exercised as the big models use them."""
+    from unialign.text import logprob
+
+    monkeypatch.setitem(logprob._FUSED, "cpu_min_elements", 1)
+    monkeypatch.setitem(logprob._FUSED, "enabled", True)  # restored afterwards, even if compiling fails
+    monkeypatch.setitem(logprob._FUSED, "compiled", {})
+    h, w, _, tok, r1, r2 = make(torch.float32, bias=False)
+    (lp, en, gr), (lp0, en0, gr0) = run_both(h, w, None, tok, r1, r2, temperature=0.7, chunk_size=5,
+                                             with_entropy=True)
+    if not logprob._FUSED["enabled"]:
+        pytest.skip("no C++ compiler for torch.compile here")
+    assert set(logprob._FUSED["compiled"]) == {"stats", "grad"}
+    assert_close(lp, lp0, torch.float32)
+    assert_close(en, en0, torch.float32)
+    for g, g0 in zip(gr, gr0):
+        assert_close(g, g0, torch.float32)

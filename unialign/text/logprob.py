@@ -41,11 +41,13 @@ log-softmax, softmax for the entropy, ...). :func:`token_logprobs` never materia
 
 Cost: the recomputation adds one projection matmul to the three of a plain fwd+bwd, i.e. about
 4/3 of the bare ``h @ W^T`` forward + backward, plus a few elementwise passes over each tile.
-Peak extra memory is about two float32 tiles (``2 * chunk_size * V * 4`` bytes) instead of several
-[B*T, V] tensors. On CUDA (and on CPU for tiles of a real vocabulary) the per-tile maths runs as one
-compiled kernel each way (``_tile_stats`` / ``_tile_grad``: the tile stays in the matmul's dtype, the
-maths is float32 in registers), which on an H200 halved the time in bf16 and the memory to about one
-tile (``benchmarks/results/gpu_h200.md``); ``UNIALIGN_FUSED_LOGPROB=0`` turns it off.
+Peak extra memory is one tile workspace (``chunk_size * V`` elements), allocated once per call and
+reused by every forward chunk and backward tile (the backward overwrites each tile's logits with its
+dL/dz in place), instead of several [B*T, V] tensors. On CUDA (and on CPU for tiles of a real
+vocabulary) the per-tile maths runs as one compiled kernel each way (``_tile_stats`` /
+``_tile_grad_``: the tile stays in the matmul's dtype, the maths is float32 in registers), which on an
+H200 halved the time in bf16 (``benchmarks/results/gpu_h200.md``); ``UNIALIGN_FUSED_LOGPROB=0`` turns
+it off.
 
 Precision: matmuls run in the input dtype (bf16 on GPU is fine), their result is upcast to float32
 (float64 inputs stay float64, so ``gradcheck`` works) before bias, temperature and the softmax math.
@@ -72,11 +74,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _logits(h, weight, bias, inv_t: float, acc: torch.dtype) -> torch.Tensor:
-    """(h @ W^T + b) * inv_t in ``acc`` precision, as a fresh tensor we may overwrite in place."""
-    if h.dtype == acc and bias is not None and bias.dtype == acc:
-        z = torch.addmm(bias, h, weight.t(), beta=inv_t, alpha=inv_t)  # one fused pass
-        return z
+def _logits(h, weight, bias, inv_t: float, acc: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(h @ W^T + b) * inv_t in ``acc`` precision, as a tensor we may overwrite in place: ``out`` (a
+    contiguous [rows, cols] buffer reused across tiles) when the matmul already runs in ``acc``."""
+    if h.dtype == acc and (bias is None or bias.dtype == acc):
+        if bias is not None:
+            return torch.addmm(bias, h, weight.t(), beta=inv_t, alpha=inv_t, out=out)  # one fused pass
+        z = torch.mm(h, weight.t(), out=out)
+        return z.mul_(inv_t) if inv_t != 1.0 else z
     z = h @ weight.t()
     if z.dtype != acc:
         z = z.to(acc)
@@ -85,6 +90,15 @@ def _logits(h, weight, bias, inv_t: float, acc: torch.dtype) -> torch.Tensor:
     if inv_t != 1.0:
         z.mul_(inv_t)
     return z
+
+
+def _tile_view(buf: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor | None:
+    """A contiguous [rows, cols] view of the front of a flat workspace (None stays None).
+
+    Every chunk / tile of one call writes into the same workspace: a fresh CPU tile of a real vocabulary
+    (~300 MB) is mmap-ed and page-faulted on first touch at ~1 ns/element, which measured more than the
+    softmax maths itself (benchmarks/logprob.py, 2 cores, P1 size: fwd+bwd 26.7 s -> 25.5 s, 1.44 -> 1.32x the bare matmul floor)."""
+    return None if buf is None else buf[: rows * cols].view(rows, cols)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,9 +134,11 @@ def _tile_stats(z, bias, tok, inv_t: float, with_entropy: bool):
     return logp, lse, ent
 
 
-def _tile_grad(z, bias, lse, a, c, gl, tok, v0: int, inv_t: float, out_dtype: torch.dtype):
-    """dL/dz of a vocabulary tile (see the module docstring), in ``out_dtype``: z [N, t] raw logits,
-    lse / gl [N], a / c [N, 1] (c None without entropy), tok [N] global ids, v0 the tile's first id."""
+def _tile_grad_(z, bias, lse, a, c, gl, tok, v0: int, inv_t: float):
+    """Overwrite a vocabulary tile of raw logits with dL/dz (see the module docstring), in place and in
+    z's dtype: z [N, t] raw logits, lse / gl [N], a / c [N, 1] (c None without entropy), tok [N] global
+    ids, v0 the tile's first id. In place so that the tile's memory is written once per call, not once
+    per tile (a fresh 300 MB CPU tile costs ~1 ns/element in page faults, more than this maths)."""
     zf = z.float()
     if bias is not None:
         zf = zf + bias.float()
@@ -131,14 +147,14 @@ def _tile_grad(z, bias, lse, a, c, gl, tok, v0: int, inv_t: float, out_dtype: to
     g = p * (a + c * logp) if c is not None else p * a
     cols = torch.arange(v0, v0 + z.shape[1], device=z.device)
     g = g + torch.where(cols[None, :] == tok[:, None], gl[:, None], 0.0)
-    return g.to(out_dtype)
+    z.copy_(g)
 
 
 def _fused_fn(name: str, h2: torch.Tensor, tile_elements: int):
     """The fused version of ``_tile_stats`` / ``_tile_grad`` to use for ``h2``, or None (eager path):
     compiled on CUDA, and on CPU for tiles of at least ``cpu_min_elements``; eager when tests force it.
     ``UNIALIGN_FUSED_LOGPROB=0`` turns the compiled path off."""
-    fn = {"stats": _tile_stats, "grad": _tile_grad}[name]
+    fn = {"stats": _tile_stats, "grad": _tile_grad_}[name]
     if _FUSED["force_eager"]:
         return fn
     big_cpu = h2.device.type == "cpu" and tile_elements >= _FUSED["cpu_min_elements"]
@@ -169,16 +185,22 @@ def _forward(h2, weight, bias, tok1, inv_t, chunk_size, with_entropy):
     logp = torch.empty(n, dtype=acc, device=h2.device)
     lse = torch.empty(n, dtype=acc, device=h2.device)
     ent = torch.empty(n, dtype=acc, device=h2.device) if with_entropy else None
-    stats = _fused_fn("stats", h2, min(chunk_size, n) * weight.shape[0])
+    vocab = weight.shape[0]
+    rows = min(chunk_size, n)
+    stats = _fused_fn("stats", h2, rows * vocab)
+    # one workspace for every chunk's logits (in the matmul's dtype: the fused kernel and the eager
+    # full-precision path read it; low-precision eager upcasts into a fresh tensor anyway)
+    ws = torch.empty(rows * vocab, dtype=h2.dtype, device=h2.device) if stats is not None or h2.dtype == acc else None
     for s in range(0, n, chunk_size):
         e_ = min(s + chunk_size, n)
+        out = _tile_view(ws, e_ - s, vocab)
         if stats is not None:
-            lp, ls, en = stats(h2[s:e_] @ weight.t(), bias, tok1[s:e_], inv_t, with_entropy)
+            lp, ls, en = stats(torch.mm(h2[s:e_], weight.t(), out=out), bias, tok1[s:e_], inv_t, with_entropy)
             logp[s:e_], lse[s:e_] = lp, ls
             if with_entropy:
                 ent[s:e_] = en
             continue
-        z = _logits(h2[s:e_], weight, bias, inv_t, acc)
+        z = _logits(h2[s:e_], weight, bias, inv_t, acc, out=out)
         z_tok = z.gather(1, tok1[s:e_, None]).squeeze(1)
         m = z.amax(1, keepdim=True)
         z.sub_(m)  # z <- z - m
@@ -245,17 +267,24 @@ class _TokenLogprobs(torch.autograd.Function):
         lse_col = lse.unsqueeze(1)
         tok_col = tok1.unsqueeze(1)
         fused = _fused_fn("grad", h2, n * tile) if not need_b else None  # a bias gradient wants the fp32 tile
+        # one workspace holds every tile's logits and then, overwritten in place, its dL/dz
+        ws = torch.empty(n * tile, dtype=h2.dtype, device=dev) if fused is not None or not low_h else None
+        aux = None  # eager entropy path: p = exp(log p) beside the tile
         for v0 in range(0, vocab, tile):
             v1 = min(v0 + tile, vocab)
             w_t = weight[v0:v1]
             b_t = bias[v0:v1] if bias is not None else None
+            out = _tile_view(ws, n, v1 - v0)
             if fused is not None:
-                gz = fused(h2 @ w_t.t(), b_t, lse, a, c if use_ent else None, gl, tok1, v0, inv_t, h2.dtype)
+                gz = torch.mm(h2, w_t.t(), out=out)
+                fused(gz, b_t, lse, a, c if use_ent else None, gl, tok1, v0, inv_t)
             else:
-                z = _logits(h2, w_t, b_t, inv_t, acc)  # [N, tile]
+                z = _logits(h2, w_t, b_t, inv_t, acc, out=out)  # [N, tile]
                 z.sub_(lse_col)  # log p
                 if use_ent:
-                    p = torch.exp(z)
+                    if aux is None:
+                        aux = torch.empty(n * tile, dtype=acc, device=dev)
+                    p = torch.exp(z, out=_tile_view(aux, n, v1 - v0))
                     z.mul_(c).add_(a).mul_(p)
                     del p
                 else:
