@@ -7,7 +7,7 @@
 Rows (see benchmarks/README.md): P1 token log-prob + entropy fwd+bwd vs TRL's materialised logits;
 P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sampling with log-prob
 recording vs plain diffusers; P5 Diffusion-DPO memory with the adapter-disabled reference vs a frozen
-copy. JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
+copy. Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
 "target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
 """
 
@@ -66,6 +66,9 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="smoke version (~3-5 min)")
     p.add_argument("--only", default="", help="comma-separated row groups, e.g. P2,P4")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every group in this process (default: each group in a fresh child process, so one "
+                        "group's memory high-water mark, compiled kernels and imports cannot skew the next)")
     a = p.parse_args(argv)
     import torch
 
@@ -81,8 +84,11 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         print(f"[bench] {key} ...", file=sys.stderr, flush=True)
         try:
-            rows = p1_rows(a.quick) if key == "P1" else \
-                importlib.import_module(f"benchmarks.{MODULES[key]}").run(quick=a.quick)
+            if not a.in_process and len(want) > 1:
+                rows = _child_rows(key, a)
+            else:
+                rows = p1_rows(a.quick) if key == "P1" else \
+                    importlib.import_module(f"benchmarks.{MODULES[key]}").run(quick=a.quick)
         except Exception as e:  # noqa: BLE001 - a failing comparison is a row, not a crash
             rows = [error_row(key, key, e)]
         result["rows"].extend(rows)
@@ -95,6 +101,21 @@ def main(argv=None) -> dict:
     _write(out, result)
     print(markdown_table(result["rows"]))
     return result
+
+
+def _child_rows(key: str, a: argparse.Namespace) -> list[dict]:
+    """Run one group as ``run.py --only KEY`` in a fresh interpreter and return its rows."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{key}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", key, "--output", str(out), "--in-process"]
+        cmd += ["--quick"] * a.quick + (["--threads", str(a.threads)] if a.threads else [])
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if not out.exists():
+            raise RuntimeError(f"{key} child exited {proc.returncode}: {proc.stderr[-2000:]}")
+        return json.loads(out.read_text())["rows"]
 
 
 def _write(out: Path, result: dict) -> None:

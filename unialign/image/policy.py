@@ -208,7 +208,9 @@ class DiffusionPolicy:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.unet.dtype
+        """The UNet's dtype: its first floating-point parameter's. (diffusers' ``unet.dtype`` says the same
+        but walks every module per call: ~1 ms per sampling step on a small UNet, P4's whole overhead.)"""
+        return next((p.dtype for p in self.unet.parameters() if p.is_floating_point()), torch.float32)
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         return [p for p in self.unet.parameters() if p.requires_grad]
