@@ -18,7 +18,8 @@ Rows (each in try/except; a failure is recorded in its row and the rest continue
 what would overrun the budget):
   G-P1     token log-prob + entropy fwd+bwd, B x T = 4 x 1024, V 151936, H 896: ours vs TRL (benchmarks/logprob.py)
   G-LM     ours CausalLMPolicy.log_prob fwd+bwd on the Qwen2.5-0.5B-sized model: tokens/s, peak memory, MFU
-  G-P2     GRPO end to end ours vs TRL GRPOTrainer (P2's harness) on the Qwen-sized model: completion tokens/s
+  G-P2     GRPO end to end ours vs TRL GRPOTrainer (P2's harness) on the Qwen-sized model: completion tokens/s;
+           ours again with generation_cache="static" (G-P2-static: decoding compiled, CUDA graphs)
   G-P3     DPO step ours vs TRL DPOTrainer on the Qwen-sized model: step time, first-step loss
   G-P4-*   SD1.5 / SDXL sampling, DiffusionPolicy.sample vs the stock pipeline: samples/s, MFU of the UNet
   G-P5     Diffusion-DPO peak memory at SD1.5 size: adapter-disabled reference vs frozen copy (subprocesses)
@@ -222,28 +223,38 @@ def rows_lm(rows):
 
 
 def rows_p2(rows):
-    @guarded("G-P2", "GRPO end to end ours vs TRL (Qwen-sized)", 150)
+    @guarded("G-P2", "GRPO end to end ours vs TRL (Qwen-sized)", 200)
     def go():
         from benchmarks import p2_grpo
 
         model, tok = qwen_model(lm_dtype())
         P, G, L, steps = (2, 4, 8, 2) if ARGS.tiny else (8, 8, 256, 4)
         tr_rows = p2_grpo.train_rows()
-        o_t, o_n, t_t, t_n = [], [], [], []
+        o_t, o_n, t_t, t_n, s_t, s_n = [], [], [], [], [], []
         with tempfile.TemporaryDirectory() as d:
             ours = p2_grpo.make_ours(copy.deepcopy(model), copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/o")
+            # the same run with a static KV cache (transformers compiles decoding: CUDA graphs); its first step
+            # includes the compilation and is dropped like every first step
+            static = p2_grpo.make_ours(copy.deepcopy(model), copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/s",
+                                       generation_cache="static")
             trl_model = model  # the original: TRL trains it in place
             trainer, reward = p2_grpo.make_trl(trl_model, copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/t")
-            trainer.add_callback(p2_grpo._interleave_callback(t_t, t_n, o_t, o_n, reward, ours))
+            trainer.add_callback(p2_grpo._interleave_callback(t_t, t_n, o_t, o_n, reward, ours,
+                                                              others=[(static, s_t, s_n)]))
             reset_peak()
             trainer.train()
         tps = lambda ts, ns: [n / t for t, n in zip(ts[1:], ns[1:])]  # noqa: E731
+        common = (f"Qwen2.5-0.5B dims {lm_dtype()}, P={P} x G={G}, {L} new tokens, beta 0, dapo; TRL transformers "
+                  f"generate with its defaults (no vLLM, dynamic cache); {steps} interleaved steps, median after the "
+                  f"first; peak mem (three models resident) {gib(peak_mem())}")
         return [row("G-P2-tput", "GRPO completion tokens/s (sample+score+update)", median(tps(o_t, o_n)),
-                    median(tps(t_t, t_n)), "tok/s", "higher", 1.5,
-                    f"Qwen2.5-0.5B dims {lm_dtype()}, P={P} x G={G}, {L} new tokens, beta 0, dapo; TRL transformers "
-                    f"generate (no vLLM); {steps} interleaved steps, median after the first; peak mem (both models "
-                    f"resident) {gib(peak_mem())}",
-                    raw={"ours_times": o_t, "ours_tokens": o_n, "trl_times": t_t, "trl_tokens": t_n})]
+                    median(tps(t_t, t_n)), "tok/s", "higher", 1.5, common,
+                    raw={"ours_times": o_t, "ours_tokens": o_n, "trl_times": t_t, "trl_tokens": t_n}),
+                row("G-P2-static-tput", "GRPO completion tokens/s, ours with generation_cache='static'",
+                    median(tps(s_t, s_n)), median(tps(t_t, t_n)), "tok/s", "higher", 1.5,
+                    common + "; ours: static KV cache, decoding compiled by transformers (first step incl. compile: "
+                    f"{s_t[0] if s_t else float('nan'):.1f} s)",
+                    raw={"ours_times": s_t, "ours_tokens": s_n})]
     go(rows)
 
 

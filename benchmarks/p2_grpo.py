@@ -106,12 +106,12 @@ class _TokenCountingReward:
 
 
 # ----------------------------------------------------------------------------- builders
-def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0):
+def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, **policy_kw):
     from unialign.rewards.math import math_accuracy_reward
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers.online import OnlineConfig, OnlineTrainer
 
-    policy = CausalLMPolicy(model, tok, max_new_tokens=L, temperature=1.0, top_p=1.0, top_k=0)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=L, temperature=1.0, top_p=1.0, top_k=0, **policy_kw)
     cfg = OnlineConfig(algorithm="grpo", beta=0.0, loss_type="dapo", num_generations=G, prompts_per_step=P,
                        micro_batch_size=P * G, num_mini_batches=1, max_steps=steps, learning_rate=LR,
                        max_completion_length=L, report_to="none", output_dir=out_dir, seed=seed,
@@ -151,7 +151,9 @@ def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0):
     return trainer, reward
 
 
-def _interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward, ours_trainer):
+def _interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward, ours_trainer, others=()):
+    """TRL's steps timed by its callbacks, ours run before / after them alternately; ``others``:
+    further ``(trainer, times, tokens)`` of ours stepped right after ``ours_trainer`` each time."""
     from transformers import TrainerCallback
 
     class Interleave(TrainerCallback):
@@ -161,6 +163,11 @@ def _interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward,
             dt, n = ours_step(ours_trainer)
             ours_times.append(dt)
             ours_tokens.append(n)
+            for trainer, times, tokens in others:
+                gc.collect()
+                dt, n = ours_step(trainer)
+                times.append(dt)
+                tokens.append(n)
 
         def on_step_begin(self, args, state, control, **kw):
             if ours_trainer is not None and state.global_step % 2 == 1:

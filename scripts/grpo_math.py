@@ -41,6 +41,8 @@ class GRPOMathConfig(OnlineConfig):
     system_prompt: str | None = None
     lora_rank: int = 0
     torch_dtype: str = "float32"
+    generation_cache: str = field(default="dynamic", metadata={
+        "help": "dynamic | static (fixed-size KV cache: transformers compiles decoding with CUDA graphs on GPU)"})
     reward_funcs: str = field(default="math_accuracy", metadata={"help": "comma-separated registry names"})
     reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats"})
     # embedded-default training knobs (overriding OnlineConfig's generic defaults)
@@ -73,7 +75,7 @@ def main(cfg: GRPOMathConfig) -> dict:
     policy = CausalLMPolicy.from_pretrained(
         cfg.model_name_or_path, lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        system_prompt=cfg.system_prompt)
+        system_prompt=cfg.system_prompt, generation_cache=cfg.generation_cache)
     names = cfg.reward_funcs.split(",")
     weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
     reward = CombinedReward([get_reward(n) for n in names], weights)

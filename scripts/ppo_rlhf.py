@@ -38,6 +38,8 @@ class PPOConfig(OnlineConfig):
     max_new_tokens: int = 24
     temperature: float = 1.0
     lora_rank: int = 0
+    generation_cache: str = field(default="dynamic", metadata={
+        "help": "dynamic | static (fixed-size KV cache: transformers compiles decoding with CUDA graphs on GPU)"})
     value_head: str = field(default="shared", metadata={
         "help": "critic: 'shared' (head on the policy backbone), 'separate' (own backbone copy) or a "
                 "sequence-classification checkpoint such as the reward model"})
@@ -74,7 +76,8 @@ def main(cfg: PPOConfig) -> dict:
     eval_rows = gsm8k_prompts(load_rows(cfg.dataset_name, cfg.eval_split, cfg.dataset_config), "eval")[:cfg.num_eval]
     policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
-                                            temperature=cfg.temperature, value_head=cfg.value_head)
+                                            temperature=cfg.temperature, value_head=cfg.value_head,
+                                            generation_cache=cfg.generation_cache)
     rm = get_reward("reward_model", path=str(rm_path))
     accuracy = get_reward("math_accuracy")
     trainer = OnlineTrainer(policy, rm, train, cfg)

@@ -197,3 +197,32 @@ def test_prefix_sharing_steps_aside_under_gradient_checkpointing_and_for_distinc
     with input_shapes(model) as shapes:
         policy.log_prob(distinct)
     assert len(shapes) == 1  # nothing repeats: nothing to share
+
+
+def test_static_generation_cache_samples_the_same_tokens_in_a_fixed_size_cache():
+    """``generation_cache="static"`` (CUDA graphs on GPU): the same greedy and sampled tokens as the
+    default path, from one fixed-size cache (max_prompt_length + max_new_tokens) across prompt widths."""
+    import pytest
+
+    model, tok = make_tiny_lm()
+    prompts = [p for p in ["1+2?", "what is 33+4? be quick", "7-2?"] for _ in range(3)]
+    outs = {}
+    for mode in ("dynamic", "static"):
+        policy = CausalLMPolicy(model, tok, max_new_tokens=10, max_prompt_length=40, generation_cache=mode)
+        caches = []
+        hook = model.register_forward_hook(
+            lambda m, a, k, out, seen=caches: seen.append(out["cache"] if "cache" in out else out.past_key_values),
+            with_kwargs=True)
+        try:
+            torch.manual_seed(0)
+            outs[mode] = (policy.generate(prompts)["completion_ids"], policy.generate(prompts, greedy=True)["completion_ids"],
+                          policy.generate(prompts[:2], greedy=True)["completion_ids"])
+        finally:
+            hook.remove()
+        assert {type(c).__name__ for c in caches} == ({"StaticCache"} if mode == "static" else {"DynamicCache"})
+        if mode == "static":  # one size for every call, whatever the prompt width: no recompilation
+            assert {c.get_max_length() for c in caches} == {40 + 10}
+    for a, b in zip(outs["dynamic"], outs["static"]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="generation_cache"):
+        CausalLMPolicy(model, tok, generation_cache="paged")

@@ -56,13 +56,22 @@ class CausalLMPolicy:
         chunk_size: int = 1024,
         value_head: bool | str = False,
         share_prompt_prefix: bool = True,
+        generation_cache: str = "dynamic",
     ):
         """``value_head`` (PPO's critic): ``False``; ``True`` / ``"shared"``: a zero-initialised scalar
         head on the policy's backbone; ``"separate"``: a critic with its own copy of the backbone;
         any other string: a sequence-classification checkpoint (e.g. the reward model, as InstructGPT
         initialises its value model) whose backbone and score head become the critic.
-        ``share_prompt_prefix``: compute each distinct prompt once per forward (``_prompt_cache``)."""
+        ``share_prompt_prefix``: compute each distinct prompt once per forward (``_prompt_cache``).
+        ``generation_cache``: ``"dynamic"`` (transformers' default KV cache; repeated prompts are prefilled
+        once) or ``"static"``: a fixed-size KV cache, for which transformers compiles the decoding forward
+        on CUDA (CUDA graphs: the per-token kernel launches of a small model cost more than its maths).
+        Its size is ``max_prompt_length + max_new_tokens`` when a prompt limit is set, else the prompt
+        width rounded up to 128 (it only grows, so recompilations stay rare). Same tokens either way."""
+        if generation_cache not in ("dynamic", "static"):
+            raise ValueError(f"generation_cache must be 'dynamic' or 'static', got {generation_cache!r}")
         self.share_prompt_prefix = share_prompt_prefix
+        self.generation_cache = generation_cache
         self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
                                        else unwrap(model), chunk_size)
         self.model = model
@@ -150,9 +159,11 @@ class CausalLMPolicy:
                           pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
         if not greedy:
             gen_kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        if self.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
-            with torch.no_grad():
-                gen_kwargs.update(self._prompt_cache(model, *_right_align(enc["input_ids"], enc["attention_mask"])) or {})
+        if self.generation_cache == "static":
+            width = self.max_prompt_length or -(-enc["input_ids"].shape[1] // 128) * 128
+            gen_kwargs.update(cache_implementation="static", max_cache_len=width + gen_kwargs["max_new_tokens"])
+        elif self.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
+            gen_kwargs.update(self._prompt_cache(model, *_right_align(enc["input_ids"], enc["attention_mask"])) or {})
         out = model.generate(**enc, **gen_kwargs)
         model.train(was_training)
         prompt_width = enc["input_ids"].shape[1]
