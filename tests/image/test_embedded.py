@@ -124,16 +124,18 @@ def test_load_embedded_policy_samples_images():
 
 
 def test_missing_asset_folder_says_how_to_build(tmp_path):
-    with pytest.raises(FileNotFoundError, match="embedded build"):
+    with pytest.raises(FileNotFoundError, match="embedded_build build"):
         E.load_embedded_clip(tmp_path)
 
 
 def test_policy_space_images_are_vae_decodes_and_deterministic():
+    from unialign.image.embedded_build import policy_space_images
+
     policy = E.load_embedded(num_steps=2)
     x = E.to_tensor([d.image for d in E.shape_dataset("train", per_prompt=1)[:3]])
     kw = dict(noise_per_scale=2, samples_per_scale=2, noise_scales=(0.5,), guidance_scales=(0.0, 3.0))
-    a = E.policy_space_images(policy, x, seed=0, **kw)
-    b = E.policy_space_images(policy, x, seed=0, **kw)
+    a = policy_space_images(policy, x, seed=0, **kw)
+    b = policy_space_images(policy, x, seed=0, **kw)
     assert a.shape == (3 + 2 + 2 + 2 * 2, 3, E.IMAGE_SIZE, E.IMAGE_SIZE)
     assert a.min() >= 0 and a.max() <= 1 and torch.equal(a, b)
     assert policy.guidance_scale == E.SAMPLING_DEFAULTS["guidance_scale"]  # restored
