@@ -36,7 +36,12 @@ from unialign.image.data import normalize_pickapic, synthetic_pairs
 from unialign.image.grid import save_grid
 from unialign.text import load_rows
 from unialign.trainers import write_json_atomic
-from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, implicit_accuracy
+from unialign.trainers.preference import (
+    DPOObjective,
+    PreferenceConfig,
+    PreferenceTrainer,
+    averaged_implicit_accuracy,
+)
 
 
 @dataclass
@@ -81,22 +86,6 @@ PRESETS = {
         torch_dtype="float16",
         num_threads=None, output_dir="outputs/dpo_sdxl_pickapic"),
 }
-
-
-@torch.no_grad()
-def averaged_implicit_accuracy(objective: DPOObjective, rows: list[dict], samples: int, batch_size: int) -> float:
-    """Held-out implicit accuracy with each pair's reward margin averaged over ``samples`` independent
-    ``preference_batch`` draws (VAE posterior sample, t and eps shared within the pair): the same quantity as
-    ``PreferenceTrainer.evaluate`` (ties 1/2) with a lower-variance estimate of the ELBO-surrogate difference."""
-    objective.model.eval()
-    margin = torch.zeros(len(rows))
-    for _ in range(samples):
-        for i in range(0, len(rows), batch_size):
-            batch = objective.batch(rows[i:i + batch_size])
-            chosen, rejected = objective.policy.sequence_log_prob(batch)
-            ref_c, ref_r = objective.reference.sequence_log_prob(batch)
-            margin[i:i + len(chosen)] += ((chosen - ref_c) - (rejected - ref_r)).float().cpu()
-    return float(implicit_accuracy(margin, torch.zeros_like(margin)))
 
 
 def main(cfg: DiffusionDPOConfig) -> dict:

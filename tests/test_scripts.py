@@ -92,8 +92,11 @@ def test_ddpo_aesthetic_two_steps(tmp_path):
 
 def test_dpo_sdxl_two_steps(tmp_path):
     run("dpo_sdxl", ["--max_steps", "2", "--num_prompts", "4", "--pairs_per_prompt", "2", "--eval_pairs_per_prompt", "2",
-                     "--min_gap", "0", "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "1",
+                     "--min_gap", "0", "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "2",
                      "--gradient_checkpointing", "true", "--optim", "adafactor",
                      "--output_dir", str(tmp_path), "--report_to", "none"])
     s = check_summary(tmp_path, "gold_score")
     assert abs(s["first_loss"] - math.log(2)) < 1e-4
+    # before training the policy is its reference: every margin is 0, a tie counted 1/2, however many draws
+    assert s["implicit_accuracy_before"] == s["implicit_accuracy_before_k1"] == 0.5
+    assert 0.0 <= s["implicit_accuracy_after"] <= 1.0

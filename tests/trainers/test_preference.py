@@ -17,6 +17,7 @@ from unialign.trainers.preference import (
     DPOObjective,
     PreferenceConfig,
     PreferenceTrainer,
+    averaged_implicit_accuracy,
 )
 
 PAIRS = [{"prompt": f"{a}+{a}?", "chosen": f"{2 * a}", "rejected": f"{2 * a + 1}"} for a in range(10, 26)]
@@ -73,6 +74,8 @@ def test_dpo_learns_the_preferred_answers_and_cached_reference_agrees(tmp_path):
     trainer.train()
     after = trainer.evaluate(PAIRS)
     assert after["implicit_accuracy"] > 0.9 and after["loss"] < before["loss"]
+    # text log-probs are deterministic: averaging the margin over draws changes nothing (batch size either way)
+    assert averaged_implicit_accuracy(obj, PAIRS, samples=3, batch_size=3) == pytest.approx(after["implicit_accuracy"])
     assert obj.cache == cached  # the reference never moved
     fresh = DPOObjective(CausalLMPolicy(*make_tiny_lm()), beta=0.5, cache_reference=True)
     fresh.precompute(PAIRS, 8, tmp_path / "ref.pt")  # loaded from disk
