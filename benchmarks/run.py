@@ -1,6 +1,6 @@
 """Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md.
 
-    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~12 min on 2 idle CPU cores
+    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~11 min on 2 idle CPU cores
     .venv/bin/python benchmarks/run.py --output /tmp/b.json --quick          # ~3-5 min smoke version
     .venv/bin/python benchmarks/run.py --output b.json --only P2,P4          # a subset
 
