@@ -28,7 +28,8 @@ class AlgoSpec:
     kl_target: float | None = None      # adaptive KL controller target (kl_in_reward only)
     kl_horizon: int = 10000
     dynamic_sampling: bool = False      # DAPO: drop zero-variance groups, refill up to max_generation_rounds
-    overlong_cache_len: int = 0         # DAPO soft overlong punishment buffer (0 = off)
+    overlong_cache_len: float = 0       # DAPO soft overlong buffer L_cache: tokens if >= 1, else a fraction of
+                                        # max_completion_length (DAPO: 4096 of 20480 = 0.2); 0 = off
     mask_truncated_completions: bool = False  # TRL
     num_iterations: int = 1             # TRL; optimisation epochs per batch of samples
     advantage_clip: float | None = None  # DDPO clips advantages to +-5
@@ -50,8 +51,10 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # GRPO (Shao et al. 2024): group-normalised outcome advantages, per-sequence token mean, k3 in the loss.
     "grpo": AlgoSpec("grpo", beta=0.04),
     # DAPO (Yu et al. 2025): clip-higher, token-level loss, dynamic sampling, soft overlong punishment, no KL.
+    # The overlong buffer is the paper's share of the length limit, so the penalty starts where the paper's
+    # does relative to it (a fixed token count would be a hard cut at 20k tokens or hit answers at 30).
     "dapo": AlgoSpec("dapo", epsilon=0.2, epsilon_high=0.28, loss_type="token_mean", dynamic_sampling=True,
-                     overlong_cache_len=4),
+                     overlong_cache_len=0.2),
     # Dr.GRPO (Liu et al. 2025): no std scaling, no length normalisation (constant B*T_max).
     "dr_grpo": AlgoSpec("dr_grpo", scale_rewards="none", loss_type="seq_mean_token_sum_norm"),
     # GSPO (Zheng et al. 2025): sequence-level ratio, tiny clip range (3e-4 / 4e-4), sequence mean.

@@ -289,3 +289,28 @@ def test_ppo_whiten_rewards_scales_the_kl_shaped_token_rewards(tmp_path, monkeyp
     want = torch.zeros_like(raw, dtype=torch.float64)
     want[mask > 0] = (x - mean) / torch.sqrt(std**2 + 1e-8) + mean
     assert_close(whitened, want.to(whitened.dtype))
+
+
+def test_overlong_buffer_tokens_from_a_share_of_the_limit_or_a_count():
+    from unialign.trainers.online import overlong_cache_tokens
+
+    assert overlong_cache_tokens(0.2, 20480) == 4096  # DAPO's own numbers
+    assert (overlong_cache_tokens(0.2, 32), overlong_cache_tokens(0.2, 26), overlong_cache_tokens(0.01, 26)) == (6, 5, 1)
+    assert (overlong_cache_tokens(4, 26), overlong_cache_tokens(100, 26)) == (4, 26)
+    assert overlong_cache_tokens(0, 26) == overlong_cache_tokens(0.2, None) == 0
+    with pytest.raises(ValueError, match="overlong_cache_len"):
+        overlong_cache_tokens(-1, 26)
+
+
+@pytest.mark.parametrize("override, cache", [(None, 2), (4, 4), (0, 0)])
+def test_dapo_adds_the_soft_overlong_penalty_by_hand(tmp_path, override, cache):
+    """DAPO eq. 13 with L_max = 8: the preset's buffer is 20 % of it (1.6 -> 2 tokens); a token count
+    or 0 (off) overrides it. Task reward 0, so the shaped reward is the penalty alone."""
+    trainer = make(tmp_path, reward=lambda prompts, completions: [0.0] * len(completions), algorithm="dapo",
+                   dynamic_sampling=False, max_completion_length=8, overlong_cache_len=override)
+    traj, _ = trainer.collect()
+    lengths = traj.mask_B_T.sum(-1).tolist()
+    start = 8 - cache
+    expected = [0.0 if cache == 0 or n <= start else (start - n) / cache for n in lengths]
+    assert_close(traj.rewards_B, torch.tensor(expected))
+    assert cache == 0 or min(expected) < 0  # the tiny model runs to the limit: the penalty is exercised

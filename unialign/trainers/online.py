@@ -83,12 +83,24 @@ class OnlineConfig(TrainConfig):
     lam: float | None = None
     whiten_rewards: bool | None = None
     dual_clip: float | None = None
+    overlong_cache_len: float | None = None
 
     def algo_spec(self) -> AlgoSpec:
         names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
                  "mask_truncated_completions", "num_iterations", "kl_estimator", "dynamic_sampling", "entropy_coef",
-                 "kl_target", "value_coef", "gamma", "lam", "whiten_rewards", "dual_clip")
+                 "kl_target", "value_coef", "gamma", "lam", "whiten_rewards", "dual_clip", "overlong_cache_len")
         return get_algorithm(self.algorithm, **{n: getattr(self, n) for n in names})
+
+
+def overlong_cache_tokens(cache_len: float, max_completion_length: int | None) -> int:
+    """DAPO's buffer L_cache in tokens: ``cache_len`` itself when >= 1, else that fraction of the limit
+    (rounded, at least 1); 0 (off) without a limit or with ``cache_len`` 0."""
+    if cache_len < 0:
+        raise ValueError(f"overlong_cache_len must be >= 0, got {cache_len}")
+    if not cache_len or not max_completion_length:
+        return 0
+    tokens = int(cache_len) if cache_len >= 1 else max(1, round(cache_len * max_completion_length))
+    return min(tokens, max_completion_length)
 
 
 class RatioCheckError(RuntimeError):
@@ -110,6 +122,7 @@ class OnlineTrainer:
             reward_fn = CombinedReward(list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
         self.policy, self.reward_fn, self.rows, self.cfg = policy, reward_fn, prompts, config
         self.spec = config.algo_spec()
+        overlong_cache_tokens(self.spec.overlong_cache_len, config.max_completion_length)  # validates, before training
         self.acc = accelerator or Accelerator(
             log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
         world = self.acc.num_processes
@@ -165,9 +178,10 @@ class OnlineTrainer:
         out = self.reward_fn(traj.prompts, traj.completions, traj.columns)
         rewards, per_fn = out.rewards_B, out.per_function
         spec, cfg = self.spec, self.cfg
-        if spec.overlong_cache_len and cfg.max_completion_length:
+        cache_len = overlong_cache_tokens(spec.overlong_cache_len, cfg.max_completion_length)
+        if cache_len:
             lengths = traj.mask_B_T.sum(-1)
-            rewards = rewards + algos.overlong_penalty(lengths, cfg.max_completion_length, spec.overlong_cache_len)
+            rewards = rewards + algos.overlong_penalty(lengths, cfg.max_completion_length, cache_len)
         traj.rewards_B = rewards
         stats = {f"reward/{k}": float(torch.nanmean(v.float())) for k, v in per_fn.items()}
         return stats
