@@ -199,9 +199,11 @@ def test_prefix_sharing_steps_aside_under_gradient_checkpointing_and_for_distinc
     assert len(shapes) == 1  # nothing repeats: nothing to share
 
 
-def test_static_generation_cache_samples_the_same_tokens_in_a_fixed_size_cache():
+def test_static_generation_cache_samples_the_same_tokens_in_one_reused_fixed_size_cache():
     """``generation_cache="static"`` (CUDA graphs on GPU): the same greedy and sampled tokens as the
-    default path, from one fixed-size cache (max_prompt_length + max_new_tokens) across prompt widths."""
+    default path, from ONE fixed-size cache (max_prompt_length + max_new_tokens) whose tensors keep their
+    addresses across calls and prompt widths (what lets captured graphs replay); a new batch size
+    replaces it."""
     import pytest
 
     model, tok = make_tiny_lm()
@@ -216,12 +218,18 @@ def test_static_generation_cache_samples_the_same_tokens_in_a_fixed_size_cache()
         try:
             torch.manual_seed(0)
             outs[mode] = (policy.generate(prompts)["completion_ids"], policy.generate(prompts, greedy=True)["completion_ids"],
-                          policy.generate(prompts[:2], greedy=True)["completion_ids"])
+                          policy.generate(["1+2?"] * 9, greedy=True)["completion_ids"])  # narrower prompts
         finally:
             hook.remove()
         assert {type(c).__name__ for c in caches} == ({"StaticCache"} if mode == "static" else {"DynamicCache"})
-        if mode == "static":  # one size for every call, whatever the prompt width: no recompilation
-            assert {c.get_max_length() for c in caches} == {40 + 10}
+        if mode == "static":
+            assert len({id(c) for c in caches}) == 1 and caches[0].get_max_length() == 40 + 10
+            ptrs = {(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in caches[0].layers}
+            policy.generate(["what is 33+4? be quick"] * 9, greedy=True)  # another prompt width, same batch size
+            assert {(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in caches[0].layers} == ptrs
+            first = policy._held_static_cache[2]
+            policy.generate(prompts[:4], greedy=True)  # another batch size: a new cache
+            assert policy._held_static_cache[2] is not first and policy._held_static_cache[0] == 4
     for a, b in zip(outs["dynamic"], outs["static"]):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="generation_cache"):

@@ -67,11 +67,13 @@ class CausalLMPolicy:
         once) or ``"static"``: a fixed-size KV cache, for which transformers compiles the decoding forward
         on CUDA (CUDA graphs: the per-token kernel launches of a small model cost more than its maths).
         Its size is ``max_prompt_length + max_new_tokens`` when a prompt limit is set, else the prompt
-        width rounded up to 128 (it only grows, so recompilations stay rare). Same tokens either way."""
+        width rounded up to 128 (it only grows, so recompilations stay rare); it is kept between calls
+        (``_static_cache``), which costs its memory during training. Same tokens either way."""
         if generation_cache not in ("dynamic", "static"):
             raise ValueError(f"generation_cache must be 'dynamic' or 'static', got {generation_cache!r}")
         self.share_prompt_prefix = share_prompt_prefix
         self.generation_cache = generation_cache
+        self._held_static_cache: tuple[int, int, Any] | None = None  # (batch, length, StaticCache)
         self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
                                        else unwrap(model), chunk_size)
         self.model = model
@@ -161,7 +163,7 @@ class CausalLMPolicy:
             gen_kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         if self.generation_cache == "static":
             width = self.max_prompt_length or -(-enc["input_ids"].shape[1] // 128) * 128
-            gen_kwargs.update(cache_implementation="static", max_cache_len=width + gen_kwargs["max_new_tokens"])
+            gen_kwargs.update(self._static_cache(model, enc["input_ids"].shape[0], width + gen_kwargs["max_new_tokens"]))
         elif self.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
             gen_kwargs.update(self._prompt_cache(model, *_right_align(enc["input_ids"], enc["attention_mask"])) or {})
         out = model.generate(**enc, **gen_kwargs)
@@ -178,6 +180,26 @@ class CausalLMPolicy:
                                             skip_special_tokens=True)
         return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion,
                 "completion_mask": mask, "truncated": truncated, "texts": texts}
+
+    def _static_cache(self, model: torch.nn.Module, batch: int, length: int) -> dict:
+        """The ``generate`` kwarg holding a fixed-size KV cache for ``batch`` rows of up to ``length`` tokens.
+
+        One cache object is kept and ``reset()`` (zeroed in place) between calls, so its tensors keep their
+        addresses: transformers marks them static for the compiled decoding step, and CUDA graphs replay
+        only while those addresses stay put (a fresh cache per call, transformers' own
+        ``cache_implementation="static"``, re-records the graphs every batch). A new batch size or a
+        longer length replaces it (the longest length seen is kept); only the latest is held."""
+        from transformers import StaticCache
+
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        held = self._held_static_cache
+        if held is not None and held[0] == batch and held[1] >= length:
+            held[2].reset()
+        else:
+            length = max(length, held[1]) if held is not None else length
+            held = (batch, length, StaticCache(config=lm.config.get_text_config(decoder=True), max_cache_len=length))
+            self._held_static_cache = held
+        return {_cache_kwarg(lm): held[2]}
 
     def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
                record_logp: bool = True) -> Trajectory:
