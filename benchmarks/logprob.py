@@ -256,7 +256,8 @@ def run(repeats: int = 3, *, device: str = "cpu", batch: int = 4, tokens: int = 
                      "baseline_trl_s": res.get("trl", {}).get("time_s"),
                      "naive_s": res.get("naive", {}).get("time_s"), "floor_s": res.get("floor", {}).get("time_s"),
                      "ratio": ratio("ours", "trl", "time_s"), "floor_ratio": ratio("ours", "floor", "time_s"),
-                     "target_ratio": 1.0, "target_floor_ratio": 1.4, **sizes})
+                     "target_ratio": 1.0, "target_floor_ratio": 1.4,
+                     "times_s": {m: res[m]["times_s"] for m in res}, **sizes})
         n_rows = batch * tokens
         tile_bound = 0 if dev.type == "cuda" else (
             max(1, min(vocab, chunk_size * vocab // n_rows)) * hidden * w.element_size())

@@ -52,7 +52,7 @@ def p1_rows(quick: bool) -> list[dict]:
     return [
         row("P1-time", "log-prob+entropy fwd+bwd time", t["ours_s"], t["baseline_trl_s"], "s", "lower", 1.0,
             f"{size}; median of {repeats}, interleaved after warm-up; {floor_note}",
-            floor_s=t["floor_s"], floor_ratio=t["floor_ratio"]),
+            floor_s=t["floor_s"], floor_ratio=t["floor_ratio"], times_s=t["times_s"]),
         row("P1-mem", "log-prob+entropy activation memory", m["ours_bytes_upper"], m["baseline_trl_bytes"], "bytes",
             "lower", 1 / 8, f"{size}; {m['mem_method']}; ours incl. the grad_W tile bound "
             f"({(m['ours_bytes_upper'] - m['ours_bytes']) / 2**20:.0f} MiB; at reduced T it dominates, the 1/8 target "
