@@ -102,11 +102,12 @@ def _tile_view(buf: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor |
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused tile math for CUDA. Measured on an H200 (benchmarks/results/gpu_h200.md): with the eager ops
-# above ~60 % of the time went to unfused elementwise kernels over fp32 tiles. These two pure functions
-# hold the same math written for one fused kernel each (torch.compile -> Triton): the tile stays in
-# the matmul's dtype in memory, the softmax math runs in float32 in registers. CPU keeps the in-place
-# eager path (faster there); tests run these functions eagerly against the naive reference.
+# Fused tile math. Measured on an H200 (benchmarks/results/gpu_h200.md): with the eager ops above ~60 %
+# of the time went to unfused elementwise kernels over fp32 tiles. These two functions hold the same
+# math written for one fused kernel each (torch.compile -> Triton on CUDA, C++ on CPU for real-vocabulary
+# tiles): the tile stays in the matmul's dtype in memory, the softmax math runs in float32 in registers;
+# the gradient one overwrites its tile (the call's workspace) in place. Small CPU tiles keep the in-place
+# eager path; tests run these functions eagerly against the naive reference, and compiled on CPU.
 # ---------------------------------------------------------------------------------------------
 _FUSED = {
     "enabled": os.environ.get("UNIALIGN_FUSED_LOGPROB", "1") != "0",
@@ -151,7 +152,7 @@ def _tile_grad_(z, bias, lse, a, c, gl, tok, v0: int, inv_t: float):
 
 
 def _fused_fn(name: str, h2: torch.Tensor, tile_elements: int):
-    """The fused version of ``_tile_stats`` / ``_tile_grad`` to use for ``h2``, or None (eager path):
+    """The fused version of ``_tile_stats`` / ``_tile_grad_`` to use for ``h2``, or None (eager path):
     compiled on CUDA, and on CPU for tiles of at least ``cpu_min_elements``; eager when tests force it.
     ``UNIALIGN_FUSED_LOGPROB=0`` turns the compiled path off."""
     fn = {"stats": _tile_stats, "grad": _tile_grad_}[name]
