@@ -1,6 +1,6 @@
 """Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md.
 
-    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~11 min on 2 idle CPU cores
+    .venv/bin/python benchmarks/run.py --output results/bench.json           # ~13 min on 2 idle CPU cores
     .venv/bin/python benchmarks/run.py --output /tmp/b.json --quick          # ~3-5 min smoke version
     .venv/bin/python benchmarks/run.py --output b.json --only P2,P4          # a subset
 
@@ -41,7 +41,7 @@ def p1_rows(quick: bool) -> list[dict]:
 
     # the issue's size (one fwd+bwd at T=1024 is ~0.8 TFLOP per method, 15-40 s on 2 CPU cores); quick: T=16
     T = 16 if quick else 1024
-    repeats = 2 if quick else 3
+    repeats = 2 if quick else 5  # a median of 5: one P1 iteration moves by +-10 % on a shared 2-core box
     methods = ("ours", "trl", "floor")
     raw = logprob.run(repeats, tokens=T, methods=methods)
     by = {r["id"]: r for r in raw}
