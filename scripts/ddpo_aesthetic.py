@@ -31,6 +31,7 @@ import torch
 
 from unialign.config import exit_on_user_error, parse_config
 from unialign.image import DiffusionPolicy
+from unialign.image.evaluate import sample_scores
 from unialign.image.grid import save_grid
 from unialign.rewards import get_reward
 from unialign.trainers import OnlineConfig, OnlineTrainer, write_json_atomic
@@ -105,17 +106,6 @@ def load_prompts(name: str, split: str) -> list[str]:
     return lines
 
 
-def evaluate(policy, prompts: list[str], reward, seed: int, gold=None) -> dict:
-    """Sample the fixed held-out prompts with a fixed generator; reward (and gold) mean/std."""
-    traj = policy.sample(prompts, generator=torch.Generator().manual_seed(seed))
-    scores = torch.tensor(reward(prompts, traj.completions), dtype=torch.float32)
-    out = {"mean": float(scores.mean()), "std": float(scores.std()), "scores": scores, "images": traj.completions}
-    if gold is not None:
-        g = gold(traj.completions)
-        out.update(gold_mean=float(g.mean()), gold_std=float(g.std()))
-    return out
-
-
 def main(cfg: DDPOAestheticConfig) -> dict:
     start = time.time()
     if cfg.num_threads > 0:
@@ -140,9 +130,9 @@ def main(cfg: DDPOAestheticConfig) -> dict:
 
     trainer = OnlineTrainer(policy, reward, train, cfg)
     out_dir = Path(cfg.output_dir)
-    before = evaluate(policy, eval_prompts, reward, cfg.eval_seed, gold)
+    before = sample_scores(policy, eval_prompts, cfg.eval_seed, reward, gold)
     history = trainer.train()
-    after = evaluate(policy, eval_prompts, reward, cfg.eval_seed, gold)
+    after = sample_scores(policy, eval_prompts, cfg.eval_seed, reward, gold)
     summary = {"metric": "reward", "reward": cfg.reward, "before": before["mean"], "after": after["mean"],
                "before_std": before["std"], "after_std": after["std"], "steps": trainer.step,
                "wall_seconds": time.time() - start, "num_eval": len(eval_prompts),

@@ -33,6 +33,7 @@ import torch
 from unialign.config import exit_on_user_error, parse_config
 from unialign.image import DiffusionPolicy
 from unialign.image.data import normalize_pickapic, synthetic_pairs
+from unialign.image.evaluate import sample_scores
 from unialign.image.grid import save_grid
 from unialign.text import load_rows
 from unialign.trainers import write_json_atomic
@@ -117,26 +118,22 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
     trainer = PreferenceTrainer(objective, train, cfg)
 
-    def fresh_gold() -> tuple[float | None, list]:
-        if not embedded:
-            return None, []
-        prompts = emb.prompts("test")
-        images = policy.sample(prompts, generator=torch.Generator().manual_seed(1234)).completions
-        return float(emb.gold_score(images).mean()), images
+    def fresh_gold() -> dict:  # fixed held-out prompts and seed: the same draws before and after
+        return sample_scores(policy, emb.prompts("test"), 1234, gold=emb.gold_score) if embedded else {}
 
     def implicit() -> tuple[float, float]:  # (K = eval_timestep_samples, K = 1 as the trainer computes it)
         k1 = trainer.evaluate(held_out)["implicit_accuracy"]
         k = cfg.eval_timestep_samples
         return (k1 if k <= 1 else averaged_implicit_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
 
-    gold_before, images_before = fresh_gold()
+    gold_before = fresh_gold()
     implicit_before, implicit_before_k1 = implicit()
     history = trainer.train()
-    gold_after, images_after = fresh_gold()
+    gold_after = fresh_gold()
     implicit_after, implicit_after_k1 = implicit()
     summary = {"metric": "gold_score" if embedded else "implicit_accuracy",
-               "before": gold_before if embedded else implicit_before,
-               "after": gold_after if embedded else implicit_after,
+               "before": gold_before["gold_mean"] if embedded else implicit_before,
+               "after": gold_after["gold_mean"] if embedded else implicit_after,
                "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
                "implicit_accuracy_before_k1": implicit_before_k1, "implicit_accuracy_after_k1": implicit_after_k1,
                "eval_timestep_samples": cfg.eval_timestep_samples,
@@ -148,9 +145,9 @@ def main(cfg: DiffusionDPOConfig) -> dict:
         out = Path(cfg.output_dir)
         if embedded:
             prompts = emb.prompts("test")
-            for name, images in (("before", images_before), ("after", images_after)):
-                scores = emb.gold_score(images).tolist()
-                save_grid(images, [f"{p} | {s:.3f}" for p, s in zip(prompts, scores)], out / f"grid_{name}.png")
+            for name, res in (("before", gold_before), ("after", gold_after)):
+                save_grid(res["images"], [f"{p} | {s:.3f}" for p, s in zip(prompts, res["gold_scores"].tolist())],
+                          out / f"grid_{name}.png")
         policy.save(str(out / "final"))
         write_json_atomic(out / "summary.json", summary)
         trainer.acc.print({k: v for k, v in summary.items() if k != "config"})

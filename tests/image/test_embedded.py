@@ -155,3 +155,16 @@ def test_shipped_aesthetic_head_tracks_gold_on_model_samples():
     reward = torch.tensor(AestheticReward.embedded()(prompts=batch, completions=images))
     gold = E.gold_score(images)
     assert float(torch.corrcoef(torch.stack([reward, gold]))[0, 1]) > 0.7
+
+
+def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
+    from unialign.image.evaluate import sample_scores
+
+    policy = E.load_embedded(num_steps=2)
+    prompts = E.prompts("test")[:3]
+    reward = lambda ps, images: [float(i) for i in range(len(images))]  # noqa: E731
+    a = sample_scores(policy, prompts, 7, reward=reward, gold=E.gold_score)
+    b = sample_scores(policy, prompts, 7, gold=E.gold_score)
+    assert [x.tobytes() for x in a["images"]] == [x.tobytes() for x in b["images"]] and "mean" not in b
+    assert torch.equal(a["gold_scores"], E.gold_score(a["images"])) and a["gold_mean"] == float(a["gold_scores"].mean())
+    assert a["scores"].tolist() == [0.0, 1.0, 2.0] and a["mean"] == 1.0 and a["std"] == 1.0

@@ -108,10 +108,15 @@ class DPOObjective:
             self.cache.update({i: (float(c), float(r)) for i, c, r in zip(row_ids, ref_c, ref_r)})
         return ref_c, ref_r
 
-    def losses(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
+    def sequence_logps(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
+        """(chosen, rejected, ref_chosen, ref_rejected) [B] each: the policy's and the reference's (cached
+        when ``row_ids`` are in the cache) sequence log-probs, length-averaged for IPO."""
         chosen, rejected = self.policy.sequence_log_prob(batch, length_normalize=self.loss_type == "ipo")
         ref_c, ref_r = self._reference_logps(batch, row_ids)
-        ref_c, ref_r = ref_c.to(chosen.device, chosen.dtype), ref_r.to(chosen.device, chosen.dtype)
+        return chosen, rejected, ref_c.to(chosen.device, chosen.dtype), ref_r.to(chosen.device, chosen.dtype)
+
+    def losses(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
+        chosen, rejected, ref_c, ref_r = self.sequence_logps(batch, row_ids)
         losses, rc, rr = algos.dpo_loss(chosen, rejected, ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing)
         extra = {}
         if self.rpo_alpha:
@@ -267,9 +272,7 @@ def averaged_implicit_accuracy(objective: DPOObjective, rows: list[dict[str, Any
     margin = torch.zeros(len(rows))
     for _ in range(samples):
         for i in range(0, len(rows), batch_size):
-            batch = objective.batch(rows[i:i + batch_size])
-            chosen, rejected = objective.policy.sequence_log_prob(batch)
-            ref_c, ref_r = objective.reference.sequence_log_prob(batch)
+            chosen, rejected, ref_c, ref_r = objective.sequence_logps(objective.batch(rows[i:i + batch_size]))
             margin[i:i + len(chosen)] += ((chosen - ref_c) - (rejected - ref_r)).float().cpu()
     return float(implicit_accuracy(margin, torch.zeros_like(margin)))
 
