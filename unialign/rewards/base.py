@@ -215,6 +215,12 @@ class RewardFunction:
     def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]] | None = None) -> Tensor:
         """Float32 scores [B] (NaN for ``None``). Raises, naming this function, if it returns the wrong
         number of scores or a non-numeric value, or if a column's length is not B."""
+        return self.score_with_metrics(prompts, completions, columns)[0]
+
+    def score_with_metrics(self, prompts: list[Any], completions: list[Any],
+                           columns: dict[str, list[Any]] | None = None) -> tuple[Tensor, dict[str, float]]:
+        """``score`` plus the batch-level metrics the function reported: a function may return a list
+        subclass with a ``metrics`` dict of floats (e.g. the shape verifier's per-part rates); else {}."""
         columns = dict(columns or {})
         batch_size = len(completions)
         if len(prompts) != batch_size:
@@ -225,7 +231,9 @@ class RewardFunction:
             if len(values) != batch_size:
                 raise ValueError(f"column {key!r} has {len(values)} values for a batch of {batch_size}")
         out = self(prompts, completions, **columns)
-        return torch.tensor(_to_scores(out, self.name, batch_size), dtype=torch.float32)
+        metrics = getattr(out, "metrics", None)
+        metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+        return torch.tensor(_to_scores(out, self.name, batch_size), dtype=torch.float32), metrics
 
 
 @dataclass
@@ -236,11 +244,14 @@ class RewardOutput:
                    not finite (None / NaN / inf) under ``on_nonfinite="nan"``; see ``CombinedReward``.
     per_function:  name -> float32 [B], each function's raw (unweighted) scores, NaN for None.
     num_nonfinite: how many of the B entries of ``rewards_B`` are not finite.
+    function_metrics: ``"<name>/<metric>"`` -> float, batch-level metrics the functions reported
+                   (``RewardFunction.score_with_metrics``), e.g. ``shape_verifier/fidelity``.
     """
 
     rewards_B: Tensor
     per_function: dict[str, Tensor]
     num_nonfinite: int
+    function_metrics: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """Detached floats for logging: mean over finite entries and non-finite fraction, per function
@@ -252,6 +263,7 @@ class RewardOutput:
             n = int(finite.sum())
             out[f"{key}/mean"] = float(values[finite].double().mean()) if n else math.nan
             out[f"{key}/frac_nonfinite"] = 1.0 - n / values.numel() if values.numel() else 0.0
+        out.update({f"rewards/{k}": v for k, v in self.function_metrics.items()})
         return out
 
 
@@ -302,7 +314,10 @@ class CombinedReward:
     def __call__(self, prompts: list[Any], completions: list[Any],
                  columns: dict[str, list[Any]] | None = None) -> RewardOutput:
         """Score the batch with every function and combine (see the class docstring for NaN rules)."""
-        per_function = {f.name: f.score(prompts, completions, columns) for f in self.functions}
+        per_function, function_metrics = {}, {}
+        for f in self.functions:
+            per_function[f.name], metrics = f.score_with_metrics(prompts, completions, columns)
+            function_metrics.update({f"{f.name}/{k}": v for k, v in metrics.items()})
         batch_size = len(completions)
         scores_F_B = torch.stack(list(per_function.values())).double() if per_function else torch.zeros(0, batch_size)
         weights_F = torch.tensor(self.weights, dtype=torch.float64)
@@ -315,4 +330,4 @@ class CombinedReward:
             total_B = torch.where(bad_B, torch.full_like(total_B, math.nan), total_B)
         rewards_B = total_B.to(torch.float32)
         return RewardOutput(rewards_B=rewards_B, per_function=per_function,
-                            num_nonfinite=int((~torch.isfinite(rewards_B)).sum()))
+                            num_nonfinite=int((~torch.isfinite(rewards_B)).sum()), function_metrics=function_metrics)
