@@ -57,6 +57,9 @@ class Policy(Protocol):
 
     # Optional, for PPO with a critic on the policy's backbone (text): ``log_prob_and_values(trajectory)
     # -> (logp_B_T, entropy_B_T, values_B_T)``. Presets with ``value_coef > 0`` require it.
+    # Optional, for policies whose steps are Gaussians of a fixed variance (diffusion): ``log_prob_and_kl(
+    # trajectory) -> (logp_B_T, entropy_B_T, kl_B_T)`` with the closed-form step KL to ``reference()``;
+    # ``kl_estimator="gaussian"`` requires it (checked when the trainer starts).
 
     def save(self, path: str) -> None:
         """Write weights (or adapters) loadable by the stock library (transformers / diffusers)."""

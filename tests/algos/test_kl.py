@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import assert_close
-from unialign.algos.kl import kl_estimate
+from unialign.algos.kl import check_kl_estimator, gaussian_kl, kl_estimate
 
 F64 = torch.float64
 
@@ -93,3 +93,24 @@ def test_monte_carlo_unbiased(name):
     mean, se = est.mean().item(), est.std().item() / math.sqrt(n)
     assert abs(mean - exact) < 5 * se, (name, mean, exact, se)
     assert se < 0.01 * exact  # the check is sharp: 5 sigma is well under the KL itself
+
+
+def test_gaussian_kl_by_hand_and_against_torch_distributions():
+    # two elements per sample, std 2: ((1 - 0)^2 + (2 - 0)^2) / 2 / (2 * 4) = 5 / 16
+    mean, ref = t64([[1.0, 2.0], [0.5, 0.5]]), t64([[0.0, 0.0], [0.5, -0.5]])
+    assert_close(gaussian_kl(mean, ref, 2.0), [5 / 16, 0.5 * 1.0 / 8])
+    rng = np.random.default_rng(0)
+    mu, mu_ref = t64(rng.normal(size=(3, 4, 2, 2))), t64(rng.normal(size=(3, 4, 2, 2)))
+    std = t64(rng.uniform(0.1, 1.0, size=(3, 1, 1, 1)))
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Normal(mu, std.expand_as(mu)), torch.distributions.Normal(mu_ref, std.expand_as(mu))
+    ).mean(dim=(1, 2, 3))
+    assert_close(gaussian_kl(mu, mu_ref, std), expected)
+    assert_close(gaussian_kl(mu, mu, std), [0.0, 0.0, 0.0])
+
+
+def test_unknown_estimator_is_named():
+    check_kl_estimator("gaussian")
+    check_kl_estimator("low_var_kl")
+    with pytest.raises(ValueError, match="kl_estimator: unknown 'k4'"):
+        check_kl_estimator("k4")

@@ -366,3 +366,18 @@ def test_first_sampler_step_by_hand_with_cfg(make_policy, kind):
     x_next, logp = ddim_step_with_logprob(policy.scheduler, guided, t, x_T, eta=1.0, generator=g)
     assert_close(traj.payload["latents"][:, 1], x_next)
     assert_close(traj.old_logp_B_T[:, 0], logp)
+
+
+def test_min_step_std_keeps_the_nearly_deterministic_steps_untrained(make_policy):
+    from unialign.image.ddim import ddim_step_coefficients
+
+    policy = make_policy("sd", num_steps=8, timestep_fraction=0.5, min_step_std=0.1)
+    std = ddim_step_coefficients(policy.scheduler, policy.scheduler.timesteps, policy.eta)["std"]
+    low = (std < 0.1).nonzero().flatten().tolist()
+    assert low == [6, 7] and policy.trainable_steps.tolist() == [0, 1, 2, 3, 4, 5]
+    traj = policy.sample(PROMPTS * 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(traj.mask_B_T.sum(1), torch.full((12,), 3.0))  # half of the 6 trainable steps
+    assert float(traj.mask_B_T[:, low].sum()) == 0.0
+    assert (traj.mask_B_T[:, :6].sum(0) > 0).all()  # every trainable step is drawn by someone
+    with pytest.raises(ValueError, match="leaves no trainable step"):
+        make_policy("sd", min_step_std=5.0)

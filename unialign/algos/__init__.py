@@ -8,13 +8,14 @@ from unialign.algos.advantages import (
     whiten,
 )
 from unialign.algos.aggregate import aggregate, local_normalizer
-from unialign.algos.kl import kl_estimate
+from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, check_kl_estimator, gaussian_kl, kl_estimate
 from unialign.algos.policy_loss import clipped_policy_loss, sequence_log_ratio
 from unialign.algos.preference import bradley_terry_loss, dpo_loss
 from unialign.algos.shaping import AdaptiveKLController, kl_shaped_rewards, overlong_penalty
 from unialign.algos.value import clipped_value_loss, entropy_from_logits
 
 __all__ = [
+    "CLOSED_FORM_ESTIMATORS",
     "AdaptiveKLController",
     "PerPromptStatTracker",
     "aggregate",
@@ -23,7 +24,9 @@ __all__ = [
     "clipped_value_loss",
     "dpo_loss",
     "entropy_from_logits",
+    "check_kl_estimator",
     "gae",
+    "gaussian_kl",
     "group_advantages",
     "kl_estimate",
     "kl_shaped_rewards",

@@ -7,6 +7,19 @@ With samples from pi and r = pi_ref / pi = exp(ref_logp - logp):
     k3 = (r - 1) - log r                              unbiased, low variance, always >= 0
 
 verl calls k3 ``low_var_kl`` and k2 ``mse``; TRL's GRPO uses k3.
+
+For policies whose steps are Gaussians of the same, theta-independent variance (a DDIM step with
+eta > 0, Flow-GRPO's SDE step) the KL of a step also has a closed form, ``gaussian_kl``; the policy
+computes it (``log_prob_and_kl``), because it needs both means, which log-probs do not carry. The
+estimator name ``"gaussian"`` selects it (``CLOSED_FORM_ESTIMATORS``).
+
+Why it matters for images: a diffusion step's log-prob is a **mean** over its D = C*H*W elements, and
+the per-element log-ratios at x' ~ pi are delta^2/(2 sigma^2) + (delta/sigma) z with delta = mu - mu_ref,
+so their mean concentrates at the per-element KL with variance 2 KL / D. Then k1 estimates the
+per-element KL, but k2 and k3 of that mean are about (KL^2 + 2 KL / D) / 2 -- second order, a far
+weaker penalty -- and the sampled estimators' gradients have expectation 0 (k1) or ~1/D of the
+closed form's (k2, k3): the recorded x' is not reparametrised. Only ``gaussian`` pulls mu towards
+mu_ref at full strength (measured in ``tests/image/test_kl.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +29,27 @@ import torch
 Tensor = torch.Tensor
 
 KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+CLOSED_FORM_ESTIMATORS = ("gaussian",)
+
+
+def check_kl_estimator(estimator: str) -> None:
+    """ValueError unless ``estimator`` is a sample estimator (``KL_ALIASES``) or a closed form."""
+    if estimator not in KL_ALIASES and estimator not in CLOSED_FORM_ESTIMATORS:
+        raise ValueError(f"kl_estimator: unknown {estimator!r}; use one of "
+                         f"{sorted(KL_ALIASES) + list(CLOSED_FORM_ESTIMATORS)}")
+
+
+def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor | float) -> Tensor:
+    """Closed-form KL(N(mean, std^2 I) || N(ref_mean, std^2 I)) per element, averaged over every
+    non-batch dim (the convention of the Gaussian step log-probs): mean_D (mean - ref_mean)^2 / (2 std^2).
+
+    ``mean``, ``ref_mean``: [B, ...]; ``std``: broadcastable to them (e.g. [B, 1, 1, 1]), > 0, the same
+    for both Gaussians. Returns [B]. The KL term of Flow-GRPO (Liu et al. 2025, ``train_sd3.py``) and
+    DPOK (Fan et al. 2023, eq. 10) per step; Flow-GRPO divides by its diffusion coefficient g^2 rather
+    than the step variance g^2 |dt|, i.e. its value is this one times |dt|."""
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    kl = (mean - ref_mean) ** 2 / (2 * std**2)
+    return kl.mean(dim=tuple(range(1, kl.dim())))
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", clamp: float | None = None) -> Tensor:

@@ -89,34 +89,17 @@ def ddim_step_coefficients(scheduler, timestep: Tensor | int, eta: float = 1.0) 
     return {k: v.to(t_in.device) for k, v in coef.items()}
 
 
-def ddim_step_with_logprob(
+def ddim_step_mean(
     scheduler,
     model_output: Tensor,
     timestep: Tensor | int,
     sample: Tensor,
     eta: float = 1.0,
-    prev_sample: Tensor | None = None,
-    generator: torch.Generator | None = None,
     coefficients: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """DDIM step with log-probability (see the module docstring for the math and its origin).
-
-    Args:
-        scheduler: a ``diffusers.DDIMScheduler`` after ``set_timesteps(N)``.
-        model_output: [B, C, H, W] the (guided) UNet output; epsilon, v or sample per
-            ``scheduler.config.prediction_type``.
-        timestep: int or long tensor [B], the current t.
-        sample: [B, C, H, W] x_t.
-        eta: > 0, scale of sigma_t (1 = DDPM posterior variance).
-        prev_sample: [B, C, H, W] the recorded x_{t'} to score; when None it is drawn as mu + sigma_t z
-            with z from ``generator``.
-        coefficients: ``ddim_step_coefficients(scheduler, timestep, eta)`` computed beforehand (each [B],
-            on ``sample.device``): a sampler computes them once for every step, which avoids one
-            host round trip (a device sync on GPU) per step.
-    Returns:
-        (prev_sample [B, C, H, W] in ``sample``'s dtype, log_prob [B] float32: the Gaussian
-        log-density of prev_sample (detached) under N(mu, sigma_t^2 I), averaged over C,H,W).
-    """
+    """The Gaussian of one DDIM step: (mu [B, C, H, W] float32, sigma_t [B, 1, 1, 1] float32), formulas
+    (12) and (16) of the DDIM paper (module docstring); arguments as ``ddim_step_with_logprob``.
+    Differentiable in ``model_output``; sigma_t does not depend on the model."""
     batch = sample.shape[0]
     t = _as_batched_timesteps(timestep, batch, sample.device)
     coef = ddim_step_coefficients(scheduler, t, eta) if coefficients is None else coefficients
@@ -145,7 +128,38 @@ def ddim_step_with_logprob(
         limit = scheduler.config.clip_sample_range
         x0_hat = x0_hat.clamp(-limit, limit)
 
-    mean = alpha_prev.sqrt() * x0_hat + eps_coef * eps_hat
+    return alpha_prev.sqrt() * x0_hat + eps_coef * eps_hat, std
+
+
+def ddim_step_with_logprob(
+    scheduler,
+    model_output: Tensor,
+    timestep: Tensor | int,
+    sample: Tensor,
+    eta: float = 1.0,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    coefficients: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """DDIM step with log-probability (see the module docstring for the math and its origin).
+
+    Args:
+        scheduler: a ``diffusers.DDIMScheduler`` after ``set_timesteps(N)``.
+        model_output: [B, C, H, W] the (guided) UNet output; epsilon, v or sample per
+            ``scheduler.config.prediction_type``.
+        timestep: int or long tensor [B], the current t.
+        sample: [B, C, H, W] x_t.
+        eta: > 0, scale of sigma_t (1 = DDPM posterior variance).
+        prev_sample: [B, C, H, W] the recorded x_{t'} to score; when None it is drawn as mu + sigma_t z
+            with z from ``generator``.
+        coefficients: ``ddim_step_coefficients(scheduler, timestep, eta)`` computed beforehand (each [B],
+            on ``sample.device``): a sampler computes them once for every step, which avoids one
+            host round trip (a device sync on GPU) per step.
+    Returns:
+        (prev_sample [B, C, H, W] in ``sample``'s dtype, log_prob [B] float32: the Gaussian
+        log-density of prev_sample (detached) under N(mu, sigma_t^2 I), averaged over C,H,W).
+    """
+    mean, std = ddim_step_mean(scheduler, model_output, timestep, sample, eta, coefficients)
 
     if prev_sample is None:
         from diffusers.utils.torch_utils import randn_tensor

@@ -27,7 +27,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unialign.image.ddim import HALF_LOG_2PI, ddim_step_coefficients, ddim_step_with_logprob
+from unialign.algos.kl import gaussian_kl
+from unialign.image.ddim import (
+    HALF_LOG_2PI,
+    ddim_step_coefficients,
+    ddim_step_mean,
+    ddim_step_with_logprob,
+    gaussian_logprob_mean,
+)
 from unialign.types import PreferenceBatch, Trajectory
 
 Tensor = torch.Tensor
@@ -47,7 +54,13 @@ class DiffusionPolicy:
             unconditional branch uses the empty prompt's embeddings, or zeros when
             ``force_zeros_for_empty_prompt``, as stock SDXL does).  eta: DDIM eta (> 0).
         height, width: image size in pixels (default: UNet sample_size x VAE scale factor).
-        timestep_fraction: fraction K/N of steps trained per sample, chosen per sample at random.
+        timestep_fraction: fraction of the trainable steps trained per sample (K = max(1, int(fraction x
+            trainable))), chosen per sample at random.
+        min_step_std: steps whose noise std sigma_t is below this are never trained (default 0: every
+            step is trainable). A policy-gradient term scales as 1/sigma_t while a nearly deterministic
+            last step hardly changes the image: with 8 DDIM steps at eta 1 the last two (sigma 0.04, 0.02
+            against 0.3-0.8) carry 3-9x the gradient norm of the others and almost no reward signal,
+            so training them is mostly noise (Flow-GRPO skips its last step for the same reason).
         lora_rank: > 0 adds a peft LoRA (r = rank, alpha = ``lora_alpha`` or rank) on the UNet
             attention projections and freezes the base UNet; 0 trains the full UNet.
         gradient_checkpointing: UNet gradient checkpointing.  enable_xformers: xformers attention
@@ -74,6 +87,7 @@ class DiffusionPolicy:
         height: int | None = None,
         width: int | None = None,
         timestep_fraction: float = 1.0,
+        min_step_std: float = 0.0,
         lora_rank: int = 0,
         lora_alpha: float | None = None,
         gradient_checkpointing: bool = False,
@@ -103,6 +117,11 @@ class DiffusionPolicy:
         self.height = height or unet.config.sample_size * self.vae_scale_factor
         self.width = width or unet.config.sample_size * self.vae_scale_factor
         self.timestep_fraction = timestep_fraction
+        step_std = ddim_step_coefficients(self.scheduler, self.scheduler.timesteps, eta)["std"]
+        self.trainable_steps = torch.nonzero(step_std >= min_step_std).flatten()
+        if self.trainable_steps.numel() == 0:
+            raise ValueError(f"min_step_std={min_step_std} leaves no trainable step (the largest sigma_t of "
+                             f"{num_steps} steps at eta {eta} is {float(step_std.max()):.3g})")
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
@@ -277,16 +296,17 @@ class DiffusionPolicy:
         return {k: payload[k] if rows is None else payload[k][rows] for k in keys}
 
     def _trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
-        """mask_B_T: K = max(1, int(N * timestep_fraction)) steps per sample, chosen by an independent
-        random permutation per sample (as ddpo-pytorch)."""
-        n = self.num_steps
-        k = max(1, int(n * self.timestep_fraction))
-        if k == n:
-            return torch.ones(batch, n)
-        gen_device = generator.device if generator is not None else "cpu"
+        """mask_B_T: K = max(1, int(M * timestep_fraction)) of the M trainable steps per sample, chosen by an
+        independent random permutation per sample (as ddpo-pytorch, which has M = N)."""
+        n, steps = self.num_steps, self.trainable_steps
+        k = max(1, int(len(steps) * self.timestep_fraction))
         mask = torch.zeros(batch, n)
+        if k == len(steps):
+            mask[:, steps] = 1.0
+            return mask
+        gen_device = generator.device if generator is not None else "cpu"
         for i in range(batch):
-            mask[i, torch.randperm(n, generator=generator, device=gen_device)[:k].cpu()] = 1.0
+            mask[i, steps[torch.randperm(len(steps), generator=generator, device=gen_device)[:k].cpu()]] = 1.0
         return mask
 
     def decode(self, latents_B_C_H_W: Tensor) -> list[Image.Image]:
@@ -400,28 +420,46 @@ class DiffusionPolicy:
         """
         return self._log_prob(self.model, trajectory, with_entropy)
 
-    def _log_prob(self, unet, trajectory: Trajectory, with_entropy: bool) -> Any:
+    def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logp_B_T, entropy_B_T, kl_B_T)``: ``log_prob(trajectory, with_entropy=True)`` plus the closed-form
+        KL of each trained step to the reference's step at the same x_t (``algos.gaussian_kl``: both are
+        Gaussians with the step's sigma_t, so KL_t = mean_CHW (mu_theta - mu_ref)^2 / (2 sigma_t^2)),
+        differentiable through mu_theta; 0 where masked. The reference (``reference()``: adapters off, or
+        the frozen copy) runs here, without gradients, with the same CFG -- as Flow-GRPO's training step
+        does -- so the trainer needs no reference pass of its own."""
+        return self._log_prob(self.model, trajectory, True, reference=self.reference())
+
+    def _log_prob(self, unet, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
         payload = trajectory.payload
         latents, timesteps = payload["latents"], payload["timesteps"]
         mask = trajectory.mask_B_T
         batch, steps = timesteps.shape
-        columns = []
+        columns, kl_columns = [], []
         for j in range(steps):
             rows = (mask[:, j] > 0).nonzero().squeeze(1)
             column = torch.zeros(batch, device=latents.device, dtype=torch.float32)
+            kl_column = column
             if rows.numel() > 0:
-                t_R = timesteps[rows, j]
-                out = self._predict(unet, latents[rows, j], t_R, self._cond_from_payload(payload, rows), self._cfg)
-                _, logp_R = ddim_step_with_logprob(self.scheduler, out, t_R, latents[rows, j],
-                                                   eta=self.eta, prev_sample=latents[rows, j + 1])
+                t_R, x_R, cond = timesteps[rows, j], latents[rows, j], self._cond_from_payload(payload, rows)
+                out = self._predict(unet, x_R, t_R, cond, self._cfg)
+                mean, std = ddim_step_mean(self.scheduler, out, t_R, x_R, self.eta)
+                logp_R = gaussian_logprob_mean(latents[rows, j + 1].detach().float(), mean, std)
                 column = column.index_put((rows,), logp_R)
+                if reference is not None:
+                    with reference._frozen():
+                        ref_out = self._predict(reference.model, x_R, t_R, cond, self._cfg)
+                    ref_mean, _ = ddim_step_mean(self.scheduler, ref_out, t_R, x_R, self.eta)
+                    kl_column = kl_column.index_put((rows,), gaussian_kl(mean, ref_mean, std))
             columns.append(column)
+            kl_columns.append(kl_column)
         logp_B_T = torch.stack(columns, dim=1)
         if not with_entropy:
             return logp_B_T
         std_B_T = ddim_step_coefficients(self.scheduler, timesteps.reshape(-1), self.eta)["std"].view(batch, steps)
         entropy_B_T = (0.5 + HALF_LOG_2PI + torch.log(std_B_T.to(logp_B_T.device))) * (mask > 0)
-        return logp_B_T, entropy_B_T
+        if reference is None:
+            return logp_B_T, entropy_B_T
+        return logp_B_T, entropy_B_T, torch.stack(kl_columns, dim=1)
 
     def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
         """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023, eq. 14 as implemented in
