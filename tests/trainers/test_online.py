@@ -314,3 +314,35 @@ def test_dapo_adds_the_soft_overlong_penalty_by_hand(tmp_path, override, cache):
     expected = [0.0 if cache == 0 or n <= start else (start - n) / cache for n in lengths]
     assert_close(traj.rewards_B, torch.tensor(expected))
     assert cache == 0 or min(expected) < 0  # the tiny model runs to the limit: the penalty is exercised
+
+
+def test_evaluator_runs_before_every_eval_steps_and_after(tmp_path):
+    calls = []
+
+    def evaluator():
+        calls.append(trainer.step)
+        return {"score": float(len(calls)), "grid": object()}  # non-numbers go to trackers as images only
+
+    trainer = make(tmp_path, max_steps=4, eval_steps=2)
+    trainer.evaluator = evaluator
+    assert trainer.evaluate() == {"eval/score": 1.0}
+    history = trainer.train()
+    assert calls == [0, 2, 4]  # the final evaluation at step 4 is the scheduled one, not a second run
+    assert trainer.evaluate() == {"eval/score": 3.0} and calls == [0, 2, 4]  # cached per step
+    evals = [(h["step"], h["eval/score"]) for h in history if "eval/score" in h]
+    assert evals == [(0, 1.0), (2, 2.0), (4, 3.0)]
+    assert all("grid" not in k for h in history for k in h)
+    assert (Path(tmp_path) / "reward_curve.png").exists()
+
+
+def test_reward_function_metrics_are_logged(tmp_path):
+    class Scores(list):
+        pass
+
+    def reward(prompts, completions):
+        out = Scores(len(c) / 8.0 for c in completions)
+        out.metrics = {"long": sum(len(c) > 4 for c in completions) / len(completions)}
+        return out
+
+    history = make(tmp_path, reward=reward, max_steps=1).train()
+    assert 0.0 <= history[0]["reward/reward/long"] <= 1.0

@@ -147,7 +147,7 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
 
 
 def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> None:
-    """Plot metrics over steps to a PNG (one panel per key present in the history)."""
+    """Plot metrics over steps to a PNG (one panel per key present in the history, four to a row)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,8 +156,12 @@ def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = (
     keys = [k for k in keys if any(k in h for h in history)]
     if not keys:
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols = min(len(keys), 4)
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, key in zip(axes.flat, keys):
         pts = [(h["step"], h[key]) for h in history if key in h and math.isfinite(h[key])]
         if pts:
             ax.plot(*zip(*pts), marker=".")
@@ -168,6 +172,20 @@ def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = (
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def log_images(acc, images: dict[str, object], step: int) -> None:
+    """Log PIL images / HWC uint8 arrays to the run's trackers that take images (TensorBoard, wandb);
+    other trackers are skipped."""
+    if not images:
+        return
+    import numpy as np
+
+    for tracker in acc.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log_images({k: np.asarray(v)[None] for k, v in images.items()}, step=step, dataformats="NHWC")
+        elif hasattr(tracker, "log_images"):
+            tracker.log_images({k: [v] for k, v in images.items()}, step=step)
 
 
 def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int) -> Path:

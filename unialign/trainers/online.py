@@ -7,10 +7,14 @@ Every iteration runs five phases, top to bottom:
     2. score      rewards (any TRL-style reward function); non-finite rewards are counted and
                   excluded from baselines (they get advantage 0)
     3. advantages the preset's estimator (``unialign.registry``); reference log-probs when the
-                  KL coefficient is non-zero; values and KL-shaped per-step rewards for PPO
+                  KL coefficient is non-zero and the KL is a sample estimate (k1/k2/k3); values and
+                  KL-shaped per-step rewards for PPO. The closed-form ``gaussian`` KL of a diffusion
+                  step needs no pass here: the policy computes it beside the log-probs in phase 4
     4. update     ``num_iterations`` epochs x ``num_mini_batches`` optimizer steps, each
                   accumulated over micro-batches with ONE loss normaliser per optimizer step
-    5. log / save metrics to accelerate's trackers, atomic checkpoints, reward curve
+    5. log / save metrics to accelerate's trackers, atomic checkpoints, reward curve; every
+                  ``eval_steps`` the optional ``evaluator`` (held-out numbers and images, e.g. prompt
+                  fidelity of an image policy) runs, and once more at the end
 
 The loop sees only the ``Policy`` protocol and the registry; it never asks which modality it runs.
 Departures from the papers, on purpose:
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -45,6 +50,7 @@ from unialign.trainers.common import (
     epoch_order,
     find_checkpoint,
     load_checkpoint,
+    log_images,
     make_optimizer,
     save_checkpoint,
     save_curves,
@@ -65,6 +71,7 @@ class OnlineConfig(TrainConfig):
     max_completion_length: int | None = None
     max_generation_rounds: int = 3
     ratio_check_tol: float | None = None
+    eval_steps: int = 0  # run the trainer's evaluator every N steps (0: only when a script asks)
     # algorithm overrides (TRL names)
     epsilon: float | None = None
     epsilon_high: float | None = None
@@ -112,7 +119,7 @@ class OnlineTrainer:
     reward as dataset columns) to maximise ``reward_fn`` under the preset of ``config.algorithm``."""
 
     def __init__(self, policy: Policy, reward_fn: Callable | list[Callable] | CombinedReward, prompts: list[dict[str, Any]], config: OnlineConfig,
-                 accelerator: Accelerator | None = None):
+                 accelerator: Accelerator | None = None, evaluator: Callable[[], dict[str, float]] | None = None):
         if not prompts:
             raise ValueError("prompts: the training set is empty")
         for i, row in enumerate(prompts):
@@ -130,6 +137,18 @@ class OnlineTrainer:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {world} processes")
         if config.num_generations < 2 and self.spec.advantage in ("group", "rloo"):
             raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
+        algos.check_kl_estimator(self.spec.kl_estimator)
+        # a closed-form KL comes from the policy's own forward (it needs both step means)
+        self._kl_from_policy = self.spec.beta > 0 and self.spec.kl_estimator in algos.CLOSED_FORM_ESTIMATORS
+        if self._kl_from_policy:
+            if not hasattr(policy, "log_prob_and_kl"):
+                raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} needs a policy with Gaussian steps and "
+                                 f"log_prob_and_kl() (DiffusionPolicy); {type(policy).__name__} has none: use k1, k2 or k3")
+            if self.spec.kl_in_reward or self.spec.value_coef > 0:
+                raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} is a KL term in the loss; it cannot be "
+                                 f"combined with {self.spec.name}'s KL-in-reward or critic: use k1, k2 or k3")
+        if self.spec.beta > 0:
+            policy.reference()  # built now, from the untrained weights (a frozen copy without LoRA)
         set_seed(config.seed)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -142,6 +161,9 @@ class OnlineTrainer:
         self.counters = {"nonfinite_rewards": 0, "skipped_steps": 0}
         self.ratio_checked = False
         self._param_dtype = params[0].dtype
+        self.evaluator = evaluator
+        self._last_eval: tuple[int, dict[str, float]] | None = None
+        self._trackers_started = False
 
     @property
     def _old_logp_from_update(self) -> bool:
@@ -184,6 +206,7 @@ class OnlineTrainer:
             rewards = rewards + algos.overlong_penalty(lengths, cfg.max_completion_length, cache_len)
         traj.rewards_B = rewards
         stats = {f"reward/{k}": float(torch.nanmean(v.float())) for k, v in per_fn.items()}
+        stats.update({f"reward/{k}": v for k, v in out.function_metrics.items()})
         return stats
 
     def _advantages(self, traj: Trajectory) -> dict[str, float]:
@@ -192,7 +215,7 @@ class OnlineTrainer:
         rewards_all = gather(traj.rewards_B.to(device)).cpu()  # groups may span processes in general
         start = self.acc.process_index * len(traj)
         local = slice(start, start + len(traj))
-        if self.spec.beta > 0:
+        if self.spec.beta > 0 and not self._kl_from_policy:
             traj.ref_logp_B_T = self._batched(self.policy.reference().log_prob, traj)
         mask = traj.mask_B_T
         if spec.advantage == "gae":
@@ -281,9 +304,11 @@ class OnlineTrainer:
     def _loss(self, mb: Trajectory, normalizer: torch.Tensor, value_normalizer: torch.Tensor):
         spec = self.spec
         mask = mb.mask_B_T.to(self.acc.device)
-        values = None
+        values = kl = None
         if spec.value_coef > 0:
             logp, entropy, values = self.policy.log_prob_and_values(mb)
+        elif self._kl_from_policy:
+            logp, entropy, kl = self.policy.log_prob_and_kl(mb)
         else:
             logp, entropy = self.policy.log_prob(mb, with_entropy=True)
         adv = mb.advantages_B_T.to(logp.device)
@@ -294,7 +319,8 @@ class OnlineTrainer:
         loss_B_T, m = algos.clipped_policy_loss(logp, old_logp, adv, mask, spec.epsilon, spec.epsilon_high,
                                                 spec.importance_sampling_level, spec.dual_clip)
         if spec.beta > 0 and not spec.kl_in_reward:
-            kl = algos.kl_estimate(logp, mb.ref_logp_B_T.to(logp.device), spec.kl_estimator)
+            if kl is None:
+                kl = algos.kl_estimate(logp, mb.ref_logp_B_T.to(logp.device), spec.kl_estimator)
             loss_B_T = loss_B_T + spec.beta * kl * mask
             m["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
         if spec.entropy_coef:
@@ -355,6 +381,34 @@ class OnlineTrainer:
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ phase 5
+    def _start_trackers(self) -> None:
+        if not self._trackers_started:
+            self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
+            self._trackers_started = True
+
+    def evaluate(self) -> dict[str, float]:
+        """Run the ``evaluator`` (held-out metrics; ``{}`` without one) at the current step. Its numbers,
+        prefixed ``eval/``, go to the trackers and into the history entry of this step (a new entry
+        before the first step), so curves show them; any other value (an image grid) goes to the
+        trackers as an image. Cached per step: asking twice runs it once. Returns the numbers."""
+        if self.evaluator is None:
+            return {}
+        if self._last_eval is not None and self._last_eval[0] == self.step:
+            return self._last_eval[1]
+        self._start_trackers()
+        self.policy.model.eval()
+        out = self.evaluator()
+        metrics = {f"eval/{k}": float(v) for k, v in out.items() if isinstance(v, numbers.Real)}
+        images = {f"eval/{k}": v for k, v in out.items() if not isinstance(v, numbers.Real)}
+        self._last_eval = (self.step, metrics)
+        if self.history and self.history[-1].get("step") == self.step:
+            self.history[-1].update(metrics)
+        else:
+            self.history.append({"step": self.step, **metrics})
+        self.acc.log(metrics, step=self.step)
+        log_images(self.acc, images, self.step)
+        return metrics
+
     def save_checkpoint(self) -> Path:
         state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
                  "stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
@@ -378,7 +432,7 @@ class OnlineTrainer:
                 acc.print(f"resumed from {ckpt} at step {self.step}")
         if acc.is_main_process:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        acc.init_trackers("unialign", config={k: v for k, v in asdict(cfg).items() if v is not None})
+        self._start_trackers()
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.spec.name)
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -396,14 +450,26 @@ class OnlineTrainer:
             self.history.append(stats)                                # 5
             if self.step % cfg.logging_steps == 0:
                 acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+            if cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                self.evaluate()
             bar.update(1)
             bar.set_postfix(reward=f"{stats.get('reward/mean', math.nan):.3f}")
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                 self.save_checkpoint()
         bar.close()
+        self.evaluate()  # the final held-out numbers, while the trackers are open (cached if just run)
         self.save_checkpoint()
-        if acc.is_main_process:
-            save_curves(self.history, Path(cfg.output_dir) / "reward_curve.png",
-                        ("reward/mean", "frac_reward_zero_std", "entropy"))
+        self.save_curves()
         acc.end_training()
         return self.history
+
+    def save_curves(self) -> None:
+        """``reward_curve.png`` in the output folder: the training reward, the evaluator's held-out numbers
+        (``eval/*`` except spreads and per-part breakdowns of a metric, which stay in the logs), the KL
+        when one is trained, the share of zero-spread groups, and entropy."""
+        if self.acc.is_main_process:
+            evals = sorted({k for h in self.history for k in h if k.startswith("eval/")
+                            and not k.endswith("_std") and not k.startswith("eval/fidelity/")})
+            save_curves(self.history, Path(self.cfg.output_dir) / "reward_curve.png",
+                        ("reward/mean", *evals, "kl", "frac_reward_zero_std", "entropy"))
+
