@@ -7,25 +7,16 @@ Data in Pick-a-Pic's schema (caption, jpg_0, jpg_1, label_0; ties dropped and co
 <output_dir>/summary.json: gold score of fresh held-out samples before/after (embedded), held-out
 implicit accuracy before/after, the first logged loss (ln 2 at init), grids and curves.
 
-Embedded defaults (measured on the tiny model, 4x8x8 latents; 2 CPU cores, about 4 CPU-minutes):
-* pairs: 4 per training caption (600 sampled); a pair is a tie (dropped, counted) when the gold gap is
-  below ``min_gap`` = 0.02 (about 40% of pairs, ~345 kept): the median gap of two samples of one caption is only 0.025,
-  so without it half the labels rank near-identical images, unlike Pick-a-Pic's clear human choices.
-* held-out pairs: fresh samples (another seed) of the training captions, 2 per caption, same ``min_gap``;
-  never trained on; the reference is the initial model.
-* beta 5000 (the reference value), full UNet, caption dropout 0.1, AdamW lr 1e-5 constant, 120 steps of
-  32 pairs: at lr 1e-4 the loss blew up to 2.5-4 within 20 steps (held-out accuracy ~0.55); at 3e-5
-  it stayed above ln 2 (~0.9-1.4) with the same accuracy as 1e-5, where the loss falls to ~0.6.
-* evaluation: one (t, eps) draw per pair on a 256-element latent is a noisy estimate of the ELBO
-  difference, so held-out implicit accuracy averages each pair's margin over ``eval_timestep_samples``
-  = 8 draws (``implicit_accuracy_after``); the single-draw value the trainer logs is
-  ``implicit_accuracy_after_k1``. Measured: K=1 0.70, K=8 0.76 (vs 0.63 / 0.64 on all pairs incl. gaps < 0.02).
+Embedded default (numbers in the README): pairs of samples of a training caption, the higher gold score
+chosen, ties (gap < ``min_gap``) dropped; beta 5000, full UNet, caption dropout 0.1, lr 1e-5. Held-out
+implicit accuracy averages ``eval_timestep_samples`` (t, eps) draws (one draw: ``..._k1``); prompt fidelity
+(shape verifier) of fixed held-out samples is reported before and after.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,10 +24,9 @@ import torch
 from unialign.config import exit_on_user_error, parse_config
 from unialign.image import DiffusionPolicy
 from unialign.image.data import normalize_pickapic, synthetic_pairs
-from unialign.image.evaluate import sample_scores
 from unialign.image.grid import save_grid
 from unialign.text import load_rows
-from unialign.trainers import write_json_atomic
+from unialign.trainers import finish_run
 from unialign.trainers.preference import (
     DPOObjective,
     PreferenceConfig,
@@ -55,6 +45,8 @@ class DiffusionDPOConfig(PreferenceConfig):
     train_split: str = "train"
     eval_split: str = "validation"
     num_eval: int = 256
+    num_eval_images: int = field(default=168, metadata={
+        "help": "embedded: held-out images (held-out prompts cycled, seed 1234) for gold score and prompt fidelity"})
     pairs_per_prompt: int = 4
     num_prompts: int | None = field(default=None, metadata={"help": "embedded: use only the first N training captions"})
     eval_pairs_per_prompt: int = field(default=2, metadata={"help": "embedded: held-out pairs per training caption"})
@@ -104,6 +96,8 @@ def main(cfg: DiffusionDPOConfig) -> dict:
         policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, vae_name_or_path=cfg.vae_name_or_path,
                                                  torch_dtype=cfg.torch_dtype, **opts)
     if cfg.dataset_name == "embedded":  # AI feedback: two samples per caption, the higher gold score wins
+        from unialign.image import embedded as emb
+
         train_prompts = emb.prompts("train")[:cfg.num_prompts]
         train_rows = synthetic_pairs(policy, train_prompts, emb.gold_score, cfg.pairs_per_prompt, cfg.seed + 1,
                                      cfg.min_gap)
@@ -118,40 +112,37 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
     trainer = PreferenceTrainer(objective, train, cfg)
 
-    def fresh_gold() -> dict:  # fixed held-out prompts and seed: the same draws before and after
-        return sample_scores(policy, emb.prompts("test"), 1234, gold=emb.gold_score) if embedded else {}
+    held_out_images = None
+    if embedded:  # fixed held-out prompts and seed: the same draws before and after
+        from unialign.image.evaluate import HeldOutImages
+        from unialign.rewards.shapes import verify
 
-    def implicit() -> tuple[float, float]:  # (K = eval_timestep_samples, K = 1 as the trainer computes it)
+        test = emb.prompts("test")
+        held_out_images = HeldOutImages(policy, [test[i % len(test)] for i in range(cfg.num_eval_images)], 1234,
+                                        gold=emb.gold_score, verifier=verify)
+
+    def evaluate(name: str) -> tuple[dict, float, float]:  # held-out images (embedded), implicit accuracy K / 1
+        images = held_out_images() if held_out_images else {}
+        if held_out_images and trainer.acc.is_main_process:
+            save_grid(held_out_images.last["images"], held_out_images.captions(), Path(cfg.output_dir) / f"grid_{name}.png")
         k1 = trainer.evaluate(held_out)["implicit_accuracy"]
         k = cfg.eval_timestep_samples
-        return (k1 if k <= 1 else averaged_implicit_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
+        return images, (k1 if k <= 1 else averaged_implicit_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
 
-    gold_before = fresh_gold()
-    implicit_before, implicit_before_k1 = implicit()
+    before, implicit_before, implicit_before_k1 = evaluate("before")
     history = trainer.train()
-    gold_after = fresh_gold()
-    implicit_after, implicit_after_k1 = implicit()
+    after, implicit_after, implicit_after_k1 = evaluate("after")
     summary = {"metric": "gold_score" if embedded else "implicit_accuracy",
-               "before": gold_before["gold_mean"] if embedded else implicit_before,
-               "after": gold_after["gold_mean"] if embedded else implicit_after,
+               "before": before["gold"] if embedded else implicit_before,
+               "after": after["gold"] if embedded else implicit_after,
                "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
+               **({"fidelity_before": before["fidelity"], "fidelity_after": after["fidelity"]} if embedded else {}),
                "implicit_accuracy_before_k1": implicit_before_k1, "implicit_accuracy_after_k1": implicit_after_k1,
                "eval_timestep_samples": cfg.eval_timestep_samples,
                "first_loss": history[0]["loss"] if history else None, "steps": trainer.step,
                "train_pairs": len(train), "ties_dropped": ties, "num_eval_pairs": len(held_out),
-               "wall_seconds": time.time() - start,
-               "config": {k: v for k, v in asdict(cfg).items() if v is not None}}
-    if trainer.acc.is_main_process:
-        out = Path(cfg.output_dir)
-        if embedded:
-            prompts = emb.prompts("test")
-            for name, res in (("before", gold_before), ("after", gold_after)):
-                save_grid(res["images"], [f"{p} | {s:.3f}" for p, s in zip(prompts, res["gold_scores"].tolist())],
-                          out / f"grid_{name}.png")
-        policy.save(str(out / "final"))
-        write_json_atomic(out / "summary.json", summary)
-        trainer.acc.print({k: v for k, v in summary.items() if k != "config"})
-    return summary
+               "wall_seconds": time.time() - start}
+    return finish_run(trainer.acc, cfg, summary, policy.save)
 
 
 if __name__ == "__main__":

@@ -82,20 +82,55 @@ def test_reward_model_then_ppo_two_steps(tmp_path):
     assert math.isfinite(s["rm_before"]) and math.isfinite(s["rm_after"])
 
 
-def test_ddpo_aesthetic_two_steps(tmp_path):
-    run("ddpo_aesthetic", ["--max_steps", "2", "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",
-                           "--micro_batch_size", "8", "--output_dir", str(tmp_path), "--report_to", "none"])
+IMAGE_SMOKE = ["--max_steps", "2", "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",
+               "--micro_batch_size", "8", "--eval_steps", "1"]
+
+
+def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
+    run("ddpo_aesthetic", IMAGE_SMOKE + ["--beta", "0.04", "--output_dir", str(tmp_path), "--report_to", "none"])
     s = check_summary(tmp_path, "reward")
-    assert {"before_std", "gold_before", "gold_after"} <= set(s)
-    assert (tmp_path / "grid_before.png").exists() and (tmp_path / "grid_after.png").exists()
+    assert {"before_std", "gold_before", "gold_after", "fidelity_before", "fidelity_after", "aesthetic_before",
+            "aesthetic_after", "shape_verifier_before", "shape_verifier_after"} <= set(s)
+    assert 0.0 <= s["fidelity_before"] <= 1.0 and s["config"]["beta"] == 0.04
+    assert all((tmp_path / f).exists() for f in ("grid_before.png", "grid_after.png", "reward_curve.png"))
+
+
+def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run("grpo_image", IMAGE_SMOKE + ["--beta", "0.04", "--lora_rank", "4", "--output_dir", str(tmp_path)])
+    s = check_summary(tmp_path, "reward")
+    assert s["reward"] == "shape_verifier" and {"fidelity_before", "fidelity_after"} <= set(s)
+    assert (tmp_path / "final" / "pytorch_lora_weights.safetensors").exists()
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent),
+                              size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    scalars, images = set(events.Tags()["scalars"]), set(events.Tags()["images"])
+    assert {"eval/fidelity", "eval/reward", "kl", "reward/shape_verifier/fidelity"} <= scalars
+    assert "eval/grid" in images
+    assert [e.step for e in events.Scalars("eval/fidelity")] == [0, 1, 2]  # before, every eval_steps, after
+
+
+def test_image_scripts_reject_bad_input_before_loading(tmp_path, capsys):
+    from unialign.config import exit_on_user_error, parse_config
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle on a blue background\na cat\n")
+    module = load_script("grpo_image")
+    for argv, message in ((["--prompt_set", str(prompts)], "prompt_set[1]: shape_verifier: cannot parse prompt 'a cat'"),
+                          (["--reward", "aesthetic,shape_verifier", "--reward_weights", "1"], "reward_weights: 1 weights")):
+        with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
+            module.main(parse_config(module.GRPOImageConfig, argv + ["--output_dir", str(tmp_path)]))
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_dpo_sdxl_two_steps(tmp_path):
     run("dpo_sdxl", ["--max_steps", "2", "--num_prompts", "4", "--pairs_per_prompt", "2", "--eval_pairs_per_prompt", "2",
                      "--min_gap", "0", "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "2",
-                     "--gradient_checkpointing", "true", "--optim", "adafactor",
+                     "--num_eval_images", "8", "--gradient_checkpointing", "true", "--optim", "adafactor",
                      "--output_dir", str(tmp_path), "--report_to", "none"])
     s = check_summary(tmp_path, "gold_score")
+    assert 0.0 <= s["fidelity_before"] <= 1.0 and 0.0 <= s["fidelity_after"] <= 1.0
     assert abs(s["first_loss"] - math.log(2)) < 1e-4
     # before training the policy is its reference: every margin is 0, a tie counted 1/2, however many draws
     assert s["implicit_accuracy_before"] == s["implicit_accuracy_before_k1"] == 0.5

@@ -159,12 +159,16 @@ def test_shipped_aesthetic_head_tracks_gold_on_model_samples():
 
 def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
     from unialign.image.evaluate import sample_scores
+    from unialign.rewards.shapes import verify
 
     policy = E.load_embedded(num_steps=2)
     prompts = E.prompts("test")[:3]
-    reward = lambda ps, images: [float(i) for i in range(len(images))]  # noqa: E731
-    a = sample_scores(policy, prompts, 7, reward=reward, gold=E.gold_score)
+    reward = lambda prompts, completions: [float(i) for i in range(len(completions))]  # noqa: E731  TRL keywords
+    a = sample_scores(policy, prompts, 7, reward=reward, gold=E.gold_score, verifier=verify)
     b = sample_scores(policy, prompts, 7, gold=E.gold_score)
     assert [x.tobytes() for x in a["images"]] == [x.tobytes() for x in b["images"]] and "mean" not in b
     assert torch.equal(a["gold_scores"], E.gold_score(a["images"])) and a["gold_mean"] == float(a["gold_scores"].mean())
     assert a["scores"].tolist() == [0.0, 1.0, 2.0] and a["mean"] == 1.0 and a["std"] == 1.0
+    checks = verify(prompts, a["images"])
+    assert a["fidelity"] == float(checks["all"].mean()) and torch.equal(a["fidelity_flags"], checks["all"])
+    assert a["fidelity/shape"] == float(checks["shape"].mean()) and "fidelity" not in b

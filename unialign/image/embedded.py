@@ -54,7 +54,13 @@ The models
   ``addition_embed_type="text_time"``, ``CLIPTextModel`` + ``CLIPTextModelWithProjection``, a 3-level
   ``AutoencoderKL`` (32x32x3 <-> 4x8x8), SD's ``DDIMScheduler`` config; epsilon-prediction trained on the
   training prompts with 10% prompt dropout to zero conditioning (SDXL's ``force_zeros_for_empty_prompt``),
-  so classifier-free guidance works. Saved with ``StableDiffusionXLPipeline.save_pretrained``.
+  so classifier-free guidance works. Saved with ``StableDiffusionXLPipeline.save_pretrained``. The VAE is
+  trained long enough to keep what a prompt asks for (the shape verifier reads 98 % of its round trips
+  right; at the first build's 200 steps, 53 %), the UNet only to half-learn shapes: held-out prompt
+  fidelity 0.51 without CFG, 0.69 at CFG 3 (``BUILD.md``), the room an RL demo needs.
+
+Prompt fidelity is read by the verifiable reward ``unialign.rewards.shapes`` (``shape_verifier``), which
+decides background colour, object colour and shape from pixels alone.
 
 CLI (``unialign.image.embedded_build``; ``python -m unialign.image.embedded ...`` forwards to it)::
 
@@ -353,6 +359,35 @@ def load_embedded(path: str | Path | None = None, device: str | torch.device | N
 
     kwargs = {**SAMPLING_DEFAULTS, **policy_kwargs}
     return DiffusionPolicy.from_pretrained(str(pipeline_dir(path)), device=device, **kwargs)
+
+
+# how each model-based reward loads the shipped tiny CLIP / aesthetic head instead of hub weights
+REWARD_KWARGS: dict[str, dict[str, Any]] = {"aesthetic": {"clip_model": "embedded"},
+                                            "clip_score": {"model_name": "embedded"}}
+
+
+def image_rl_parts(cfg) -> dict[str, Any]:
+    """What ``unialign.image.recipe.run_image_rl`` needs for the embedded model: the policy (``cfg``'s
+    sampling knobs), the rewards (the shipped tiny CLIP / head for the model-based ones), the train and
+    held-out prompts (``cfg.prompt_set``: "embedded" or a file), the gold score and, when every held-out
+    prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
+    model loads when the shape verifier is a reward."""
+    from unialign.image.recipe import check_prompts, load_prompts, policy_kwargs, reward_names
+    from unialign.rewards import CombinedReward, get_reward
+    from unialign.rewards.shapes import parse_shape_prompt, verify
+
+    names, weights = reward_names(cfg)
+    train, held_out = (prompts("train"), prompts("test")) if cfg.prompt_set == "embedded" else load_prompts(cfg.prompt_set)
+    if any(n.startswith("shape_verifier") for n in names):
+        check_prompts(train, parse_shape_prompt, "prompt_set")
+    try:
+        check_prompts(held_out, parse_shape_prompt, "prompt_set")
+        verifier = verify
+    except ValueError:
+        verifier = None  # prompts from elsewhere: no fidelity to read
+    reward = CombinedReward([get_reward(n, **REWARD_KWARGS.get(n, {})) for n in names], weights)
+    return dict(policy=load_embedded(**policy_kwargs(cfg)), reward=reward, train_prompts=train,
+                eval_prompts=held_out, gold=gold_score, verifier=verifier)
 
 
 def pipeline_dir(path: str | Path | None = None) -> Path:

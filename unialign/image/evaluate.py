@@ -1,5 +1,5 @@
-"""Held-out evaluation of an image policy: the same prompts sampled with the same seed before and after
-training, scored by a reward (TRL signature) and/or a gold score (images -> tensor)."""
+"""Held-out evaluation of an image policy: the same prompts sampled with the same seed before, during and
+after training, scored by a reward (TRL signature), prompt fidelity (a verifier) and/or a gold score."""
 
 from __future__ import annotations
 
@@ -11,16 +11,86 @@ import torch
 
 @torch.no_grad()
 def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None = None,
-                  gold: Callable | None = None) -> dict[str, Any]:
-    """Sample ``prompts`` once with ``torch.Generator().manual_seed(seed)``; returns ``images`` and, for
-    each scorer given, per-image ``scores`` / ``gold_scores`` [N] with their ``mean`` / ``std`` /
-    ``gold_mean`` / ``gold_std``."""
-    images = policy.sample(prompts, generator=torch.Generator().manual_seed(seed)).completions
+                  gold: Callable | None = None, verifier: Callable | None = None,
+                  batch_size: int = 64) -> dict[str, Any]:
+    """Sample ``prompts`` in chunks of ``batch_size`` from one ``torch.Generator().manual_seed(seed)`` (the
+    same images on every call with the same prompts, seed and ``batch_size``); returns ``images`` and,
+    for each scorer given:
+
+    * ``reward`` (a ``CombinedReward`` or a TRL-signature function): per-image ``scores`` [N], ``mean``,
+      ``std``, and for a combination of several, each part's mean as ``reward/<name>``;
+    * ``gold`` (images -> tensor [N]): ``gold_scores``, ``gold_mean``, ``gold_std``;
+    * ``verifier`` (``unialign.rewards.shapes.verify``-like: (prompts, images) -> dict of [N] tensors with
+      ``all`` and per-part entries): ``fidelity`` = the all-right rate, ``fidelity/<part>`` rates and
+      the per-image ``fidelity_flags`` [N].
+    """
+    generator = torch.Generator().manual_seed(seed)
+    images = []
+    for i in range(0, len(prompts), batch_size):
+        images += policy.sample(prompts[i:i + batch_size], generator=generator).completions
     out: dict[str, Any] = {"images": images}
     if reward is not None:
-        scores = torch.tensor(reward(prompts, images), dtype=torch.float32)
-        out.update(scores=scores, mean=float(scores.mean()), std=float(scores.std()))
+        from unialign.rewards import CombinedReward
+
+        combined = reward if isinstance(reward, CombinedReward) else CombinedReward([reward])
+        scored = combined(prompts, images)
+        scores = scored.rewards_B
+        out.update(scores=scores, mean=float(scores.nanmean()), std=float(scores[torch.isfinite(scores)].std()))
+        if len(scored.per_function) > 1:
+            out.update({f"reward/{k}": float(v.nanmean()) for k, v in scored.per_function.items()})
     if gold is not None:
         g = gold(images)
         out.update(gold_scores=g, gold_mean=float(g.mean()), gold_std=float(g.std()))
+    if verifier is not None:
+        checks = verifier(prompts, images)
+        out.update(fidelity=float(checks["all"].mean()), fidelity_flags=checks["all"],
+                   **{f"fidelity/{k}": float(v.mean()) for k, v in checks.items() if k not in ("all", "score", "invalid")})
     return out
+
+
+class HeldOutImages:
+    """The evaluator an image script hands to ``OnlineTrainer``: ``sample_scores`` on fixed prompts and
+    seed; calling it returns the numbers (``reward``, ``reward_std``, ``fidelity`` and its parts,
+    ``gold``) plus ``grid`` (a captioned image grid of the first ``grid_size`` samples) for the
+    trackers. ``last`` keeps the full result (images, per-image scores) of the latest call."""
+
+    def __init__(self, policy, prompts: list[str], seed: int, reward: Callable | None = None,
+                 gold: Callable | None = None, verifier: Callable | None = None, grid_size: int = 32,
+                 batch_size: int = 64) -> None:
+        self.policy, self.prompts, self.seed = policy, list(prompts), seed
+        self.reward, self.gold, self.verifier = reward, gold, verifier
+        self.grid_size, self.batch_size = grid_size, batch_size
+        self.last: dict[str, Any] = {}
+
+    def __call__(self) -> dict[str, Any]:
+        from unialign.image.grid import make_grid
+
+        res = sample_scores(self.policy, self.prompts, self.seed, self.reward, self.gold, self.verifier,
+                            self.batch_size)
+        self.last = res
+        metrics: dict[str, Any] = {}
+        if self.reward is not None:
+            metrics.update(reward=res["mean"], reward_std=res["std"],
+                           **{k: v for k, v in res.items() if k.startswith("reward/")})
+        if self.verifier is not None:
+            metrics.update({k: v for k, v in res.items() if k == "fidelity" or k.startswith("fidelity/")})
+        if self.gold is not None:
+            metrics["gold"] = res["gold_mean"]
+        n = min(self.grid_size, len(self.prompts))
+        metrics["grid"] = make_grid(res["images"][:n], self.captions()[:n])
+        return metrics
+
+    def captions(self) -> list[str]:
+        """One caption per image of the latest call: the prompt, then its reward score, then "ok" / "x"
+        for the verifier's all-three-right."""
+        res, out = self.last, []
+        for i, prompt in enumerate(self.prompts):
+            parts = [prompt]
+            if "scores" in res:
+                parts.append(f"{float(res['scores'][i]):.3f}")
+            elif "gold_scores" in res:
+                parts.append(f"gold {float(res['gold_scores'][i]):.3f}")
+            if "fidelity_flags" in res:
+                parts.append("ok" if res["fidelity_flags"][i] > 0 else "x")
+            out.append(" | ".join(parts))
+        return out

@@ -1,0 +1,159 @@
+"""What the online image scripts share (``scripts/ddpo_aesthetic.py``, ``scripts/grpo_image.py``): their
+config fields, the hub-model route from a config to a policy, rewards and prompts, and the run itself --
+held-out evaluation before / during / after training (reward, prompt fidelity, gold score), grids,
+summary, weights. The scripts keep only their defaults and presets; the offline demo world builds its
+own parts (``unialign.image.embedded.image_rl_parts``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unialign.image.evaluate import HeldOutImages
+from unialign.image.grid import save_grid
+from unialign.rewards import CombinedReward, get_reward
+from unialign.trainers import OnlineConfig, OnlineTrainer, write_json_atomic
+
+# ddpo-pytorch's "simple animals" prompt list (config/base.py -> assets/simple_animals.txt, abridged)
+ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird", "sheep", "deer", "cow", "goat",
+           "lion", "tiger", "bear", "raccoon", "fox", "wolf", "lizard", "beetle", "ant", "butterfly", "fish",
+           "shark", "whale", "dolphin", "squirrel", "mouse", "rat", "snake", "turtle", "frog", "chicken", "duck",
+           "goose", "bee", "pig", "turkey", "fly", "llama", "camel", "bat", "gorilla", "hedgehog", "kangaroo"]
+
+
+@dataclass
+class ImageRLConfig(OnlineConfig):
+    """Fields of the online image scripts (on top of ``OnlineConfig``'s loop and algorithm knobs)."""
+
+    preset: str | None = field(default=None, metadata={"help": "a named recipe of the script (see its PRESETS)"})
+    config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
+    model_name_or_path: str = field(default="embedded", metadata={
+        "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
+    prompt_set: str = field(default="embedded", metadata={
+        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
+    reward: str = field(default="aesthetic", metadata={
+        "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...)"})
+    reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats, one per reward"})
+    num_steps: int = field(default=8, metadata={"help": "denoising steps per sample"})
+    guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
+    eta: float = field(default=1.0, metadata={"help": "DDIM eta (> 0: the stochastic steps RL needs)"})
+    resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the model's)"})
+    timestep_fraction: float = field(default=0.25, metadata={"help": "share of the trainable steps trained per sample"})
+    min_step_std: float = field(default=0.0, metadata={
+        "help": "never train steps whose noise std sigma_t is below this (their 1/sigma gradients are mostly noise)"})
+    lora_rank: int = field(default=0, metadata={"help": "> 0: train a LoRA of this rank instead of the full UNet"})
+    torch_dtype: str = field(default="float32", metadata={"help": "UNet / text-encoder dtype (the VAE runs in fp32)"})
+    num_eval: int = field(default=168, metadata={"help": "held-out images (prompts cycled), sampled with eval_seed"})
+    eval_seed: int = field(default=1234, metadata={"help": "seed of the held-out samples: the same noise every time"})
+    eval_steps: int = field(default=10, metadata={"help": "held-out evaluation every N steps (curves, TensorBoard)"})
+    num_threads: int = field(default=1, metadata={
+        "help": "torch CPU threads (tiny models: 1 is fastest; <= 0 leaves torch's choice)"})
+
+
+def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:
+    """The reward names and weights of ``cfg`` (ValueError naming the field when they do not match)."""
+    names = [n.strip() for n in cfg.reward.split(",") if n.strip()]
+    if not names:
+        raise ValueError("reward: give at least one reward name")
+    if cfg.reward_weights is None:
+        return names, None
+    try:
+        weights = [float(w) for w in cfg.reward_weights.split(",")]
+    except ValueError:
+        raise ValueError(f"reward_weights: {cfg.reward_weights!r} is not a comma-separated list of numbers") from None
+    if len(weights) != len(names):
+        raise ValueError(f"reward_weights: {len(weights)} weights for {len(names)} rewards ({cfg.reward})")
+    return names, weights
+
+
+def policy_kwargs(cfg: ImageRLConfig) -> dict[str, Any]:
+    sizes = {} if cfg.resolution is None else {"height": cfg.resolution, "width": cfg.resolution}
+    return dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, eta=cfg.eta,
+                timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std, lora_rank=cfg.lora_rank,
+                seed=cfg.seed, **sizes)
+
+
+def load_prompts(name: str) -> tuple[list[str], list[str]]:
+    """(train, held-out) prompts of ``'animals'`` (the same list twice, as ddpo-pytorch) or a .txt file
+    (one prompt per line; every line both trains and evaluates)."""
+    if name == "animals":
+        return list(ANIMALS), list(ANIMALS)
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt_set: {name!r} is not 'embedded', 'animals' or a prompt file")
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"prompt_set: {name!r} has no prompts")
+    return lines, lines
+
+
+def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
+    """Policy, reward and prompts for a hub / local model (rewards with their published weights)."""
+    from unialign.image import DiffusionPolicy
+
+    names, weights = reward_names(cfg)
+    train, held_out = load_prompts(cfg.prompt_set)
+    reward = CombinedReward([get_reward(n) for n in names], weights)
+    policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, **policy_kwargs(cfg))
+    return dict(policy=policy, reward=reward, train_prompts=train, eval_prompts=held_out)
+
+
+def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: str) -> None:
+    """``parse`` every prompt; the first failure becomes a ValueError naming the field and row."""
+    for i, prompt in enumerate(prompts):
+        try:
+            parse(prompt)
+        except ValueError as err:
+            raise ValueError(f"{field_name}[{i}]: {err}") from None
+
+
+def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_prompts: list[str],
+                 eval_prompts: list[str], gold: Callable | None = None, verifier: Callable | None = None) -> dict:
+    """Train ``policy`` on ``train_prompts`` with the online trainer and ``reward``; evaluate on
+    ``num_eval`` held-out samples (``eval_prompts`` cycled, fixed seed) before, every ``eval_steps`` and
+    after: the reward (and each of its parts), prompt fidelity when a ``verifier`` is given (the
+    all-three-right rate of ``unialign.rewards.shapes.verify``), the ``gold`` score when given. Writes
+    ``summary.json``, ``grid_before.png`` / ``grid_after.png`` (also to the trackers), the curves and
+    ``final/``; returns the summary."""
+    start = time.time()
+    if cfg.num_threads > 0:
+        torch.set_num_threads(cfg.num_threads)
+    prompts = [eval_prompts[i % len(eval_prompts)] for i in range(cfg.num_eval)]
+    evaluator = HeldOutImages(policy, prompts, cfg.eval_seed, reward=reward, gold=gold, verifier=verifier)
+    trainer = OnlineTrainer(policy, reward, [{"prompt": p} for p in train_prompts], cfg, evaluator=evaluator)
+    before, before_res = trainer.evaluate(), evaluator.last
+    before_captions = evaluator.captions()
+    history = trainer.train()
+    after, after_res = trainer.evaluate(), evaluator.last
+
+    summary: dict[str, Any] = {
+        "metric": "reward", "reward": cfg.reward, "before": before["eval/reward"], "after": after["eval/reward"],
+        "before_std": before["eval/reward_std"], "after_std": after["eval/reward_std"],
+        "gain_in_before_std": (after["eval/reward"] - before["eval/reward"]) / max(before["eval/reward_std"], 1e-12),
+        "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval": len(prompts),
+        "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
+    for key in sorted(k for k in after if k.startswith("eval/reward/")):  # each part of a combined reward
+        summary[f"{key[len('eval/reward/'):]}_before"], summary[f"{key[len('eval/reward/'):]}_after"] = before[key], after[key]
+    if verifier is not None:
+        summary.update(fidelity_before=before["eval/fidelity"], fidelity_after=after["eval/fidelity"])
+        for part in ("background", "colour", "shape"):
+            summary[f"fidelity_{part}_before"] = before[f"eval/fidelity/{part}"]
+            summary[f"fidelity_{part}_after"] = after[f"eval/fidelity/{part}"]
+    if gold is not None:
+        summary.update(gold_before=before["eval/gold"], gold_after=after["eval/gold"])
+    summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
+    if trainer.acc.is_main_process:
+        out = Path(cfg.output_dir)
+        for name, res, caps in (("before", before_res, before_captions), ("after", after_res, evaluator.captions())):
+            save_grid(res["images"], caps, out / f"grid_{name}.png")
+        policy.save(str(out / "final"))
+        write_json_atomic(out / "summary.json", summary)
+        trainer.acc.print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
+    return summary
