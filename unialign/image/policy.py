@@ -412,7 +412,7 @@ class DiffusionPolicy:
     def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
         """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current UNet, with the
         same CFG as sampling (gradients through both CFG branches, as ddpo-pytorch). Only steps with
-        ``mask_B_T == 1`` are computed (one UNet call per step on those rows); the others are 0.
+        ``mask_B_T == 1`` are computed (all of them in one UNet call); the others are 0.
 
         ``with_entropy=True`` also returns ``entropy_B_T``: the entropy of the step Gaussian per element,
         0.5 * log(2 pi e sigma_t^2) (the same for every element, so equal to its mean over C,H,W). It does
@@ -430,36 +430,34 @@ class DiffusionPolicy:
         return self._log_prob(self.model, trajectory, True, reference=self.reference())
 
     def _log_prob(self, unet, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
+        """Every trained (sample, step) pair of the batch in ONE UNet call (each row its own x_t, t and
+        conditioning): a micro-batch's trained steps are scattered over the N columns, and a call per
+        column runs the UNet on a few rows at a time."""
         payload = trajectory.payload
         latents, timesteps = payload["latents"], payload["timesteps"]
         mask = trajectory.mask_B_T
         batch, steps = timesteps.shape
-        columns, kl_columns = [], []
-        for j in range(steps):
-            rows = (mask[:, j] > 0).nonzero().squeeze(1)
-            column = torch.zeros(batch, device=latents.device, dtype=torch.float32)
-            kl_column = column
-            if rows.numel() > 0:
-                t_R, x_R, cond = timesteps[rows, j], latents[rows, j], self._cond_from_payload(payload, rows)
-                out = self._predict(unet, x_R, t_R, cond, self._cfg)
-                mean, std = ddim_step_mean(self.scheduler, out, t_R, x_R, self.eta)
-                logp_R = gaussian_logprob_mean(latents[rows, j + 1].detach().float(), mean, std)
-                column = column.index_put((rows,), logp_R)
-                if reference is not None:
-                    with reference._frozen():
-                        ref_out = self._predict(reference.model, x_R, t_R, cond, self._cfg)
-                    ref_mean, _ = ddim_step_mean(self.scheduler, ref_out, t_R, x_R, self.eta)
-                    kl_column = kl_column.index_put((rows,), gaussian_kl(mean, ref_mean, std))
-            columns.append(column)
-            kl_columns.append(kl_column)
-        logp_B_T = torch.stack(columns, dim=1)
+        logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
+        kl_B_T = torch.zeros_like(logp_B_T)
+        rows, cols = (mask.to(latents.device) > 0).nonzero(as_tuple=True)
+        if rows.numel() > 0:
+            t_R, x_R, cond = timesteps[rows, cols], latents[rows, cols], self._cond_from_payload(payload, rows)
+            out = self._predict(unet, x_R, t_R, cond, self._cfg)
+            mean, std = ddim_step_mean(self.scheduler, out, t_R, x_R, self.eta)
+            logp_B_T = logp_B_T.index_put((rows, cols), gaussian_logprob_mean(latents[rows, cols + 1].detach().float(),
+                                                                              mean, std))
+            if reference is not None:
+                with reference._frozen():
+                    ref_out = self._predict(reference.model, x_R, t_R, cond, self._cfg)
+                ref_mean, _ = ddim_step_mean(self.scheduler, ref_out, t_R, x_R, self.eta)
+                kl_B_T = kl_B_T.index_put((rows, cols), gaussian_kl(mean, ref_mean, std))
         if not with_entropy:
             return logp_B_T
         std_B_T = ddim_step_coefficients(self.scheduler, timesteps.reshape(-1), self.eta)["std"].view(batch, steps)
         entropy_B_T = (0.5 + HALF_LOG_2PI + torch.log(std_B_T.to(logp_B_T.device))) * (mask > 0)
         if reference is None:
             return logp_B_T, entropy_B_T
-        return logp_B_T, entropy_B_T, torch.stack(kl_columns, dim=1)
+        return logp_B_T, entropy_B_T, kl_B_T
 
     def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
         """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023, eq. 14 as implemented in
