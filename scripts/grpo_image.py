@@ -39,7 +39,8 @@ class GRPOImageConfig(ImageRLConfig):
     #   others' and pure noise for the reward; with them, a random reward alone wrecks the model
     min_step_std: float = field(default=0.1, metadata={
         "help": "never train steps whose noise std sigma_t is below this (their 1/sigma gradients are mostly noise)"})
-    timestep_fraction: float = field(default=1 / 3, metadata={"help": "share of the trainable steps trained per sample"})
+    # * half of the 6 trainable steps trained per sample (a third: +0.21 / +0.26 on two seeds; half: +0.29)
+    timestep_fraction: float = field(default=0.5, metadata={"help": "share of the trainable steps trained per sample"})
     # * a closed-form KL to the reference keeps what the reward does not see (colours drifted without it)
     beta: float | None = field(default=0.1, metadata={"help": "KL coefficient (0: no reference model)"})
     kl_estimator: str | None = field(default="gaussian", metadata={
@@ -53,7 +54,7 @@ class GRPOImageConfig(ImageRLConfig):
     num_generations: int = field(default=16, metadata={"help": "images per prompt (G, the group)"})
     num_mini_batches: int = field(default=2, metadata={"help": "optimizer steps per batch of samples"})
     micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward"})
-    max_steps: int = field(default=400, metadata={"help": "steps (each: sample, score, update)"})
+    max_steps: int = field(default=350, metadata={"help": "steps (each: sample, score, update)"})
     eval_steps: int = field(default=50, metadata={"help": "held-out evaluation every N steps (curves, TensorBoard)"})
     output_dir: str = field(default="outputs/grpo_image", metadata={"help": "where everything is written"})
 

@@ -150,7 +150,7 @@ class OnlineTrainer:
         if self.spec.beta > 0:
             policy.reference()  # built now, from the untrained weights (a frozen copy without LoRA)
         set_seed(config.seed)
-        if config.num_threads:
+        if config.num_threads and config.num_threads > 0:  # <= 0: leave torch's choice
             torch.set_num_threads(config.num_threads)
         params = list(policy.trainable_parameters())
         self.optimizer, self.scheduler = make_optimizer(params, config)

@@ -167,7 +167,7 @@ class PreferenceTrainer:
         if config.batch_size % self.acc.num_processes:
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {self.acc.num_processes} processes")
         set_seed(config.seed)
-        if config.num_threads:
+        if config.num_threads and config.num_threads > 0:  # <= 0: leave torch's choice
             torch.set_num_threads(config.num_threads)
         self.optimizer, self.scheduler = make_optimizer(list(objective.parameters()), config)
         prepared, self.optimizer, self.scheduler = self.acc.prepare(objective.model, self.optimizer, self.scheduler)
