@@ -10,11 +10,15 @@ of a combined reward, and for the embedded model the prompt fidelity -- the shap
 all-three-right rate -- and the pixel gold score), grid_before.png / grid_after.png, reward_curve.png
 (held-out reward and fidelity every --eval_steps), TensorBoard logs, checkpoints and final/.
 
-An aesthetic reward does not read the prompt: optimised alone it is raised fastest by drawing one
-pleasing texture for every prompt (the previous default did exactly that: every held-out image became
-the same orange texture, fidelity 0.11 -> 0.01). The embedded default therefore trains on the aesthetic
-score *and* the verifier of what the prompt asked for, and reports fidelity beside the aesthetic gain;
-the choices and what each did are in the ``DDPOAestheticConfig`` comments and the README.
+An aesthetic reward does not read the prompt: optimised alone it is raised fastest by drawing something
+more pleasing than what was asked (the previous default turned every held-out image into the same
+orange texture, fidelity 0.11 -> 0.01). The embedded default therefore trains on the aesthetic score
+*and* the graded verifier of what the prompt asked for, with a closed-form KL, and reports fidelity
+beside the aesthetic gain. Measured (held-out, 168 images; README "Images"): aesthetic alone without
+KL +1.39 before-std with fidelity 0.45 -> 0.11 (recoloured shapes); with a verifier weight of 0.1-0.15
++1.3-1.9 std and fidelity -> 0.01-0.02; at 0.3 (the default) about +0.45 std with fidelity up. The
+renderer's own ideal images of the held-out prompts score only +0.30 std above the base samples, so
+on this model a gain of a full std comes only from breaking the prompt.
 """
 
 from __future__ import annotations
@@ -27,22 +31,25 @@ from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 
 @dataclass
 class DDPOAestheticConfig(ImageRLConfig):
-    reward: str = field(default="aesthetic,shape_verifier", metadata={
-        "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...)"})
-    reward_weights: str | None = field(default="1,1", metadata={"help": "comma-separated floats, one per reward"})
+    reward: str = field(default="aesthetic,shape_verifier_partial", metadata={
+        "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier[_partial], jpeg_compressibility, ...)"})
+    reward_weights: str | None = field(default="1,0.3", metadata={"help": "comma-separated floats, one per reward"})
     algorithm: str = field(default="ddpo", metadata={"help": "ddpo | grpo | dapo | dr_grpo | gspo | rloo | reinforce"})
-    guidance_scale: float = field(default=3.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
-    beta: float | None = field(default=0.0, metadata={"help": "KL coefficient (0: no reference model)"})
+    guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
+    timestep_fraction: float = field(default=0.5, metadata={"help": "share of the trainable steps trained per sample"})
+    beta: float | None = field(default=0.02, metadata={"help": "KL coefficient (0: no reference model)"})
     kl_estimator: str | None = field(default="gaussian", metadata={
         "help": "gaussian (closed form per step, the image default) | k1 | k2 | k3"})
     epsilon: float | None = field(default=1e-2, metadata={"help": "PPO clip range of the per-step ratio"})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "constant | linear | cosine"})
     prompts_per_step: int = field(default=4, metadata={"help": "prompts per step"})
     num_generations: int = field(default=16, metadata={
         "help": "images per prompt (>= the ddpo preset's stat_min_count 16: per-prompt statistics from the start)"})
     num_mini_batches: int = field(default=2, metadata={"help": "optimizer steps per batch of samples"})
     micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward"})
-    max_steps: int = field(default=100, metadata={"help": "steps (each: sample, score, update)"})
+    max_steps: int = field(default=300, metadata={"help": "steps (each: sample, score, update)"})
+    eval_steps: int = field(default=50, metadata={"help": "held-out evaluation every N steps (curves, TensorBoard)"})
     output_dir: str = field(default="outputs/ddpo_aesthetic", metadata={"help": "where everything is written"})
 
 
@@ -52,7 +59,9 @@ PRESETS = {
         model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="aesthetic",
         reward_weights=None, num_steps=50, guidance_scale=5.0, eta=1.0, resolution=512, lora_rank=4,
         learning_rate=3e-4, prompts_per_step=32, num_generations=8, micro_batch_size=4, max_steps=200, num_eval=64,
-        torch_dtype="float16", timestep_fraction=1.0, num_mini_batches=1, epsilon=1e-4, eval_steps=50, num_threads=0,
+        torch_dtype="float16", timestep_fraction=1.0, min_step_std=0.0, num_mini_batches=1, epsilon=1e-4, beta=0.0,
+        lr_scheduler_type="constant",
+        eval_steps=50, num_threads=0,
         output_dir="outputs/ddpo_sd15_aesthetic"),
 }
 

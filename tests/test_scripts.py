@@ -90,7 +90,7 @@ def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
     run("ddpo_aesthetic", IMAGE_SMOKE + ["--beta", "0.04", "--output_dir", str(tmp_path), "--report_to", "none"])
     s = check_summary(tmp_path, "reward")
     assert {"before_std", "gold_before", "gold_after", "fidelity_before", "fidelity_after", "aesthetic_before",
-            "aesthetic_after", "shape_verifier_before", "shape_verifier_after"} <= set(s)
+            "aesthetic_after", "shape_verifier_partial_before", "shape_verifier_partial_after"} <= set(s)
     assert 0.0 <= s["fidelity_before"] <= 1.0 and s["config"]["beta"] == 0.04
     assert all((tmp_path / f).exists() for f in ("grid_before.png", "grid_after.png", "reward_curve.png"))
 
@@ -100,13 +100,13 @@ def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
 
     run("grpo_image", IMAGE_SMOKE + ["--beta", "0.04", "--lora_rank", "4", "--output_dir", str(tmp_path)])
     s = check_summary(tmp_path, "reward")
-    assert s["reward"] == "shape_verifier" and {"fidelity_before", "fidelity_after"} <= set(s)
+    assert s["reward"] == "shape_verifier_partial" and {"fidelity_before", "fidelity_after"} <= set(s)
     assert (tmp_path / "final" / "pytorch_lora_weights.safetensors").exists()
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent),
                               size_guidance={"images": 0, "scalars": 0})
     events.Reload()
     scalars, images = set(events.Tags()["scalars"]), set(events.Tags()["images"])
-    assert {"eval/fidelity", "eval/reward", "kl", "reward/shape_verifier/fidelity"} <= scalars
+    assert {"eval/fidelity", "eval/reward", "kl", "reward/shape_verifier_partial/fidelity"} <= scalars
     assert "eval/grid" in images
     assert [e.step for e in events.Scalars("eval/fidelity")] == [0, 1, 2]  # before, every eval_steps, after
 

@@ -46,8 +46,9 @@ class ImageRLConfig(OnlineConfig):
     eta: float = field(default=1.0, metadata={"help": "DDIM eta (> 0: the stochastic steps RL needs)"})
     resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the model's)"})
     timestep_fraction: float = field(default=0.25, metadata={"help": "share of the trainable steps trained per sample"})
-    min_step_std: float = field(default=0.0, metadata={
-        "help": "never train steps whose noise std sigma_t is below this (their 1/sigma gradients are mostly noise)"})
+    min_step_std: float = field(default=0.05, metadata={
+        "help": "never train steps whose noise std sigma_t is below this (their 1/sigma gradients are mostly noise; "
+                "SD's DDIM schedule at eta 1 ends in two steps of sigma 0.04 / 0.02 at any step count)"})
     lora_rank: int = field(default=0, metadata={"help": "> 0: train a LoRA of this rank instead of the full UNet"})
     torch_dtype: str = field(default="float32", metadata={"help": "UNet / text-encoder dtype (the VAE runs in fp32)"})
     num_eval: int = field(default=168, metadata={"help": "held-out images (prompts cycled), sampled with eval_seed"})
