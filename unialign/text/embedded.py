@@ -70,6 +70,8 @@ from typing import Any
 
 import torch
 
+from unialign.text.tokens import encode_prompt, encode_prompts
+
 PAD, BOS, EOS, UNK = "<|pad|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # Fixed character vocabulary: order matters (token ids), never reorder; append only.
@@ -320,7 +322,7 @@ def generate_completions(model, tokenizer, questions: list[str], batch_size: int
     per = max(1, batch_size // num_samples)
     for i in range(0, len(questions), per):
         prompts = [chat_prompt(tokenizer, q) for q in questions[i:i + per]]
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
+        enc = {k: v.to(dev) for k, v in encode_prompts(tokenizer, prompts, templated=True).items()}
         gen = model.generate(**enc, **kw)
         texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         for j in range(len(prompts)):
@@ -355,7 +357,7 @@ def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
     """(token ids of prompt + answer + <|im_end|>, prompt length) per row."""
     out = []
     for r in rows:
-        p = tokenizer.encode(chat_prompt(tokenizer, r["question"]), add_special_tokens=False)
+        p = encode_prompt(tokenizer, chat_prompt(tokenizer, r["question"]), templated=True)
         a = tokenizer.encode(r["answer"] + EOS, add_special_tokens=False)
         out.append((p + a, len(p)))
     return out

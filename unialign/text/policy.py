@@ -20,6 +20,7 @@ import torch
 
 from unialign.hub import require_hub
 from unialign.text.head import install_fused_head
+from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch, Trajectory
 
 
@@ -129,9 +130,14 @@ class CausalLMPolicy:
         return cls(model, tokenizer, **kwargs)
 
     # ---------------------------------------------------------------- prompts
+    def is_templated(self, prompt: Any) -> bool:
+        """Whether ``format_prompt`` renders ``prompt`` through the chat template (which carries the BOS
+        the model wants) rather than as raw text (which gets the tokenizer's own, ``unialign.text.tokens``)."""
+        return not (isinstance(prompt, str) and not self.use_chat_template)
+
     def format_prompt(self, prompt: Any) -> str:
         """A string prompt, or a list of chat messages, as the text the model is conditioned on."""
-        if isinstance(prompt, str) and not self.use_chat_template:
+        if not self.is_templated(prompt):
             return prompt
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if self.system_prompt and messages[0].get("role") != "system":
@@ -139,9 +145,13 @@ class CausalLMPolicy:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def _encode_prompts(self, prompts: list[Any]) -> dict[str, torch.Tensor]:
-        texts = [self.format_prompt(p) for p in prompts]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False,
-                             truncation=self.max_prompt_length is not None, max_length=self.max_prompt_length)
+        """Left-padded prompt ids and mask [B, W], special tokens as the model expects them
+        (``unialign.text.tokens.encode_prompts``: BOS on raw text where the tokenizer adds one, none
+        added to a chat template's output). Sampling, the training forward (the ids are kept in the
+        trajectory), evaluation and the pair losses all go through here."""
+        enc = encode_prompts(self.tokenizer, [self.format_prompt(p) for p in prompts],
+                             [self.is_templated(p) for p in prompts], max_length=self.max_prompt_length,
+                             padding_side="left")
         return {k: v.to(self.device) for k, v in enc.items()}
 
     @property

@@ -15,6 +15,7 @@ import torch
 from unialign.hub import require_hub
 from unialign.text.policy import hub_error, unwrap
 from unialign.text.preference import completion_text
+from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch
 
 
@@ -60,9 +61,11 @@ class RewardModel:
         return prefix + text + self.tokenizer.eos_token
 
     def encode(self, prompts: list[Any], completions: list[Any]) -> dict[str, torch.Tensor]:
-        enc = self.tokenizer([self._text(p, c) for p, c in zip(prompts, completions)], return_tensors="pt",
-                             padding=True, add_special_tokens=False, truncation=self.max_length is not None,
-                             max_length=self.max_length)
+        """Left-padded ids and mask [B, L] of prompt + completion + EOS; a raw-text prompt starts with the
+        tokenizer's special prefix (BOS where it adds one), a chat-templated one with the template's own
+        (``unialign.text.tokens``)."""
+        enc = encode_prompts(self.tokenizer, [self._text(p, c) for p, c in zip(prompts, completions)],
+                             self.use_chat_template, max_length=self.max_length, padding_side="left")
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _scores(self, enc: dict[str, torch.Tensor]) -> torch.Tensor:
