@@ -149,7 +149,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     part = make(tmp_path / "part", max_steps=4, save_steps=2)
     part.cfg.max_steps = 2
     part.train()
-    assert (tmp_path / "part" / "checkpoint-2" / "trainer_state.pt").exists()
+    assert (tmp_path / "part" / "checkpoint-2" / "trainer_state.json").exists()
     resumed = make(tmp_path / "part", max_steps=4, resume_from_checkpoint="latest")
     resumed.train()
     assert resumed.step == 4

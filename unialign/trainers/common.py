@@ -1,44 +1,60 @@
-"""Pieces every trainer loop shares: atomic checkpoints, run summaries and curves, schedules."""
+"""Pieces every trainer loop shares: atomic checkpoints, safe and honest resume, run summaries and curves,
+schedules."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import numbers
 import os
+import pickle
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 CHECKPOINT_PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.json"  # the loop's own state: plain JSON, never a pickle
+LEGACY_STATE_FILE = "trainer_state.pt"  # older checkpoints; read with torch.load(weights_only=True) only
+OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
+
+
+def _help(default: Any, text: str) -> Any:
+    """A dataclass field with its ``--help`` line in the metadata (choices, bounds and the --help group
+    of shared field names are in ``unialign.config.RULES``)."""
+    return field(default=default, metadata={"help": text})
 
 
 @dataclass
 class TrainConfig:
     """Fields every loop shares: optimisation, schedule, seeding, logging and checkpoints."""
 
-    max_steps: int = 100
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    optim: str = "adamw_torch"  # adamw_torch | adafactor | adamw_8bit (TRL / transformers names)
-    lr_scheduler_type: str = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; tiny models run fastest on 1
-    output_dir: str = "outputs/run"
-    logging_steps: int = 1
-    save_steps: int = 0
-    save_total_limit: int = 2
-    report_to: str = "tensorboard"
-    resume_from_checkpoint: str | None = None
-
-
-OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
+    max_steps: int = _help(100, "optimizer steps to train (>= 1)")
+    learning_rate: float = _help(1e-5, "peak learning rate (after warmup)")
+    weight_decay: float = _help(0.0, "decoupled weight decay")
+    adam_beta1: float = _help(0.9, "Adam beta1")
+    adam_beta2: float = _help(0.999, "Adam beta2")
+    adam_epsilon: float = _help(1e-8, "Adam epsilon")
+    optim: str = _help("adamw_torch", "optimizer (TRL / transformers names); adamw_8bit needs bitsandbytes")
+    lr_scheduler_type: str = _help("constant", "learning-rate schedule after warmup")
+    warmup_steps: int = _help(0, "linear warmup steps")
+    max_grad_norm: float = _help(1.0, "clip the gradient norm to this")
+    seed: int = _help(0, "seed of sampling, data order and initialisation")
+    num_threads: int | None = _help(None, "torch intra-op CPU threads (tiny models run fastest on 1; <= 0: torch's "
+                                          "choice)")
+    output_dir: str = _help("outputs/run", "folder for checkpoints, logs, curves, summary.json and final/")
+    logging_steps: int = _help(1, "log metrics to the trackers every N steps")
+    save_steps: int = _help(0, "save a checkpoint every N steps (0: only at the end)")
+    save_total_limit: int = _help(2, "keep at most this many checkpoints")
+    report_to: str = _help("tensorboard", "experiment tracker ('none': no tracker)")
+    resume_from_checkpoint: str | None = _help(None, "a checkpoint folder, or 'latest' (the newest under "
+                                                     "output_dir; an error when there is none)")
+    allow_config_change: bool = _help(False, "resume even when the learning rate / schedule, algorithm, batch "
+                                             "shape, model or data differ from the checkpoint's; the new values "
+                                             "apply and summary.json records both")
 
 
 def make_optimizer(params, cfg: TrainConfig):
@@ -92,36 +108,211 @@ def atomic_replace_dir(tmp_dir: Path, final_dir: Path) -> None:
         shutil.rmtree(old)
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` as strict JSON data: NaN / +-inf -> None, numpy and one-element tensor scalars -> numbers,
+    tuples -> lists, paths and other objects -> ``str``; dict keys become strings."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        obj = obj.item()
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        value = float(obj)
+        return value if math.isfinite(value) else None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return str(obj)
+
+
 def write_json_atomic(path: str | Path, data: dict) -> None:
+    """Write ``data`` as strict JSON (``json_safe``: NaN / Infinity become null) through a temporary file
+    renamed into place, so a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=float))
+    tmp.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False))
     os.replace(tmp, path)
 
 
 def finish_run(acc, cfg, summary: dict, save) -> dict:
     """End of a script: on the main process, ``save(<output_dir>/final)`` (stock-loadable weights), write
-    ``summary.json`` with the run's config added, and print the summary. Returns the summary."""
+    ``summary.json`` (strict JSON) with the run's config added, and the settings a resume changed
+    (``config_changes_on_resume``, from the run's last checkpoint) when there were any; print where the
+    outputs are and the summary as JSON. Returns the summary."""
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
+    out = Path(cfg.output_dir)
+    ckpt = find_checkpoint(out, "latest", required=False)
+    changes = read_trainer_state(ckpt).get("config_changes") if ckpt is not None else None
+    if changes:
+        summary["config_changes_on_resume"] = changes
     if acc.is_main_process:
-        out = Path(cfg.output_dir)
         save(str(out / "final"))
         write_json_atomic(out / "summary.json", summary)
-        acc.print({k: v for k, v in summary.items() if k != "config"})
+        print_summary(acc, out, summary)
     return summary
 
 
-def find_checkpoint(output_dir: str | Path, which: str) -> Path | None:
-    """``which`` is a checkpoint path or ``"latest"`` (the highest step under ``output_dir``)."""
+def print_summary(acc, output_dir: str | Path, summary: dict) -> None:
+    """Print the output folder and the summary (without its config) as JSON, on the main process."""
+    shown = json_safe({k: v for k, v in summary.items() if k != "config"})
+    acc.print(f"outputs in {Path(output_dir).resolve()} (final/ weights, summary.json, curves, checkpoints)")
+    acc.print(json.dumps(shown, indent=1))
+
+
+def find_checkpoint(output_dir: str | Path, which: str, required: bool = True) -> Path | None:
+    """``which`` is a checkpoint path or ``"latest"`` (the highest step under ``output_dir``). A path
+    without a trainer state, or ``"latest"`` with no checkpoint, is a ValueError (``required=False``:
+    ``latest`` gives None instead)."""
     if which != "latest":
         path = Path(which)
-        if not (path / "trainer_state.pt").exists():
-            raise FileNotFoundError(f"resume_from_checkpoint={which!r}: no trainer_state.pt in that directory")
+        if not _state_file(path):
+            raise ValueError(f"resume_from_checkpoint={which!r}: no {STATE_FILE} in that directory "
+                             "(not a unialign checkpoint)")
         return path
     ckpts = sorted(Path(output_dir).glob(CHECKPOINT_PREFIX + "*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
-    ckpts = [c for c in ckpts if (c / "trainer_state.pt").exists()]
+    ckpts = [c for c in ckpts if _state_file(c)]
+    if not ckpts and required:
+        raise ValueError(f"resume_from_checkpoint='latest': no checkpoint to resume in output_dir={str(output_dir)!r} "
+                         f"(no {CHECKPOINT_PREFIX}<step> folder with a {STATE_FILE}); drop the flag to start from "
+                         "step 0")
     return ckpts[-1] if ckpts else None
+
+
+def _state_file(ckpt: Path) -> Path | None:
+    for name in (STATE_FILE, LEGACY_STATE_FILE):
+        if (ckpt / name).is_file():
+            return ckpt / name
+    return None
+
+
+def read_trainer_state(ckpt: str | Path) -> dict:
+    """The loop's own state of checkpoint ``ckpt``: ``trainer_state.json``, or an older checkpoint's
+    ``trainer_state.pt`` read with ``torch.load(weights_only=True)``, so a crafted file cannot run code
+    (it is refused with a ValueError instead)."""
+    ckpt = Path(ckpt)
+    path = _state_file(ckpt)
+    if path is None:
+        raise ValueError(f"{ckpt}: no {STATE_FILE} (not a unialign checkpoint)")
+    if path.name == STATE_FILE:
+        try:
+            state = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not valid JSON ({err}); the checkpoint is damaged") from None
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"{path}: refusing to load it: it holds more than plain data, and unpickling it "
+                             f"could run code ({first})") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"{path}: not a trainer state (expected a dict with a 'step')")
+    return state
+
+
+def data_fingerprint(rows: list[Any]) -> str:
+    """A short hash of the training rows (their values, keys sorted; images and tensors by their bytes):
+    the same rows give the same fingerprint on every run and machine."""
+    h = hashlib.sha256()
+    _hash_into(h, rows)
+    return h.hexdigest()[:16]
+
+
+def _hash_into(h, obj: Any) -> None:
+    if isinstance(obj, dict):
+        h.update(b"{")
+        for k in sorted(obj, key=str):
+            _hash_into(h, str(k))
+            _hash_into(h, obj[k])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[%d" % len(obj))
+        for v in obj:
+            _hash_into(h, v)
+    elif isinstance(obj, (bytes, bytearray)):
+        h.update(b"b%d:" % len(obj) + bytes(obj))
+    elif obj is None or isinstance(obj, (bool, numbers.Number, str)):
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"tensor{tuple(t.shape)}{t.dtype};".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif hasattr(obj, "tobytes") and hasattr(obj, "mode") and hasattr(obj, "size"):  # PIL image
+        h.update(f"image{obj.mode}{tuple(obj.size)};".encode() + obj.tobytes())
+    elif hasattr(obj, "tobytes") and hasattr(obj, "dtype"):  # numpy array
+        h.update(f"array{getattr(obj, 'shape', ())}{obj.dtype};".encode() + obj.tobytes())
+    else:
+        h.update(f"{type(obj).__name__}:{obj!s};".encode())
+
+
+def resume_settings(cfg: TrainConfig, rows: list[Any], **extra: Any) -> dict[str, Any]:
+    """What a resume must not change silently, as JSON data: optimiser and learning-rate schedule
+    (``max_steps`` only where the schedule depends on it), seed (the data order), the model
+    (``model_name_or_path`` when the config has one), ``dataset_fingerprint`` of ``rows``, and the loop's
+    own ``extra`` (algorithm and its knobs, batch shape)."""
+    names = ["learning_rate", "lr_scheduler_type", "warmup_steps", "optim", "weight_decay", "adam_beta1",
+             "adam_beta2", "adam_epsilon", "max_grad_norm", "seed"]
+    if cfg.lr_scheduler_type != "constant":
+        names.append("max_steps")
+    settings = {n: getattr(cfg, n) for n in names}
+    for name in ("model_name_or_path", "vae_name_or_path"):
+        if hasattr(cfg, name):
+            settings[name] = getattr(cfg, name)
+    settings.update(extra)
+    settings["dataset_fingerprint"] = data_fingerprint(rows)
+    return json.loads(json.dumps(json_safe(settings)))
+
+
+@dataclass
+class ResumePoint:
+    """A checkpoint accepted for resuming: its folder, the loop's state, and the settings that differ."""
+
+    path: Path
+    state: dict
+    changes: list[dict]
+
+
+def plan_resume(cfg: TrainConfig, settings: dict[str, Any]) -> ResumePoint | None:
+    """Before training: find ``cfg.resume_from_checkpoint`` (None when not resuming), read its state
+    safely and compare its settings with ``settings`` (``resume_settings``). A difference is a ValueError
+    listing each field, checkpoint vs now, unless ``cfg.allow_config_change``; then the changes are
+    appended to the state's ``config_changes`` (``{"step", "field", "old", "new"}`` each), which later
+    checkpoints and ``summary.json`` carry. Nothing is loaded into the model here."""
+    if not cfg.resume_from_checkpoint:
+        return None
+    path = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+    state = read_trainer_state(path)
+    old = state.get("settings")
+    if old is None:  # a checkpoint from before settings were recorded: compare what its config holds
+        old_cfg = state.get("config") or {}
+        old = {k: old_cfg[k] for k in settings if k in old_cfg}
+    fields = [k for k in settings if k in old and old[k] != settings[k]]
+    changes = [{"step": state["step"], "field": k, "old": old.get(k), "new": settings[k]} for k in fields]
+    if changes and not cfg.allow_config_change:
+        lines = "\n".join(f"  {c['field']}: {c['old']!r} (checkpoint) -> {c['new']!r} (now)" for c in changes)
+        raise ValueError(f"resume_from_checkpoint: {path} was trained with other settings:\n{lines}\n"
+                         "pass --allow_config_change to resume with the new values anyway (summary.json then "
+                         "records both), or use another --output_dir to start afresh")
+    state["config_changes"] = list(state.get("config_changes") or []) + changes
+    return ResumePoint(path, state, changes)
+
+
+def apply_optimizer_settings(optimizer, scheduler, cfg: TrainConfig) -> None:
+    """After loading a checkpoint whose settings were allowed to change: the config's learning rate,
+    weight decay and Adam constants replace those the optimizer state carried, and the current lr is
+    recomputed from the (new) schedule at the restored step, so the run trains with what it records."""
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
+    scheduler.base_lrs = [cfg.learning_rate for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]):
+        group["initial_lr"] = cfg.learning_rate
+        group["lr"] = cfg.learning_rate * factor
+        group["weight_decay"] = cfg.weight_decay
+        if cfg.optim != "adafactor":
+            group["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
+            group["eps"] = cfg.adam_epsilon
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
@@ -189,20 +380,45 @@ def log_images(acc, images: dict[str, object], step: int) -> None:
 
 
 def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int) -> Path:
-    """accelerate state (model, optimizer, scheduler, RNGs) + the loop's own ``state`` dict, written to a
-    temporary directory and renamed into ``checkpoint-<step>`` only once complete; older ones pruned."""
+    """accelerate state (model, optimizer, scheduler, RNGs) + the loop's own ``state`` dict (as
+    ``trainer_state.json``: plain JSON, NaN kept as JSON's NaN extension, which Python reads back
+    exactly), written to a temporary directory and renamed into ``checkpoint-<step>`` only once
+    complete; older ones pruned."""
     out = Path(output_dir)
     final, tmp = out / f"{CHECKPOINT_PREFIX}{step}", out / f".tmp-{CHECKPOINT_PREFIX}{step}"
     acc.save_state(str(tmp))
     if acc.is_main_process:
-        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / STATE_FILE).write_text(json.dumps(_plain(state)))
         atomic_replace_dir(tmp, final)
         prune_checkpoints(out, keep)
     acc.wait_for_everyone()
     return final
 
 
-def load_checkpoint(acc, path: str | Path) -> dict:
-    """Restore accelerate state from ``path`` and return the loop's own state dict."""
-    acc.load_state(str(path))
-    return torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+def _plain(obj: Any) -> Any:
+    """Like ``json_safe`` but keeping non-finite floats (a checkpoint must restore them exactly)."""
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        obj = obj.item()
+    if isinstance(obj, numbers.Real) and not isinstance(obj, (bool, numbers.Integral)):
+        return float(obj)
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return json_safe(obj)
+
+
+def load_checkpoint(acc, resume: ResumePoint, optimizer=None, scheduler=None, cfg: TrainConfig | None = None) -> dict:
+    """Restore accelerate state (weights, optimizer, scheduler, RNGs; accelerate reads them with
+    ``weights_only=True``) from ``resume.path`` and return the loop's own state. When settings changed
+    (allowed), ``apply_optimizer_settings`` makes the optimizer follow ``cfg``. A file that needs
+    unpickling is refused with a ValueError naming the checkpoint."""
+    try:
+        acc.load_state(str(resume.path))
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{resume.path}: refusing to load a checkpoint file that holds more than plain data "
+                         f"(unpickling it could run code): {first}") from None
+    if resume.changes and optimizer is not None and cfg is not None:
+        apply_optimizer_settings(optimizer, scheduler, cfg)
+    return resume.state

@@ -46,12 +46,14 @@ from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
 from unialign.rewards.base import CombinedReward
 from unialign.trainers.common import (
+    ResumePoint,
     TrainConfig,
     epoch_order,
-    find_checkpoint,
     load_checkpoint,
     log_images,
     make_optimizer,
+    plan_resume,
+    resume_settings,
     save_checkpoint,
     save_curves,
 )
@@ -130,6 +132,14 @@ class OnlineTrainer:
         self.policy, self.reward_fn, self.rows, self.cfg = policy, reward_fn, prompts, config
         self.spec = config.algo_spec()
         overlong_cache_tokens(self.spec.overlong_cache_len, config.max_completion_length)  # validates, before training
+        self.resume_settings = resume_settings(
+            config, prompts, algorithm=self.spec.name, **{k: v for k, v in asdict(self.spec).items() if k != "name"},
+            num_generations=config.num_generations, prompts_per_step=config.prompts_per_step,
+            num_mini_batches=config.num_mini_batches, max_completion_length=config.max_completion_length,
+            max_generation_rounds=config.max_generation_rounds,
+            reward_funcs=[f.name for f in reward_fn.functions], reward_weights=reward_fn.weights)
+        self._resume = plan_resume(config, self.resume_settings)  # refused here, before any weights move
+        self.config_changes: list[dict] = []
         self.acc = accelerator or Accelerator(
             log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
         world = self.acc.num_processes
@@ -412,11 +422,13 @@ class OnlineTrainer:
     def save_checkpoint(self) -> Path:
         state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
                  "stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "config": asdict(self.cfg)}
+                 "settings": self.resume_settings, "config_changes": self.config_changes, "config": asdict(self.cfg)}
         return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
 
-    def load_checkpoint(self, path: Path) -> None:
-        state = load_checkpoint(self.acc, path)
+    def load_checkpoint(self, resume: ResumePoint) -> None:
+        """Restore weights, optimizer and the loop's state from a checkpoint ``plan_resume`` accepted."""
+        state = load_checkpoint(self.acc, resume, self.optimizer, self.scheduler, self.cfg)
+        self.config_changes = state.get("config_changes") or []
         self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
         self.counters = state["counters"]
         self.stat_tracker.load_state_dict(state["stat_tracker"])
@@ -425,11 +437,12 @@ class OnlineTrainer:
 
     def train(self) -> list[dict]:
         cfg, acc = self.cfg, self.acc
-        if cfg.resume_from_checkpoint:
-            ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-            if ckpt is not None:
-                self.load_checkpoint(ckpt)
-                acc.print(f"resumed from {ckpt} at step {self.step}")
+        if self._resume is not None:
+            self.load_checkpoint(self._resume)
+            acc.print(f"resumed from {self._resume.path} at step {self.step}")
+            for c in self._resume.changes:
+                acc.print(f"  setting changed on resume: {c['field']}: {c['old']!r} -> {c['new']!r}")
+            self._resume = None
         if acc.is_main_process:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         self._start_trackers()

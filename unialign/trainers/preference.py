@@ -33,9 +33,10 @@ from unialign import algos
 from unialign.trainers.common import (
     TrainConfig,
     epoch_order,
-    find_checkpoint,
     load_checkpoint,
     make_optimizer,
+    plan_resume,
+    resume_settings,
     save_checkpoint,
     save_curves,
 )
@@ -74,6 +75,11 @@ class DPOObjective:
     @property
     def model(self) -> torch.nn.Module:
         return self.policy.model
+
+    def resume_settings(self) -> dict[str, Any]:
+        """The objective's knobs a resume must not change silently."""
+        return {"objective": "dpo", "beta": self.beta, "loss_type": self.loss_type,
+                "label_smoothing": self.label_smoothing, "rpo_alpha": self.rpo_alpha}
 
     def parameters(self):
         return self.policy.trainable_parameters()
@@ -141,6 +147,10 @@ class BradleyTerryObjective:
     def model(self) -> torch.nn.Module:
         return self.reward_model.model
 
+    def resume_settings(self) -> dict[str, Any]:
+        """The objective's knobs a resume must not change silently."""
+        return {"objective": "bradley_terry", "center_coef": self.center_coef}
+
     def parameters(self):
         return self.reward_model.trainable_parameters()
 
@@ -169,6 +179,10 @@ class PreferenceTrainer:
         set_seed(config.seed)
         if config.num_threads and config.num_threads > 0:  # <= 0: leave torch's choice
             torch.set_num_threads(config.num_threads)
+        self.resume_settings = resume_settings(config, rows, batch_size=config.batch_size,
+                                               **getattr(objective, "resume_settings", dict)())
+        self._resume = plan_resume(config, self.resume_settings)  # refused here, before any weights move
+        self.config_changes: list[dict] = []
         self.optimizer, self.scheduler = make_optimizer(list(objective.parameters()), config)
         prepared, self.optimizer, self.scheduler = self.acc.prepare(objective.model, self.optimizer, self.scheduler)
         _set_model(objective, prepared)
@@ -226,17 +240,19 @@ class PreferenceTrainer:
 
     def save_checkpoint(self) -> Path:
         state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
-                 "config": asdict(self.cfg)}
+                 "settings": self.resume_settings, "config_changes": self.config_changes, "config": asdict(self.cfg)}
         return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
 
     def train(self) -> list[dict]:
         cfg, acc = self.cfg, self.acc
-        if cfg.resume_from_checkpoint:
-            ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-            if ckpt is not None:
-                state = load_checkpoint(acc, ckpt)
-                self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
-                self.counters = state["counters"]
+        if self._resume is not None:
+            state = load_checkpoint(acc, self._resume, self.optimizer, self.scheduler, cfg)
+            self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
+            self.counters, self.config_changes = state["counters"], state.get("config_changes") or []
+            acc.print(f"resumed from {self._resume.path} at step {self.step}")
+            for c in self._resume.changes:
+                acc.print(f"  setting changed on resume: {c['field']}: {c['old']!r} -> {c['new']!r}")
+            self._resume = None
         acc.init_trackers("unialign", config={k: v for k, v in asdict(cfg).items() if v is not None})
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc="pairs")
         while self.step < cfg.max_steps:
