@@ -16,16 +16,16 @@ implicit accuracy averages ``eval_timestep_samples`` (t, eps) draws (one draw: `
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from unialign.config import exit_on_user_error, parse_config
+from unialign.algos.preference import DPO_LOSS_TYPES
+from unialign.config import arg, exit_on_user_error, parse_config
 from unialign.image import DiffusionPolicy
-from unialign.image.data import normalize_pickapic, synthetic_pairs
+from unialign.image.data import embedded_pairs, load_pickapic
 from unialign.image.grid import save_grid
-from unialign.text import load_rows
 from unialign.trainers import finish_run
 from unialign.trainers.preference import (
     DPOObjective,
@@ -37,36 +37,40 @@ from unialign.trainers.preference import (
 
 @dataclass
 class DiffusionDPOConfig(PreferenceConfig):
-    preset: str | None = field(default=None, metadata={"help": "sdxl-pickapic"})
-    config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
-    model_name_or_path: str = "embedded"
-    vae_name_or_path: str | None = None
-    dataset_name: str = field(default="embedded", metadata={"help": "Pick-a-Pic-schema hub id / parquet, or 'embedded'"})
-    train_split: str = "train"
-    eval_split: str = "validation"
-    num_eval: int = 256
-    num_eval_images: int = field(default=168, metadata={
-        "help": "embedded: held-out images (held-out prompts cycled, seed 1234) for gold score and prompt fidelity"})
-    pairs_per_prompt: int = 4
-    num_prompts: int | None = field(default=None, metadata={"help": "embedded: use only the first N training captions"})
-    eval_pairs_per_prompt: int = field(default=2, metadata={"help": "embedded: held-out pairs per training caption"})
-    min_gap: float = field(default=0.02, metadata={"help": "embedded: gold-score gap below which a pair is a tie"})
-    eval_timestep_samples: int = field(
-        default=8, metadata={"help": "held-out implicit accuracy: average the surrogate over K (t, eps) draws"})
-    beta: float = 5000.0
-    loss_type: str = "sigmoid"
-    caption_dropout: float = 0.1
-    resolution: int | None = None
-    lora_rank: int = 0
-    gradient_checkpointing: bool = False
-    torch_dtype: str = "float32"
-    num_threads: int | None = 1
-    batch_size: int = 32
-    micro_batch_size: int = 32
-    learning_rate: float = 1e-5
-    max_steps: int = 120
-    eval_batch_size: int = 64
-    output_dir: str = "outputs/dpo_sdxl"
+    preset: str | None = arg(None, "named recipe: sdxl-pickapic (flags still override it)")
+    config: str | None = arg(None, "YAML file of field values (flags override it)")
+    model_name_or_path: str = arg("embedded", "SDXL / SD1.x Hub id or local diffusers folder, or 'embedded'")
+    vae_name_or_path: str | None = arg(None, "a VAE to use instead of the model's (e.g. the fp16-fix SDXL VAE)")
+    dataset_name: str = arg("embedded", "Pick-a-Pic-schema Hub id, .jsonl/.json/.parquet file or folder (images as "
+                            "bytes or paths), or 'embedded' (pairs of the model's samples ranked by a gold score)")
+    dataset_config: str | None = arg(None, "Hub dataset configuration")
+    train_split: str = arg("train", "training split of a folder or Hub dataset")
+    eval_split: str | None = arg(None, "held-out split (default: 'test', else 'validation' of a folder; a single "
+                                 "file holds out --eval_fraction)")
+    eval_dataset_name: str | None = arg(None, "a separate held-out dataset (file, folder or Hub id)")
+    eval_fraction: float = arg(0.1, "share of the rows held out when the data has no held-out split (fixed seed 0)")
+    num_eval: int = arg(256, "evaluate implicit accuracy on at most this many held-out pairs")
+    num_eval_images: int = arg(168, "embedded: held-out images (held-out prompts cycled, seed 1234) for gold score "
+                               "and prompt fidelity")
+    pairs_per_prompt: int = arg(4, "embedded: training pairs per caption")
+    num_prompts: int | None = arg(None, "embedded: use only the first N training captions")
+    eval_pairs_per_prompt: int = arg(2, "embedded: held-out pairs per training caption")
+    min_gap: float = arg(0.02, "embedded: gold-score gap below which a pair is a tie")
+    eval_timestep_samples: int = arg(8, "held-out implicit accuracy: average the surrogate over K (t, eps) draws")
+    beta: float = arg(5000.0, "Diffusion-DPO temperature (scales the ELBO-surrogate margin)", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss", choices=DPO_LOSS_TYPES)
+    caption_dropout: float = arg(0.1, "share of captions replaced by the empty prompt in training (keeps CFG usable)")
+    resolution: int | None = arg(None, "image side in pixels (default: the model's)")
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full UNet")
+    gradient_checkpointing: bool = arg(False, "recompute UNet activations in the backward pass (less memory)")
+    torch_dtype: str = arg("float32", "UNet / text-encoder dtype (the VAE runs in fp32)")
+    num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest)")
+    batch_size: int = arg(32, "pairs per optimizer step")
+    micro_batch_size: int = arg(32, "pairs per forward/backward")
+    learning_rate: float = arg(1e-5, "peak learning rate")
+    max_steps: int = arg(120, "optimizer steps")
+    eval_batch_size: int = arg(64, "pairs per held-out evaluation batch")
+    output_dir: str = arg("outputs/dpo_sdxl", "where checkpoints, grids, curves, summary.json and final/ go")
 
 
 PRESETS = {
@@ -86,34 +90,23 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     embedded = cfg.model_name_or_path == "embedded"
+    data = None if cfg.dataset_name == "embedded" else load_pickapic(cfg)  # read and checked before the model loads
     opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                 gradient_checkpointing=cfg.gradient_checkpointing)
     if embedded:
-        from unialign.image import embedded as emb
+        from unialign.image.embedded import load_embedded
 
-        policy = emb.load_embedded(**opts)
+        policy = load_embedded(**opts)
     else:
         policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, vae_name_or_path=cfg.vae_name_or_path,
                                                  torch_dtype=cfg.torch_dtype, **opts)
-    if cfg.dataset_name == "embedded":  # AI feedback: two samples per caption, the higher gold score wins
-        from unialign.image import embedded as emb
-
-        train_prompts = emb.prompts("train")[:cfg.num_prompts]
-        train_rows = synthetic_pairs(policy, train_prompts, emb.gold_score, cfg.pairs_per_prompt, cfg.seed + 1,
-                                     cfg.min_gap)
-        eval_rows = synthetic_pairs(policy, train_prompts, emb.gold_score, cfg.eval_pairs_per_prompt, cfg.seed + 2,
-                                    cfg.min_gap)
-        eval_rows = [r for r in eval_rows if r["label_0"] != 0.5][:cfg.num_eval]  # ties dropped before the cap
-    else:
-        train_rows = load_rows(cfg.dataset_name, cfg.train_split)
-        eval_rows = load_rows(cfg.dataset_name, cfg.eval_split)[:cfg.num_eval]
-    train, ties = normalize_pickapic(train_rows, "train")
-    held_out, _ = normalize_pickapic(eval_rows, "eval")
+    train, held_out, ties, data_info = data or embedded_pairs(policy, cfg)
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
     trainer = PreferenceTrainer(objective, train, cfg)
 
     held_out_images = None
     if embedded:  # fixed held-out prompts and seed: the same draws before and after
+        from unialign.image import embedded as emb
         from unialign.image.evaluate import HeldOutImages
         from unialign.rewards.shapes import verify
 
@@ -141,7 +134,7 @@ def main(cfg: DiffusionDPOConfig) -> dict:
                "eval_timestep_samples": cfg.eval_timestep_samples,
                "first_loss": history[0]["loss"] if history else None, "steps": trainer.step,
                "train_pairs": len(train), "ties_dropped": ties, "num_eval_pairs": len(held_out),
-               "wall_seconds": time.time() - start}
+               "wall_seconds": time.time() - start, **data_info}
     return finish_run(trainer.acc, cfg, summary, policy.save)
 
 

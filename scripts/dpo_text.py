@@ -2,52 +2,53 @@
 
     accelerate launch scripts/dpo_text.py                     # offline: embedded arithmetic model, correct vs wrong answers
     accelerate launch scripts/dpo_text.py --preset qwen2.5-0.5b-ultrafeedback
+    python scripts/dpo_text.py --dataset_name pairs.jsonl --model_name_or_path MODEL_DIR
 
-Writes <output_dir>/summary.json: task accuracy of fresh greedy samples before/after (embedded task),
-held-out implicit accuracy before/after and the first logged loss; loss_curve.png; checkpoints.
+Data in TRL's preference formats (prompt / chosen / rejected as strings or messages, or implicit-prompt
+conversations): a Hub id, a .jsonl/.json/.parquet file or a folder of split files. Writes
+<output_dir>/summary.json: task accuracy of fresh greedy samples before/after (embedded task), held-out
+implicit accuracy before/after and the first logged loss; loss_curve.png; checkpoints.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from unialign.config import exit_on_user_error, parse_config
+from unialign.algos.preference import DPO_LOSS_TYPES
+from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
-from unialign.text.data import gsm8k_prompts
+from unialign.text.data import gsm8k_prompts, prompt_token_counter
 from unialign.text.embedded import preference_pairs
-from unialign.text.preference import normalize_pairs
 from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
 
 
 @dataclass
-class DPOTextConfig(PreferenceConfig):
-    preset: str | None = field(default=None, metadata={"help": "qwen2.5-0.5b-ultrafeedback"})
-    config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
-    model_name_or_path: str = "embedded"
-    dataset_name: str = field(default="embedded", metadata={"help": "hub id, .json/.jsonl/.parquet, or 'embedded'"})
-    dataset_config: str | None = None
-    train_split: str = "train"
-    eval_split: str = "test"
-    num_eval: int = 256
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-    rpo_alpha: float | None = field(default=1.0, metadata={
-        "help": "weight of the chosen-side NLL (RPO); plain DPO lowers the embedded task's accuracy, see README"})
-    lora_rank: int = 0
-    torch_dtype: str = "float32"
-    precompute_ref_log_probs: bool = False
-    max_new_tokens: int = 24
-    batch_size: int = 32
-    micro_batch_size: int = 32
-    learning_rate: float = 2e-4
-    max_steps: int = 60
-    num_threads: int | None = 1
-    output_dir: str = "outputs/dpo_text"
+class DPOTextConfig(TextDataArgs, PreferenceConfig):
+    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
+    config: str | None = arg(None, "YAML file of field values (flags override it)")
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
+                                            "longer pairs are refused", group="data")
+    beta: float = arg(0.1, "DPO temperature: strength of the implicit KL to the reference", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss", choices=DPO_LOSS_TYPES)
+    label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO for sigmoid; robust DPO)")
+    rpo_alpha: float | None = arg(1.0, "weight of the chosen-side NLL (RPO); plain DPO lowers the embedded "
+                                  "task's accuracy, see README")
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
+    torch_dtype: str = arg("float32", "model dtype")
+    precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front (cached on disk)")
+    max_new_tokens: int = arg(24, "completion limit of the greedy task evaluation (embedded task)", group="logging")
+    batch_size: int = arg(32, "pairs per optimizer step")
+    micro_batch_size: int = arg(32, "pairs per forward/backward")
+    learning_rate: float = arg(2e-4, "peak learning rate")
+    max_steps: int = arg(60, "optimizer steps")
+    num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest)")
+    output_dir: str = arg("outputs/dpo_text", "where checkpoints, curves, summary.json and final/ go")
 
 
 PRESETS = {
@@ -60,17 +61,11 @@ PRESETS = {
 
 def main(cfg: DPOTextConfig) -> dict:
     start = time.time()
-    embedded = cfg.dataset_name == "embedded"
-    if embedded:  # correct vs wrong final answers on the embedded arithmetic task
-        eval_raw = load_rows("embedded", "test")[:cfg.num_eval]
-        train = preference_pairs("train", seed=cfg.seed)
-        held_out = preference_pairs("test", n=cfg.num_eval, seed=cfg.seed + 1)
-    else:
-        train = load_rows(cfg.dataset_name, cfg.train_split, cfg.dataset_config)
-        held_out = load_rows(cfg.dataset_name, cfg.eval_split, cfg.dataset_config)[:cfg.num_eval]
-    train, held_out = normalize_pairs(train, "train"), normalize_pairs(held_out, "eval")
+    embedded = cfg.dataset_name == "embedded"  # correct vs wrong final answers on the embedded arithmetic task
+    train, held_out, data_info = load_pair_data(cfg, lambda split, n, seed: preference_pairs(split, n=n, seed=seed))
     policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens)
+    train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type, cfg.label_smoothing,
                              cache_reference=cfg.precompute_ref_log_probs, rpo_alpha=cfg.rpo_alpha)
     if cfg.precompute_ref_log_probs:
@@ -81,7 +76,7 @@ def main(cfg: DPOTextConfig) -> dict:
     def task_accuracy() -> float | None:
         if not embedded:
             return None
-        rows = gsm8k_prompts(eval_raw, "eval")
+        rows = gsm8k_prompts(load_rows("embedded", "test")[:cfg.num_eval], "eval")
         return evaluate.greedy_score(policy, rows, get_reward("math_accuracy"), cfg.eval_batch_size)
 
     acc_before, implicit_before = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]
@@ -93,7 +88,7 @@ def main(cfg: DPOTextConfig) -> dict:
                "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
                "first_loss": history[0]["loss"] if history else None,
                "first_nll_loss": history[0].get("nll_loss") if history else None, "steps": trainer.step,
-               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out)}
+               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out), **data_info}
     return finish_run(trainer.acc, cfg, summary, policy.save)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
+from unialign.recipes import check_rewards
 
 
 @dataclass
@@ -70,6 +71,7 @@ PRESETS = {
 
 
 def main(cfg: GRPOImageConfig) -> dict:
+    check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
     if cfg.model_name_or_path == "embedded":
         from unialign.image.embedded import image_rl_parts
 

@@ -1,22 +1,32 @@
-"""GRPO (and DAPO / Dr.GRPO / GSPO / RLOO via --algorithm) on verifiable math answers.
+"""GRPO (and DAPO / Dr.GRPO / GSPO / RLOO via --algorithm) on prompts scored by reward functions.
 
     accelerate launch scripts/grpo_math.py                       # offline embedded default, CPU, minutes
     accelerate launch scripts/grpo_math.py --preset qwen2.5-0.5b-gsm8k   # Qwen2.5-0.5B-Instruct on GSM8K
     python scripts/grpo_math.py --algorithm dapo --max_steps 20 --output_dir outputs/dapo
+    python scripts/grpo_math.py --dataset_name my_data/ --reward_funcs my_rewards.brevity,math_accuracy
 
-Writes <output_dir>/summary.json (held-out greedy accuracy before/after), reward_curve.png,
-TensorBoard logs and checkpoints (resume with --resume_from_checkpoint latest).
+Data: TRL's prompt formats (``prompt`` as a string or a list of messages; every other column is passed
+to the reward functions) or GSM8K's ``question`` / ``answer``; a Hub id, a .jsonl/.json/.parquet file
+or a folder of split files. Writes <output_dir>/summary.json (held-out greedy score before/after),
+reward_curve.png, TensorBoard logs and checkpoints (resume with --resume_from_checkpoint latest).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from unialign.config import exit_on_user_error, parse_config
-from unialign.rewards import CombinedReward, get_reward
-from unialign.text import CausalLMPolicy, evaluate, load_rows
-from unialign.text.data import gsm8k_prompts
+from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.recipes import (
+    TextDataArgs,
+    as_trl_reward,
+    build_reward,
+    check_rewards,
+    columns_of,
+    fit_prompts,
+    load_prompt_data,
+)
+from unialign.text import CausalLMPolicy, evaluate
 from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
 
 SYSTEM_GSM8K = ("Solve the problem step by step. End your answer with a final line of the form "
@@ -24,40 +34,37 @@ SYSTEM_GSM8K = ("Solve the problem step by step. End your answer with a final li
 
 
 @dataclass
-class GRPOMathConfig(OnlineConfig):
-    preset: str | None = field(default=None, metadata={"help": "qwen2.5-0.5b-gsm8k"})
-    config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
-    model_name_or_path: str = field(default="embedded", metadata={"help": "hub id, local dir, or 'embedded'"})
-    dataset_name: str = field(default="embedded", metadata={"help": "hub id, .json/.jsonl/.parquet, or 'embedded'"})
-    dataset_config: str | None = "main"
-    train_split: str = "train"
-    eval_split: str = "test"
-    num_eval: int = 256
-    eval_batch_size: int = 128
+class GRPOMathConfig(TextDataArgs, OnlineConfig):
+    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-gsm8k (flags still override it)")
+    config: str | None = arg(None, "YAML file of field values (flags override it)")
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch")
     # correct answers of the embedded task are 20-25 tokens with EOS; 32 leaves DAPO's overlong buffer
     # (the last 20 %, 6 tokens) beyond them: at 26 it docked correct carry answers and DAPO fell 0.53 -> 0.50
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    system_prompt: str | None = None
-    lora_rank: int = 0
-    torch_dtype: str = "float32"
-    generation_cache: str = field(default="dynamic", metadata={
-        "help": "dynamic | static (fixed-size KV cache: transformers compiles decoding with CUDA graphs on GPU)"})
-    reward_funcs: str = field(default="math_accuracy", metadata={"help": "comma-separated registry names"})
-    reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats"})
+    max_new_tokens: int = arg(32, "completion limit in tokens (sampling and evaluation)")
+    temperature: float = arg(1.0, "sampling temperature (> 0)")
+    top_p: float = arg(1.0, "nucleus sampling: keep the smallest token set with this probability mass")
+    top_k: int = arg(0, "sample among the k most likely tokens (0: all)")
+    system_prompt: str | None = arg(None, "system message put before every prompt (chat-template models)")
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
+    torch_dtype: str = arg("float32", "model dtype")
+    generation_cache: str = arg("dynamic", "KV cache: dynamic, or static (fixed size: CUDA graphs on GPU)")
+    reward_funcs: str = arg("math_accuracy", "comma-separated rewards: registry names, TRL's dotted "
+                           "package.module.function, module:function or path/file.py:function")
+    reward_weights: str | None = arg(None, "comma-separated floats, one per reward (default: all 1)")
+    eval_reward: str | None = arg(None, "reward of the held-out greedy evaluation (default: math_accuracy when "
+                                 "the rows have an 'answer' column, else the training reward)")
     # embedded-default training knobs (overriding OnlineConfig's generic defaults)
-    algorithm: str = "grpo"
-    beta: float | None = 0.0
-    learning_rate: float = 3e-4
-    warmup_steps: int = 5
-    prompts_per_step: int = 16
-    num_generations: int = 8
-    micro_batch_size: int = 128
-    max_steps: int = 80
-    num_threads: int | None = 1
-    output_dir: str = "outputs/grpo_math"
+    algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)")
+    beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
+    learning_rate: float = arg(3e-4, "peak learning rate")
+    warmup_steps: int = arg(5, "linear warm-up steps")
+    prompts_per_step: int = arg(16, "prompts per step (each sampled num_generations times)")
+    num_generations: int = arg(8, "completions per prompt (the group)")
+    micro_batch_size: int = arg(128, "completions per forward/backward")
+    max_steps: int = arg(80, "training steps (each: sample, score, update)")
+    num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest; <= 0: torch's choice)")
+    output_dir: str = arg("outputs/grpo_math", "where checkpoints, curves, summary.json and final/ go")
 
 
 PRESETS = {
@@ -72,27 +79,30 @@ PRESETS = {
 
 def main(cfg: GRPOMathConfig) -> dict:
     start = time.time()
-    train_rows = gsm8k_prompts(load_rows(cfg.dataset_name, cfg.train_split, cfg.dataset_config), "train")
-    eval_rows = gsm8k_prompts(load_rows(cfg.dataset_name, cfg.eval_split, cfg.dataset_config), "eval")[:cfg.num_eval]
+    train_rows, eval_rows, data_info = load_prompt_data(cfg)
+    eval_name = cfg.eval_reward or ("math_accuracy" if "answer" in columns_of(eval_rows) else None)
+    check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows))
+    if eval_name:
+        check_rewards(eval_name, None, columns_of(eval_rows), "--eval_reward")
     policy = CausalLMPolicy.from_pretrained(
         cfg.model_name_or_path, lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         system_prompt=cfg.system_prompt, generation_cache=cfg.generation_cache)
-    names = cfg.reward_funcs.split(",")
-    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
-    reward = CombinedReward([get_reward(n) for n in names], weights)
-    accuracy = get_reward("math_accuracy")
+    train_rows, eval_rows = fit_prompts(policy, train_rows, eval_rows, cfg, data_info)  # before any forward
+    reward = build_reward(cfg.reward_funcs, cfg.reward_weights)
+    scorer = as_trl_reward(build_reward(eval_name, None, "--eval_reward") if eval_name else reward)
     if cfg.max_completion_length is None:
         cfg.max_completion_length = cfg.max_new_tokens
 
     trainer = OnlineTrainer(policy, reward, train_rows, cfg)
-    before = evaluate.greedy_score(policy, eval_rows, accuracy, cfg.eval_batch_size)
-    trainer.acc.print(f"held-out greedy accuracy before: {before:.3f}")
+    metric = "accuracy" if eval_name == "math_accuracy" else eval_name or "reward"
+    before = evaluate.greedy_score(policy, eval_rows, scorer, cfg.eval_batch_size)
+    trainer.acc.print(f"held-out greedy {metric} before: {before:.3f}")
     history = trainer.train()
-    after = evaluate.greedy_score(policy, eval_rows, accuracy, cfg.eval_batch_size)
-    trainer.acc.print(f"held-out greedy accuracy after:  {after:.3f}")
-    summary = {"metric": "accuracy", "before": before, "after": after, "steps": trainer.step,
-               "wall_seconds": time.time() - start, "num_eval": len(eval_rows),
+    after = evaluate.greedy_score(policy, eval_rows, scorer, cfg.eval_batch_size)
+    trainer.acc.print(f"held-out greedy {metric} after:  {after:.3f}")
+    summary = {"metric": metric, "before": before, "after": after, "steps": trainer.step,
+               "wall_seconds": time.time() - start, "num_eval": len(eval_rows), **data_info,
                "final_train_reward": history[-1].get("reward/mean") if history else None}
     return finish_run(trainer.acc, cfg, summary, policy.save)
 

@@ -2,46 +2,44 @@
 
     accelerate launch scripts/train_reward_model.py          # offline: embedded model, correct vs wrong answers
     accelerate launch scripts/train_reward_model.py --preset qwen2.5-0.5b-ultrafeedback
+    python scripts/train_reward_model.py --dataset_name pairs.jsonl --eval_dataset_name held_out.jsonl
 
-Writes <output_dir>/summary.json (held-out pairwise accuracy before/after) and <output_dir>/final, a
-stock ``*ForSequenceClassification`` checkpoint usable as ``get_reward("reward_model", path=...)``.
+Data in TRL's preference formats (prompt / chosen / rejected, optional margin). Writes
+<output_dir>/summary.json (held-out pairwise accuracy before/after) and <output_dir>/final, a stock
+``*ForSequenceClassification`` checkpoint usable as ``get_reward("reward_model", path=...)``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from accelerate.utils import set_seed
 
-from unialign.config import exit_on_user_error, parse_config
-from unialign.text import load_rows
+from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.text.embedded import preference_pairs
-from unialign.text.preference import normalize_pairs
 from unialign.text.reward_model import RewardModel
 from unialign.trainers import finish_run
 from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig, PreferenceTrainer
 
 
 @dataclass
-class RewardModelConfig(PreferenceConfig):
-    preset: str | None = field(default=None, metadata={"help": "qwen2.5-0.5b-ultrafeedback"})
-    config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
-    model_name_or_path: str = "embedded"
-    dataset_name: str = field(default="embedded", metadata={"help": "hub id, .json/.jsonl/.parquet, or 'embedded'"})
-    dataset_config: str | None = None
-    train_split: str = "train"
-    eval_split: str = "test"
-    num_eval: int = 256
-    center_coef: float = 0.01
-    max_length: int | None = None
-    torch_dtype: str = "float32"
-    batch_size: int = 32
-    micro_batch_size: int = 32
-    learning_rate: float = 1e-3
-    max_steps: int = 150
-    num_threads: int | None = 1
-    output_dir: str = "outputs/reward_model"
+class RewardModelConfig(TextDataArgs, PreferenceConfig):
+    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
+    config: str | None = arg(None, "YAML file of field values (flags override it)")
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
+                                            "longer pairs are refused", group="data")
+    center_coef: float = arg(0.01, "weight of the reward-centring term (mean reward pulled to 0)")
+    max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring")
+    torch_dtype: str = arg("float32", "model dtype")
+    batch_size: int = arg(32, "pairs per optimizer step")
+    micro_batch_size: int = arg(32, "pairs per forward/backward")
+    learning_rate: float = arg(1e-3, "peak learning rate")
+    max_steps: int = arg(150, "optimizer steps")
+    num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest)")
+    output_dir: str = arg("outputs/reward_model", "where checkpoints, curves, summary.json and final/ go")
 
 
 PRESETS = {
@@ -55,20 +53,20 @@ PRESETS = {
 def main(cfg: RewardModelConfig) -> dict:
     start = time.time()
     set_seed(cfg.seed)  # the new score head is initialised below
-    if cfg.dataset_name == "embedded":
-        train = preference_pairs("train", seed=cfg.seed)
-        held_out = preference_pairs("test", n=cfg.num_eval, seed=cfg.seed + 1)
-    else:
-        train = load_rows(cfg.dataset_name, cfg.train_split, cfg.dataset_config)
-        held_out = load_rows(cfg.dataset_name, cfg.eval_split, cfg.dataset_config)[:cfg.num_eval]
-    train, held_out = normalize_pairs(train, "train"), normalize_pairs(held_out, "eval")
+    train, held_out, data_info = load_pair_data(cfg, lambda split, n, seed: preference_pairs(split, n=n, seed=seed))
     rm = RewardModel.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, max_length=cfg.max_length)
+    tok = rm.tokenizer
+
+    def prompt_tokens(prompts: list) -> list[int]:  # the reward model's own prompt text (template, EOS)
+        return [len(x) for x in tok([rm._text(p, "") for p in prompts], add_special_tokens=False)["input_ids"]]
+
+    train, held_out = fit_pairs(tok, prompt_tokens, train, held_out, cfg, data_info)
     trainer = PreferenceTrainer(BradleyTerryObjective(rm, cfg.center_coef), train, cfg)
     before = trainer.evaluate(held_out)["accuracy"]
     trainer.train()
     after = trainer.evaluate(held_out)["accuracy"]
     summary = {"metric": "pairwise_accuracy", "before": before, "after": after, "steps": trainer.step,
-               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out)}
+               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out), **data_info}
     return finish_run(trainer.acc, cfg, summary, rm.save)
 
 

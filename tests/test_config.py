@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from unialign.config import parse_config
+from unialign.config import UserError, parse_config
 
 
 @dataclass
@@ -34,7 +34,7 @@ def test_precedence_defaults_preset_yaml_flags(tmp_path):
 def test_unknown_yaml_key_and_preset_are_errors(tmp_path):
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("max_stepz: 7\n")
-    with pytest.raises(SystemExit, match="unknown config keys"):
+    with pytest.raises(UserError, match="unknown config keys"):
         parse_config(Cfg, ["--config", str(yaml_file)])
-    with pytest.raises(SystemExit, match="unknown preset 'huge'"):
+    with pytest.raises(UserError, match="unknown preset 'huge'"):
         parse_config(Cfg, ["--preset", "huge"], PRESETS)

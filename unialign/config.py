@@ -1,59 +1,368 @@
-"""Typed configs from the command line: one dataclass per script, optional YAML file, presets.
+"""Typed configs from the command line: one dataclass per script, optional YAML file, presets, validation.
 
 ``parse_config(Cls)`` reads ``--config file.yaml`` (keys are field names) and then command-line
 flags, which win. A script's ``presets`` dict maps a preset name to field overrides applied
-before the YAML and flags (so flags can still change a preset's value).
+before the YAML and flags (so flags can still change a preset's value). The result is checked by
+``validate`` before anything is loaded: every value against its field's type, and against the field's
+rules, taken from its metadata or, for a field that declares none, from ``RULES`` by name:
+
+    field(default=8, metadata={"help": "samples per prompt", "group": "algorithm", "min": 1})
+
+``help`` (one line, shown by ``--help``), ``group`` (the ``--help`` section: one of ``GROUPS``),
+``choices`` (allowed values), ``min`` / ``max`` (inclusive bounds), ``gt`` / ``lt`` (exclusive bounds).
+A config with an ``output_dir`` gets it created and checked writable at once. Every failure is a
+``UserError`` (a ValueError) naming the field; ``exit_on_user_error`` turns it into one line and exit 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import math
+import os
 import sys
+import tempfile
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+GROUPS = {  # --help sections, in order
+    "config": "run configuration (preset, YAML file)",
+    "model": "model",
+    "data": "data",
+    "algorithm": "algorithm",
+    "optimisation": "optimisation",
+    "logging": "logging, evaluation and checkpoints",
+}
 
-def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str, dict[str, Any]] | None = None) -> T:
-    """Build ``cls`` from defaults < preset < YAML < command-line flags; unknown keys are errors."""
-    import yaml
-    from transformers import HfArgumentParser
+DTYPES = ("float32", "float16", "bfloat16")
+OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
+SCHEDULERS = ("constant", "linear", "cosine")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "comet_ml", "all", "none")
 
+
+def _algorithms() -> tuple[str, ...]:
+    from unialign.registry import ALGORITHMS
+
+    return tuple(ALGORITHMS)
+
+
+def _aggregations() -> tuple[str, ...]:
+    from unialign.algos.aggregate import AGGREGATION_ALIASES
+
+    return tuple(AGGREGATION_ALIASES)
+
+
+def _kl_estimators() -> tuple[str, ...]:
+    from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, KL_ALIASES
+
+    return (*KL_ALIASES, *CLOSED_FORM_ESTIMATORS)
+
+
+# Rules, --help groups and fallback help lines of the fields shared by many configs (the trainer configs',
+# mostly), by name. A field's own metadata wins over this table. Choices given as a function are looked
+# up when used.
+RULES: dict[str, dict[str, Any]] = {
+    # model
+    "model_name_or_path": {"group": "model"}, "vae_name_or_path": {"group": "model"},
+    "torch_dtype": {"group": "model", "choices": DTYPES}, "lora_rank": {"group": "model", "min": 0},
+    "gradient_checkpointing": {"group": "model"}, "value_head": {"group": "model"},
+    "generation_cache": {"group": "model", "choices": ("dynamic", "static")},
+    "num_threads": {"group": "model"}, "system_prompt": {"group": "model"},
+    "reward_model_path": {"group": "model"}, "resolution": {"group": "model", "min": 8},
+    # data
+    "dataset_name": {"group": "data"}, "dataset_config": {"group": "data"}, "train_split": {"group": "data"},
+    "eval_split": {"group": "data"}, "eval_dataset_name": {"group": "data"},
+    "eval_fraction": {"group": "data", "gt": 0.0, "lt": 1.0}, "num_eval": {"group": "data", "min": 1},
+    "max_prompt_length": {"group": "data", "min": 1}, "max_completion_length": {"group": "algorithm", "min": 1, "help": 'completion length the loss normaliser assumes (Dr.GRPO, DAPO overlong buffer; default: max_new_tokens)'},
+    "max_length": {"group": "data", "min": 1}, "overlong_rows": {"group": "data", "choices": ("error", "drop")},
+    "prompt_set": {"group": "data"}, "num_prompts": {"group": "data", "min": 1},
+    "pairs_per_prompt": {"group": "data", "min": 1}, "eval_pairs_per_prompt": {"group": "data", "min": 1},
+    "min_gap": {"group": "data", "min": 0.0}, "num_eval_images": {"group": "data", "min": 1},
+    "caption_dropout": {"group": "data", "min": 0.0, "max": 1.0},
+    # algorithm
+    "algorithm": {"group": "algorithm", "choices": _algorithms, "help": 'algorithm preset (unialign.registry); its knobs below override it one by one'},
+    "reward_funcs": {"group": "algorithm"}, "reward": {"group": "algorithm"}, "reward_weights": {"group": "algorithm"},
+    "reward_errors": {"group": "algorithm"}, "eval_reward": {"group": "algorithm"},
+    "num_generations": {"group": "algorithm", "min": 1, "help": 'samples per prompt (G, the group)'}, "prompts_per_step": {"group": "algorithm", "min": 1, "help": 'prompts per step (P); each step samples P x G completions'},
+    "max_new_tokens": {"group": "algorithm", "min": 1}, "temperature": {"group": "algorithm", "gt": 0.0},
+    "top_p": {"group": "algorithm", "gt": 0.0, "max": 1.0}, "top_k": {"group": "algorithm", "min": 0},
+    "max_generation_rounds": {"group": "algorithm", "min": 1, "help": 'DAPO dynamic sampling: sampling rounds per step to fill the batch'}, "ratio_check_tol": {"group": "algorithm", "gt": 0.0, "help": "tolerance of the first step's check that recomputed log-probs equal the sampled ones (default: by dtype)"},
+    "epsilon": {"group": "algorithm", "gt": 0.0, "help": "PPO clip range (lower bound; default: the algorithm's)"}, "epsilon_high": {"group": "algorithm", "gt": 0.0, "help": 'upper clip bound (DAPO clip-higher; default: epsilon)'},
+    "beta": {"group": "algorithm", "min": 0.0, "help": "KL coefficient to the reference model (0: none; default: the algorithm's)"}, "loss_type": {"group": "algorithm", "choices": _aggregations, "help": "loss aggregation over tokens and samples (TRL names; default: the algorithm's)"},
+    "scale_rewards": {"group": "algorithm", "choices": ("group", "batch", "none"), "help": "advantage scaling by the group's std, the batch's, or none (TRL; default: the algorithm's)"},
+    "importance_sampling_level": {"group": "algorithm", "choices": ("token", "sequence", "sequence_token"), "help": "importance ratio per token, per sequence (GSPO) or sequence_token (default: the algorithm's)"},
+    "mask_truncated_completions": {"group": "algorithm", "help": "leave completions cut at the length limit out of the loss (default: the algorithm's)"}, "num_iterations": {"group": "algorithm", "min": 1, "help": "optimisation epochs per batch of samples (default: the algorithm's)"},
+    "kl_estimator": {"group": "algorithm", "choices": _kl_estimators, "help": "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion steps) (default: the algorithm's)"}, "dynamic_sampling": {"group": "algorithm", "help": "DAPO: drop groups whose rewards are all equal and sample again (default: the algorithm's)"},
+    "entropy_coef": {"group": "algorithm", "help": "entropy bonus weight (default: the algorithm's)"}, "kl_target": {"group": "algorithm", "gt": 0.0, "help": 'PPO adaptive KL controller target (default: a fixed beta)'},
+    "value_coef": {"group": "algorithm", "min": 0.0, "help": "value-loss weight of the PPO critic (default: the algorithm's)"}, "gamma": {"group": "algorithm", "min": 0.0, "max": 1.0, "help": "GAE discount (default: the algorithm's)"},
+    "lam": {"group": "algorithm", "min": 0.0, "max": 1.0, "help": "GAE lambda (default: the algorithm's)"}, "whiten_rewards": {"group": "algorithm", "help": "PPO: whiten the KL-shaped per-token rewards (default: the algorithm's)"},
+    "dual_clip": {"group": "algorithm", "gt": 1.0, "help": 'dual-clip bound c > 1 for negative advantages (verl clip_ratio_c; default: off)'}, "overlong_cache_len": {"group": "algorithm", "min": 0.0, "help": "DAPO soft overlong buffer: tokens if >= 1, else a share of max_completion_length (default: the algorithm's)"},
+    "label_smoothing": {"group": "algorithm", "min": 0.0, "lt": 0.5}, "rpo_alpha": {"group": "algorithm", "min": 0.0},
+    "center_coef": {"group": "algorithm", "min": 0.0}, "precompute_ref_log_probs": {"group": "algorithm"},
+    "num_steps": {"group": "algorithm", "min": 1}, "guidance_scale": {"group": "algorithm", "min": 0.0},
+    "eta": {"group": "algorithm", "min": 0.0}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
+    "min_step_std": {"group": "algorithm", "min": 0.0},
+    # optimisation
+    "max_steps": {"group": "optimisation", "min": 1}, "learning_rate": {"group": "optimisation", "gt": 0.0},
+    "weight_decay": {"group": "optimisation", "min": 0.0}, "adam_beta1": {"group": "optimisation", "min": 0.0, "lt": 1.0},
+    "adam_beta2": {"group": "optimisation", "min": 0.0, "lt": 1.0}, "adam_epsilon": {"group": "optimisation", "gt": 0.0},
+    "optim": {"group": "optimisation", "choices": OPTIMIZERS},
+    "lr_scheduler_type": {"group": "optimisation", "choices": SCHEDULERS},
+    "warmup_steps": {"group": "optimisation", "min": 0}, "max_grad_norm": {"group": "optimisation", "gt": 0.0},
+    "seed": {"group": "optimisation"}, "micro_batch_size": {"group": "optimisation", "min": 1, "help": 'samples (or pairs) per forward/backward'},
+    "batch_size": {"group": "optimisation", "min": 1, "help": 'pairs per optimizer step'}, "num_mini_batches": {"group": "optimisation", "min": 1, "help": 'optimizer steps per batch of samples'},
+    "allow_config_change": {"group": "optimisation"},
+    # logging, evaluation, checkpoints
+    "output_dir": {"group": "logging", "help": 'folder for checkpoints, logs, curves, summary.json and final/'}, "logging_steps": {"group": "logging", "min": 1},
+    "save_steps": {"group": "logging", "min": 0}, "save_total_limit": {"group": "logging", "min": 0},
+    "report_to": {"group": "logging", "choices": REPORT_TO}, "resume_from_checkpoint": {"group": "logging"},
+    "eval_steps": {"group": "logging", "min": 0, "help": 'run the held-out evaluator every N steps (0: only before and after)'}, "eval_batch_size": {"group": "logging", "min": 1, "help": 'rows per held-out evaluation batch'},
+    "eval_seed": {"group": "logging"}, "eval_timestep_samples": {"group": "logging", "min": 1},
+    "preset": {"group": "config"}, "config": {"group": "config"},
+}
+
+
+def arg(default: Any, help: str, **rules: Any) -> Any:  # noqa: A002 - the metadata key argparse uses
+    """A dataclass field with its ``--help`` line and rules: ``x: int = arg(8, "samples per prompt", min=1)``."""
+    return dataclasses.field(default=default, metadata={"help": help, **rules})
+
+
+class UserError(ValueError):
+    """A mistake the user can fix (a setting, a file, a row): reported as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------ field introspection
+def field_rules(cls: type, f: dataclasses.Field) -> dict[str, Any]:
+    """The rules of one field: ``RULES[name]`` overridden by the field's metadata; callable choices resolved."""
+    rules = {**RULES.get(f.name, {}), **dict(f.metadata)}
+    if callable(rules.get("choices")):
+        rules["choices"] = tuple(rules["choices"]())
+    return rules
+
+
+def field_type(cls: type, f: dataclasses.Field) -> tuple[type | None, bool]:
+    """(base type among bool / int / float / str, or None for anything else; whether None is allowed)."""
+    try:
+        hint = typing.get_type_hints(cls).get(f.name, f.type)
+    except Exception:  # noqa: BLE001 - unresolvable string annotations: fall back to the raw one
+        hint = f.type
+    if isinstance(hint, str):
+        optional = "None" in hint
+        names = [p.strip() for p in hint.split("|") if p.strip() != "None"]
+        base = {"bool": bool, "int": int, "float": float, "str": str}.get(names[0]) if len(names) == 1 else None
+        return base, optional
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        base = rest[0] if len(rest) == 1 and rest[0] in (bool, int, float, str) else None
+        return base, len(rest) < len(args)
+    return (hint if hint in (bool, int, float, str) else None), False
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1", "y", "on"):
+        return True
+    if text in ("false", "no", "0", "n", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def convert(value: Any, base: type | None, optional: bool) -> Any:
+    """``value`` (from YAML or the command line) as the field's type; ValueError when it is not one.
+    A string 'none' / 'null' is None for an optional non-string field."""
+    if value is None:
+        if optional or base is None:
+            return None
+        raise ValueError("must not be empty (null)")
+    if optional and base is not str and isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        return None
+    if base is None:
+        return value
+    if base is bool:
+        return _to_bool(value)
+    if base is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {value!r}")
+        try:
+            return int(value) if not isinstance(value, str) else int(value.strip())
+        except (TypeError, ValueError):
+            raise ValueError(f"expected an integer, got {value!r}") from None
+    if base is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {value!r}") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML `train_split: 2023`
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r} ({type(value).__name__})")
+    return value
+
+
+# ------------------------------------------------------------------ parsing
+def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser for ``cls``: one ``--flag`` per field, in ``GROUPS`` sections, each with its help
+    line, choices and default. Values stay strings here (``parse_config`` converts and checks them)."""
+    doc = getattr(sys.modules.get(cls.__module__), "__doc__", None)  # the script's docstring: usage examples
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [-h] [--preset NAME] [--config FILE.yaml] [--FIELD VALUE ...]")
+    sections = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    for f in dataclasses.fields(cls):
+        rules = field_rules(cls, f)
+        base, optional = field_type(cls, f)
+        section = sections.get(rules.get("group"))
+        if section is None:
+            section = sections.setdefault("other", parser.add_argument_group("other"))
+        text = rules.get("help", "")
+        if rules.get("choices"):
+            text += f" [one of: {', '.join(map(str, rules['choices']))}]"
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
+        if base is bool:
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        else:
+            kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(base, "STR")
+        section.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str, dict[str, Any]] | None = None,
+                 check: Callable[[T], None] | None = None) -> T:
+    """Build ``cls`` from defaults < preset < YAML < command-line flags, then ``validate`` it and run the
+    script's own ``check``. Unknown flags exit 2 (argparse); unknown YAML keys, values of the wrong type
+    or outside their rules raise ``UserError`` naming the field."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(cls)
-    (cli,) = parser.parse_args_into_dataclasses(args=argv)
-    explicit = _explicit_fields(argv)
+    given = vars(build_parser(cls).parse_args(argv))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
-    preset = getattr(cli, "preset", None)
+    preset = given.get("preset")
     if preset:
         if not presets or preset not in presets:
-            raise SystemExit(f"--preset: unknown preset {preset!r}; choose one of {sorted(presets or {})}")
+            raise UserError(f"--preset: unknown preset {preset!r}; choose one of {sorted(presets or {})}")
         values.update(presets[preset])
-    config_file = getattr(cli, "config", None)
+    config_file = given.get("config")
     if config_file:
-        with open(config_file) as f:
-            loaded = yaml.safe_load(f) or {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(loaded) - names)
-        if unknown:
-            raise SystemExit(f"{config_file}: unknown config keys {unknown}")
-        values.update(loaded)
-    values.update({name: getattr(cli, name) for name in explicit})
-    return dataclasses.replace(cli, **values)
+        values.update(_read_yaml(config_file, fields))
+    values.update(given)
+    out = {}
+    for name, value in values.items():
+        try:
+            out[name] = convert(value, *field_type(cls, fields[name]))
+        except ValueError as err:
+            where = f"{config_file}: " if name not in given and config_file else ""
+            raise UserError(f"{where}--{name}: {err}") from None
+    cfg = cls(**out)
+    validate(cfg)
+    if check is not None:
+        check(cfg)
+    return cfg
 
 
-def _explicit_fields(argv: list[str]) -> set[str]:
-    out = set()
-    for arg in argv:
-        if arg.startswith("--"):
-            out.add(arg[2:].split("=", 1)[0].replace("-", "_"))
+def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"--config: no such file {path!r}") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"--config {path}: expected a mapping of field names to values, got {type(loaded).__name__}")
+    unknown = sorted(set(loaded) - set(fields))
+    if unknown:
+        raise UserError(f"{path}: unknown config keys {unknown}")
+    return loaded
+
+
+# ------------------------------------------------------------------ validation
+def validate(cfg: Any) -> None:
+    """Check every field of the dataclass ``cfg`` against its type and rules (see the module docstring),
+    the online algorithm settings when ``cfg`` has ``algo_spec``, and make sure ``output_dir`` (when
+    present) is a writable directory. Raises ``UserError`` naming the first bad field."""
+    cls = type(cfg)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        base, optional = field_type(cls, f)
+        try:
+            converted = convert(value, base, optional)
+        except ValueError as err:
+            raise UserError(f"--{f.name}: {err}") from None
+        if converted != value or type(converted) is not type(value):
+            setattr(cfg, f.name, converted)
+        if converted is not None:
+            _check_rules(f.name, converted, field_rules(cls, f))
+    if hasattr(cfg, "algo_spec"):
+        check_online(cfg)
+    if getattr(cfg, "output_dir", None):
+        check_output_dir(cfg.output_dir)
+
+
+def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
+    choices = rules.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"--{name}: {value!r} is not one of {', '.join(map(str, choices))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{name}: must be a finite number, got {value}")
+        for key, ok, words in (("min", lambda b: value >= b, ">="), ("max", lambda b: value <= b, "<="),
+                               ("gt", lambda b: value > b, ">"), ("lt", lambda b: value < b, "<")):
+            if key in rules and not ok(rules[key]):
+                raise UserError(f"--{name}: must be {words} {rules[key]}, got {value}")
+
+
+def check_online(cfg: Any) -> None:
+    """The online algorithm's settings as the trainer will see them: the algorithm, its overrides, the loss
+    aggregation and KL estimator, group sizes and DAPO's overlong buffer."""
+    from unialign.algos.aggregate import AGGREGATION_ALIASES
+    from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, KL_ALIASES
+
+    try:
+        spec = cfg.algo_spec()
+    except (ValueError, TypeError) as err:
+        raise UserError(f"--algorithm: {err}") from None
+    if spec.loss_type not in AGGREGATION_ALIASES:
+        raise UserError(f"--loss_type: {spec.loss_type!r} is not one of {', '.join(AGGREGATION_ALIASES)}")
+    if spec.kl_estimator not in KL_ALIASES and spec.kl_estimator not in CLOSED_FORM_ESTIMATORS:
+        raise UserError(f"--kl_estimator: {spec.kl_estimator!r} is not one of "
+                        f"{', '.join([*KL_ALIASES, *CLOSED_FORM_ESTIMATORS])}")
+    if cfg.num_generations < 2 and spec.advantage in ("group", "rloo"):
+        raise UserError(f"--num_generations: must be >= 2 for {spec.name} (group baselines), got {cfg.num_generations}")
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` (and parents) if needed and prove it is a writable directory by writing a file in it.
+    Raises ``UserError`` when it is an existing file or cannot be created or written."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output_dir: {str(out)!r} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UserError(f"--output_dir: {str(out)!r} is not a writable directory ({err.strerror or err})") from None
     return out
 
 
 @contextlib.contextmanager
 def exit_on_user_error():
-    """Turn the errors a user can fix (missing hub access, bad data, bad config) into a one-paragraph
+    """Turn the errors a user can fix (missing hub access, bad data, bad config) into a one-line
     message and exit status 2, instead of a stack trace from deep inside a library."""
     from unialign.hub import HubUnavailableError
 

@@ -1,36 +1,48 @@
 """Image preference data in Pick-a-Pic's schema, validated, and synthetic pairs labelled by a score.
 
-Pick-a-Pic v2 rows: ``caption`` (str), ``jpg_0`` / ``jpg_1`` (encoded image bytes, or PIL images),
-``label_0`` in {0, 0.5, 1} (1: image 0 preferred; 0.5: a tie). The original
-``yuvalkirstain/pickapic_v2`` is gone from the Hub, so any dataset (hub id or local parquet / json)
-with these columns works.
+Pick-a-Pic v2 rows: ``caption`` (str), ``jpg_0`` / ``jpg_1`` (encoded image bytes, PIL images, a path
+to an image file -- relative paths are relative to the dataset file's folder, or the dataset folder --
+or ``datasets``' image feature ``{"bytes": ..., "path": ...}``), ``label_0`` in {0, 0.5, 1} (1: image 0
+preferred; 0.5: a tie). The original ``yuvalkirstain/pickapic_v2`` is gone from the Hub, so any dataset
+(hub id, local .jsonl / .json / .parquet file or folder) with these columns works.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
 
-def _image(value: Any) -> Image.Image:
+def _image(value: Any, root: Path | None = None) -> Image.Image:
     if isinstance(value, Image.Image):
         return value.convert("RGB")
-    if isinstance(value, dict) and "bytes" in value:  # datasets' Image feature, undecoded
-        value = value["bytes"]
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):  # datasets' Image feature, undecoded
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, str):  # a path to an image file
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() or root is None else root / path
+        if not path.is_file():
+            raise FileNotFoundError(f"no image file {str(path)!r}")
+        with Image.open(path) as img:
+            return img.convert("RGB")
     if isinstance(value, (bytes, bytearray)):
         img = Image.open(io.BytesIO(value))
         img.load()
         return img.convert("RGB")
-    raise TypeError(f"expected image bytes or a PIL image, got {type(value).__name__}")
+    raise TypeError(f"expected image bytes, a PIL image or an image path, got {type(value).__name__}")
 
 
-def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset") -> tuple[list[dict[str, Any]], int]:
+def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset",
+                       root: str | Path | None = None) -> tuple[list[dict[str, Any]], int]:
     """Rows -> (pairs ``{"prompt", "chosen", "rejected"}`` with decoded PIL images, number of ties dropped).
-    Raises ValueError naming the row and field of the first malformed row or unreadable image."""
+    Image paths are read relative to ``root`` (default: the working directory). Raises ValueError naming
+    the row and field of the first malformed row or unreadable image."""
+    root = Path(root) if root is not None else None
     pairs, ties = [], 0
     for i, row in enumerate(rows):
         for field in ("caption", "jpg_0", "jpg_1", "label_0"):
@@ -48,7 +60,7 @@ def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset") -> t
         images = []
         for field in ("jpg_0", "jpg_1"):
             try:
-                images.append(_image(row[field]))
+                images.append(_image(row[field], root))
             except Exception as err:  # noqa: BLE001 - PIL raises many types for corrupt data
                 raise ValueError(f"{source} row {i}: field {field!r} is not a readable image ({err})") from None
         if not isinstance(row["caption"], str):
@@ -71,6 +83,41 @@ def to_pixels(image: Image.Image, resolution: int) -> tuple[torch.Tensor, tuple[
     crop = resized.crop((left, top, left + resolution, top + resolution))
     x = torch.frombuffer(bytearray(crop.tobytes()), dtype=torch.uint8).view(resolution, resolution, 3)
     return x.permute(2, 0, 1).float() / 127.5 - 1.0, (h, w), (top, left)
+
+
+def data_root(name: str) -> Path:
+    """The folder relative image paths of dataset ``name`` are read from: the folder itself, or a file's folder."""
+    path = Path(name).expanduser()
+    return path if path.is_dir() else path.parent
+
+
+def load_pickapic(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
+    """(train pairs, held-out pairs, ties dropped from training, info) of ``cfg.dataset_name`` (Hub id, file or
+    folder) with ``unialign.data.train_eval_rows``'s held-out rules (``--eval_dataset_name``,
+    ``--eval_split``, ``--eval_fraction``); at most ``cfg.num_eval`` held-out pairs."""
+    from unialign.data import train_eval_rows
+
+    train_rows, eval_rows, info = train_eval_rows(
+        cfg.dataset_name, config_name=cfg.dataset_config, train_split=cfg.train_split, eval_split=cfg.eval_split,
+        eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction)
+    train, ties = normalize_pickapic(train_rows, "train", data_root(cfg.dataset_name))
+    held_out, _ = normalize_pickapic(eval_rows, "eval", data_root(cfg.eval_dataset_name or cfg.dataset_name))
+    return train, held_out[:cfg.num_eval], ties, info
+
+
+def embedded_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
+    """AI feedback on the embedded shapes world, as ``load_pickapic`` returns it: ``cfg.pairs_per_prompt``
+    training pairs (and ``cfg.eval_pairs_per_prompt`` held-out pairs, other seeds) of two samples of each of
+    the first ``cfg.num_prompts`` training captions, the higher gold score chosen, gaps below ``cfg.min_gap``
+    ties (dropped; held-out ties before the ``cfg.num_eval`` cap)."""
+    from unialign.image import embedded as emb
+
+    captions = emb.prompts("train")[:cfg.num_prompts]
+    train_rows = synthetic_pairs(policy, captions, emb.gold_score, cfg.pairs_per_prompt, cfg.seed + 1, cfg.min_gap)
+    eval_rows = synthetic_pairs(policy, captions, emb.gold_score, cfg.eval_pairs_per_prompt, cfg.seed + 2, cfg.min_gap)
+    eval_rows = [r for r in eval_rows if r["label_0"] != 0.5][:cfg.num_eval]
+    (train, ties), (held_out, _) = normalize_pickapic(train_rows, "train"), normalize_pickapic(eval_rows, "eval")
+    return train, held_out, ties, {"eval_source": "embedded: held-out draws of the training captions"}
 
 
 @torch.no_grad()

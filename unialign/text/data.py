@@ -1,60 +1,158 @@
-"""Prompt datasets for text RL: hub ids, local json/jsonl/parquet files or the embedded task, validated.
+"""Prompt datasets for text RL, validated: TRL's prompt formats, GSM8K's schema, token limits.
 
-Rows come out as ``{"prompt": ..., <other columns>}``; the other columns (e.g. ``answer``) reach the
-reward functions as keyword arguments, TRL-style.
+Accepted rows (any source of ``unialign.data``, or the embedded arithmetic task):
+
+* standard (TRL):        ``{"prompt": "What is 2+2?", "solution": "4", ...}``
+* conversational (TRL):  ``{"prompt": [{"role": "user", "content": "What is 2+2?"}], ...}``
+* GSM8K:                 ``{"question": "...", "answer": "... #### 4"}`` (``question`` becomes ``prompt``)
+
+Every column other than ``prompt`` reaches the reward functions as a keyword argument (TRL's
+``reward(prompts, completions, **columns)``): ``answer`` for ``math_accuracy``, ``solution`` or anything
+else for your own reward. ``limit_rows`` refuses (or drops, counted) rows whose prompt or completion is
+longer than a token limit, naming them, before any model forward.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from unialign.hub import HubUnavailableError, require_hub
+from unialign.config import UserError
+from unialign.data import load_dataset_rows
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def load_rows(name: str, split: str, config_name: str | None = None, n: int | None = None) -> list[dict[str, Any]]:
-    """Rows of a dataset: ``"embedded"`` (the shipped arithmetic task), a local .json/.jsonl/.parquet
-    file, or a Hugging Face Hub id (``datasets.load_dataset``; fails at once offline)."""
+    """Rows of a dataset: ``"embedded"`` (the shipped arithmetic task), a local .jsonl/.json/.parquet file
+    (all of it) or folder (the split's files), or a Hugging Face Hub id (fails at once offline)."""
     if name == "embedded":
         from unialign.text.embedded import arithmetic_dataset
 
         return arithmetic_dataset(split, n=n)
-    import datasets
-
-    path = Path(name)
-    try:
-        if path.suffix in (".json", ".jsonl", ".parquet"):
-            if not path.exists():
-                raise FileNotFoundError(f"dataset file {name!r} does not exist")
-            builder = "parquet" if path.suffix == ".parquet" else "json"
-            ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
-        else:
-            require_hub(name, "dataset")
-            ds = datasets.load_dataset(name, config_name, split=split)
-    except (FileNotFoundError, HubUnavailableError):
-        raise
-    except Exception as err:  # noqa: BLE001 - hub / connection errors come in many types
-        raise RuntimeError(
-            f"could not load dataset {name!r} (split {split!r}): {type(err).__name__}: {str(err).splitlines()[0]}\n"
-            "Datasets cannot be downloaded on this machine (offline). Pass a local .json/.jsonl/.parquet file "
-            "with the same schema, or run where the Hugging Face Hub is reachable."
-        ) from None
-    rows = [dict(r) for r in ds]
+    rows = load_dataset_rows(name, split, config_name)
     return rows[:n] if n else rows
 
 
-def gsm8k_prompts(rows: list[dict[str, Any]], source: str = "dataset") -> list[dict[str, Any]]:
-    """GSM8K schema (``question``, ``answer`` ending ``#### N``) -> ``{"prompt", "answer"}`` rows.
-    Raises ValueError naming the first bad row and field."""
+def is_messages(value: Any) -> bool:
+    """A non-empty conversation: a list of ``{"role", "content"}`` dicts (content a string or a list of parts)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
+        for m in value)
+
+
+def prompt_rows(rows: list[dict[str, Any]], source: str = "dataset") -> list[dict[str, Any]]:
+    """Rows in TRL's standard / conversational prompt format or GSM8K's schema -> ``{"prompt", <columns>}``.
+    Raises ``UserError`` naming the first bad row and field."""
+    if not rows:
+        raise UserError(f"{source}: no rows")
     out = []
     for i, row in enumerate(rows):
-        for field in ("question", "answer"):
-            value = row.get(field)
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{source} row {i}: field {field!r} must be a non-empty string, got {value!r}")
-        if "####" not in row["answer"]:
-            raise ValueError(f"{source} row {i}: field 'answer' must end with '#### <number>' (GSM8K schema)")
-        out.append({"prompt": row["question"], "answer": row["answer"]})
-    if not out:
-        raise ValueError(f"{source}: no rows")
+        if "prompt" in row:
+            prompt = row["prompt"]
+            if isinstance(prompt, list):
+                if not is_messages(prompt):
+                    raise UserError(f"{source} row {i}: field 'prompt' is a list but not a conversation "
+                                    "(non-empty list of {'role': str, 'content': str} messages)")
+                bad = next((m["role"] for m in prompt if m["role"] not in ROLES), None)
+                if bad is not None:
+                    raise UserError(f"{source} row {i}: field 'prompt': unknown role {bad!r}; use {', '.join(ROLES)}")
+            elif not isinstance(prompt, str) or not prompt.strip():
+                raise UserError(f"{source} row {i}: field 'prompt' must be a non-empty string or a list of "
+                                f"messages, got {_short(prompt)}")
+            out.append(dict(row))
+        elif "question" in row:
+            out.append(_gsm8k_row(row, i, source))
+        else:
+            raise UserError(f"{source} row {i}: no 'prompt' column (TRL format) and no 'question' / 'answer' "
+                            f"(GSM8K format); columns: {sorted(row)}")
     return out
+
+
+def _gsm8k_row(row: dict[str, Any], i: int, source: str) -> dict[str, Any]:
+    question, answer = row.get("question"), row.get("answer")
+    if not isinstance(question, str) or not question.strip():
+        raise UserError(f"{source} row {i}: field 'question' must be a non-empty string, got {_short(question)}")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise UserError(f"{source} row {i}: field 'answer' must be a non-empty string (GSM8K: ending "
+                        f"'#### <number>'), got {_short(answer)}")
+    rest = {k: v for k, v in row.items() if k not in ("question", "answer")}
+    return {"prompt": question, "answer": answer, **rest}
+
+
+def gsm8k_prompts(rows: list[dict[str, Any]], source: str = "dataset") -> list[dict[str, Any]]:
+    """GSM8K-schema rows (``question``, ``answer``) -> ``{"prompt", "answer"}`` rows (``UserError`` naming
+    the first bad row)."""
+    if not rows:
+        raise UserError(f"{source}: no rows")
+    return [_gsm8k_row(r, i, source) for i, r in enumerate(rows)]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------ token limits
+Counter = Callable[[list[Any]], list[int]]
+
+
+def prompt_token_counter(policy) -> Counter:
+    """Token counts of prompts in ``policy`` (a ``CausalLMPolicy``): chat template / system prompt applied,
+    with the special tokens the policy adds (BOS on raw text where the tokenizer adds one)."""
+    tokenizer = policy.tokenizer
+
+    def count(prompts: list[Any]) -> list[int]:
+        out = []
+        for templated in (True, False):
+            idx = [i for i, p in enumerate(prompts) if _templated(policy, p) == templated]
+            if idx:
+                ids = tokenizer([policy.format_prompt(prompts[i]) for i in idx], add_special_tokens=not templated)
+                out += list(zip(idx, map(len, ids["input_ids"])))
+        return [n for _, n in sorted(out)]
+
+    return count
+
+
+def _templated(policy, prompt: Any) -> bool:
+    if hasattr(policy, "is_templated"):
+        return policy.is_templated(prompt)
+    return not (isinstance(prompt, str) and not policy.use_chat_template)
+
+
+def completion_token_counter(tokenizer) -> Counter:
+    """Token counts of completions (strings or assistant messages) as the pair losses take them: text + EOS."""
+    from unialign.text.preference import completion_text
+
+    def count(completions: list[Any]) -> list[int]:
+        ids = tokenizer([completion_text(c) for c in completions], add_special_tokens=False)["input_ids"]
+        return [len(x) + 1 for x in ids]
+
+    return count
+
+
+def limit_rows(rows: list[dict[str, Any]], limits: dict[str, tuple[int | None, Counter]], action: str = "error",
+               source: str = "dataset") -> tuple[list[dict[str, Any]], list[int]]:
+    """Check rows against token limits: ``limits`` maps a field (``"prompt"``, ``"chosen"``, ...) to (limit or
+    None for none, a batch counter). ``action="error"``: ``UserError`` naming the rows over a limit (the
+    first three), their lengths and the flag to raise; ``"drop"``: (the rows within the limits, the
+    indices of those dropped). Rows are counted in chunks, so a huge prompt costs one tokenizer call."""
+    over: dict[int, tuple[str, int, int]] = {}
+    for key, (limit, count) in limits.items():
+        if limit is None:
+            continue
+        for start in range(0, len(rows), 1024):
+            chunk = rows[start:start + 1024]
+            for j, n in enumerate(count([r[key] for r in chunk])):
+                if n > limit and start + j not in over:
+                    over[start + j] = (key, n, limit)
+    if over and (action == "error" or len(over) == len(rows)):
+        ids = sorted(over)
+        first = "; ".join(f"row {i}: {over[i][0]} has {over[i][1]} tokens > {over[i][2]}" for i in ids[:3])
+        flags = sorted({"--max_prompt_length" if k == "prompt" else "--max_completion_length" for k, _, _ in over.values()})
+        hint = "every row is over the limit" if action == "drop" else "or pass --overlong_rows drop to skip them"
+        raise UserError(f"{source}: {len(over)} of {len(rows)} rows are too long ({first}{'; ...' if len(ids) > 3 else ''}); "
+                        f"raise {' / '.join(flags)} ({hint})")
+    return [r for i, r in enumerate(rows) if i not in over], sorted(over)

@@ -1,0 +1,187 @@
+"""What the text scripts share: their data fields, loading and validating rows and rewards before any
+model is loaded, and fitting rows to token limits before any model forward.
+
+``TextDataArgs`` is mixed into a script's config (``class GRPOMathConfig(TextDataArgs, OnlineConfig)``);
+``load_prompt_data`` / ``load_pair_data`` give (train rows, held-out rows, info for ``summary.json``);
+``fit_prompts`` / ``fit_pairs`` apply ``--max_prompt_length`` / ``--max_completion_length`` with the
+model's own tokenizer; ``check_rewards`` / ``build_reward`` resolve ``--reward_funcs``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from unialign.config import UserError
+from unialign.data import train_eval_rows
+
+
+@dataclass
+class TextDataArgs:
+    """Data fields of the text scripts."""
+
+    dataset_name: str = field(default="embedded", metadata={
+        "help": "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/.parquet file, or a "
+                "folder of split files (train.jsonl, test.jsonl, ...)"})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration (GSM8K: 'main')"})
+    train_split: str = field(default="train", metadata={"help": "training split of a folder or Hub dataset"})
+    eval_split: str | None = field(default=None, metadata={
+        "help": "held-out split (default: 'test', else 'validation' of a folder; a single file holds out --eval_fraction)"})
+    eval_dataset_name: str | None = field(default=None, metadata={
+        "help": "a separate held-out dataset (file, folder or Hub id) instead of a split of --dataset_name"})
+    eval_fraction: float = field(default=0.1, metadata={
+        "help": "share of the rows held out for evaluation when the data has no held-out split (fixed seed 0)"})
+    num_eval: int = field(default=256, metadata={"help": "evaluate on at most this many held-out rows"})
+    max_prompt_length: int | None = field(default=512, metadata={
+        "help": "longest prompt in tokens (chat template and special tokens included); longer rows are refused"})
+    overlong_rows: str = field(default="error", metadata={
+        "help": "rows over a token limit: 'error' (refuse, naming them) or 'drop' (skip them, counted in the summary)"})
+
+
+def _eval_cap(rows: list, cfg: Any) -> list:
+    return rows[:cfg.num_eval]
+
+
+def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``) of ``cfg``'s data fields."""
+    from unialign.text.data import load_rows, prompt_rows
+
+    if cfg.dataset_name == "embedded" and cfg.eval_dataset_name is None:
+        train, held_out, info = load_rows("embedded", "train"), load_rows("embedded", "test"), {"eval_source": "embedded [test]"}
+    else:
+        if cfg.dataset_name == "embedded":
+            train, info = load_rows("embedded", "train"), {}
+            held_out = load_rows(cfg.eval_dataset_name, cfg.eval_split or "test", cfg.dataset_config)
+            info["eval_source"] = cfg.eval_dataset_name
+        else:
+            train, held_out, info = _split(cfg)
+    train, held_out = prompt_rows(train, "train"), _eval_cap(prompt_rows(held_out, "eval"), cfg)
+    return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
+
+
+def load_pair_data(cfg: Any, embedded_pairs=None) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, held-out, info) preference pairs (``normalize_pairs``); ``embedded_pairs(split, n, seed)``
+    builds the embedded task's pairs."""
+    from unialign.text.preference import normalize_pairs
+
+    if cfg.dataset_name == "embedded":
+        train = embedded_pairs("train", None, cfg.seed)
+        held_out = embedded_pairs("test", cfg.num_eval, cfg.seed + 1)
+        info = {"eval_source": "embedded [test]"}
+    else:
+        train, held_out, info = _split(cfg)
+    train, held_out = normalize_pairs(train, "train"), _eval_cap(normalize_pairs(held_out, "eval"), cfg)
+    return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
+
+
+def _split(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    return train_eval_rows(cfg.dataset_name, config_name=cfg.dataset_config, train_split=cfg.train_split,
+                           eval_split=cfg.eval_split, eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction)
+
+
+def fit_prompts(policy, train: list[dict], held_out: list[dict], cfg: Any, info: dict) -> tuple[list[dict], list[dict]]:
+    """Refuse (or drop, counted in ``info``) rows whose prompt is over ``cfg.max_prompt_length`` tokens."""
+    from unialign.text.data import prompt_token_counter
+
+    limits = {"prompt": (cfg.max_prompt_length, prompt_token_counter(policy))}
+    return _fit(train, held_out, limits, cfg, info)
+
+
+def fit_pairs(tokenizer, prompt_counter, train: list[dict], held_out: list[dict], cfg: Any,
+              info: dict) -> tuple[list[dict], list[dict]]:
+    """Refuse (or drop, counted) pairs over ``cfg.max_prompt_length`` / ``cfg.max_completion_length`` tokens."""
+    from unialign.text.data import completion_token_counter
+
+    completion = (cfg.max_completion_length, completion_token_counter(tokenizer))
+    limits = {"prompt": (cfg.max_prompt_length, prompt_counter), "chosen": completion, "rejected": completion}
+    return _fit(train, held_out, limits, cfg, info)
+
+
+def _fit(train, held_out, limits, cfg, info):
+    from unialign.text.data import limit_rows
+
+    train, dropped_train = limit_rows(train, limits, cfg.overlong_rows, "train")
+    held_out, dropped_eval = limit_rows(held_out, limits, cfg.overlong_rows, "eval")
+    if dropped_train or dropped_eval:
+        info["overlong_rows_dropped"] = {"train": len(dropped_train), "eval": len(dropped_eval),
+                                         "first_train_rows": dropped_train[:10], "first_eval_rows": dropped_eval[:10]}
+        print(f"dropped rows over the token limits: {len(dropped_train)} train, {len(dropped_eval)} eval", flush=True)
+    return train, held_out
+
+
+# ------------------------------------------------------------------ rewards
+def reward_names(spec: str, weights: str | None, flag: str = "--reward_funcs") -> tuple[list[str], list[float] | None]:
+    """Comma-separated reward names and optional weights (``UserError`` naming the flag when they do not match)."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise UserError(f"{flag}: give at least one reward name")
+    if weights is None:
+        return names, None
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        raise UserError(f"--reward_weights: {weights!r} is not a comma-separated list of numbers") from None
+    if len(values) != len(names):
+        raise UserError(f"--reward_weights: {len(values)} weights for {len(names)} rewards ({spec})")
+    return names, values
+
+
+def check_rewards(spec: str, weights: str | None, columns: set[str] | None = None, flag: str = "--reward_funcs") -> None:
+    """Before any model loads: every name resolves (a registry name, or a function given as TRL's dotted
+    ``package.module.function``, ``module:function`` or ``path/file.py:function``, as ``get_reward`` accepts),
+    and a reward function's required keyword arguments are among the dataset ``columns``."""
+    from unialign.rewards import REWARDS, get_reward
+    from unialign.rewards.registry import resolve
+
+    names, _ = reward_names(spec, weights, flag)
+    for name in names:
+        try:
+            target = resolve(REWARDS[name]) if name in REWARDS else get_reward(name).fn
+        except Exception as err:  # noqa: BLE001 - an import of user code can raise anything
+            raise UserError(f"{flag}: cannot use reward {name!r}: {type(err).__name__}: {err}") from None
+        if columns is None or inspect.isclass(target):
+            continue
+        missing = sorted(set(required_columns(target)) - columns)
+        if missing:
+            raise UserError(f"{flag}: reward {name!r} needs the column(s) {missing}, which the dataset does not "
+                            f"have (columns: {sorted(columns)})")
+
+
+def required_columns(fn: Any) -> list[str]:
+    """Keyword arguments ``fn`` needs besides ``prompts`` / ``completions`` (no default), i.e. dataset columns."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in ("prompts", "completions")
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+def build_reward(spec: str, weights: str | None, flag: str = "--reward_funcs"):
+    """The ``CombinedReward`` of comma-separated names / paths and weights."""
+    from unialign.rewards import CombinedReward, get_reward
+
+    names, values = reward_names(spec, weights, flag)
+    return CombinedReward([get_reward(n) for n in names], values)
+
+
+def columns_of(rows: list[dict]) -> set[str]:
+    """Column names of prompt rows that reach the rewards (all but ``prompt``)."""
+    return {k for r in rows[:1] for k in r if k != "prompt"}
+
+
+def as_trl_reward(reward):
+    """A ``CombinedReward`` as a TRL-signature function (for ``unialign.text.evaluate.greedy_score``); a
+    non-finite total (a reward that gave no score) counts as no score."""
+    import math
+
+    from unialign.rewards import CombinedReward
+
+    if not isinstance(reward, CombinedReward):
+        return reward
+
+    def fn(prompts, completions, **columns):
+        return [x if math.isfinite(x) else None for x in reward(prompts, completions, columns).rewards_B.tolist()]
+
+    return fn
