@@ -1,12 +1,15 @@
-"""Config parsing: defaults < preset < YAML < flags; unknown keys and presets are errors."""
+"""Config parsing: defaults < preset < YAML < flags; unknown keys and presets are errors; values checked by
+type and by their field's rules before anything loads; --help of every script grouped, with help and choices."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import re
+from dataclasses import dataclass, field
 
 import pytest
 
-from unialign.config import UserError, parse_config
+from unialign.config import GROUPS, UserError, build_parser, check_output_dir, field_rules, parse_config
 
 
 @dataclass
@@ -38,3 +41,107 @@ def test_unknown_yaml_key_and_preset_are_errors(tmp_path):
         parse_config(Cfg, ["--config", str(yaml_file)])
     with pytest.raises(UserError, match="unknown preset 'huge'"):
         parse_config(Cfg, ["--preset", "huge"], PRESETS)
+
+
+@dataclass
+class Ruled:
+    output_dir: str
+    config: str | None = None
+    max_steps: int = field(default=10, metadata={"help": "steps", "min": 1})
+    temperature: float = 1.0  # rules by name (unialign.config.RULES): > 0
+    torch_dtype: str = "float32"  # choices by name
+    mode: str = field(default="a", metadata={"help": "mode", "choices": ("a", "b")})
+    limit: int | None = None
+    flag: bool = False
+
+
+def test_validate_types_and_rules_from_metadata_and_names(tmp_path):
+    out = ["--output_dir", str(tmp_path / "out")]
+    cfg = parse_config(Ruled, out + ["--limit", "none", "--flag", "--temperature", "0.5"])
+    assert (cfg.limit, cfg.flag, cfg.temperature) == (None, True, 0.5) and (tmp_path / "out").is_dir()
+    for argv, message in ((["--max_steps", "0"], "--max_steps: must be >= 1, got 0"),
+                          (["--max_steps", "ten"], "--max_steps: expected an integer, got 'ten'"),
+                          (["--temperature", "0"], "--temperature: must be > 0.0, got 0.0"),
+                          (["--temperature", "nan"], "--temperature: must be a finite number"),
+                          (["--torch_dtype", "nosuch"], "--torch_dtype: 'nosuch' is not one of float32, float16, bfloat16"),
+                          (["--mode", "c"], "--mode: 'c' is not one of a, b"),
+                          (["--flag", "maybe"], "--flag: expected true or false")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            parse_config(Ruled, out + argv)
+
+
+def test_yaml_values_of_the_wrong_type_name_file_and_field(tmp_path):
+    out = ["--output_dir", str(tmp_path / "out")]
+    good = tmp_path / "good.yaml"
+    good.write_text("temperature: 1e-3\nmax_steps: 4\nflag: true\n")  # PyYAML reads 1e-3 as a string
+    cfg = parse_config(Ruled, out + ["--config", str(good)])
+    assert (cfg.temperature, cfg.max_steps, cfg.flag) == (1e-3, 4, True)
+    for text, message in (("max_steps: ten\n", "bad.yaml: --max_steps: expected an integer, got 'ten'"),
+                          ("max_steps: 2.5\n", "bad.yaml: --max_steps: expected an integer, got 2.5"),
+                          ("mode: [a]\n", "bad.yaml: --mode: expected a string"),
+                          ("flag: 3\n", "bad.yaml: --flag: expected true or false"),
+                          ("- a\n- b\n", "expected a mapping"),
+                          ("max_steps: [\n", "not valid YAML")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(UserError, match=re.escape(message)):
+            parse_config(Ruled, out + ["--config", str(bad)])
+
+
+def test_output_dir_must_be_a_writable_directory(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        check_output_dir(a_file)
+    with pytest.raises(UserError, match="is not a writable directory"):
+        check_output_dir(a_file / "sub")
+    assert check_output_dir(tmp_path / "new" / "dir").is_dir()
+
+
+SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic")
+
+
+def script_config(name: str):
+    from tests.test_scripts import load_script
+
+    module = load_script(name)
+    cls = next(v for k, v in vars(module).items() if k.endswith("Config") and isinstance(v, type)
+               and v.__module__ == module.__name__)
+    return module, cls
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_flag_has_help_a_group_and_its_choices(name, capsys):
+    module, cls = script_config(name)
+    for f in dataclasses.fields(cls):
+        rules = field_rules(cls, f)
+        assert rules.get("help"), f"{name}: --{f.name} has no help"
+        assert rules.get("group") in GROUPS, f"{name}: --{f.name} has no --help group"
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser(cls).parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(title + ":" in text for title in ("model", "data", "algorithm", "optimisation"))
+    assert "[one of: constant, linear, cosine]" in text and "[one of: adamw_torch, adafactor, adamw_8bit]" in text
+    assert "--report_to STR" in text and "none]" in text
+    if hasattr(cls, "algo_spec"):
+        assert "grpo, dapo" in text and "--loss_type" in text and "token_mean" in text
+    if "loss_type" in {f.name for f in dataclasses.fields(cls)} and not hasattr(cls, "algo_spec"):
+        assert "[one of: sigmoid, ipo, hinge, robust]" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--loss_type", "nosuch"], "--loss_type: 'nosuch' is not one of"),
+    (["--algorithm", "nosuch"], "--algorithm: 'nosuch' is not one of grpo"),
+    (["--prompts_per_step", "0"], "--prompts_per_step: must be >= 1, got 0"),
+    (["--num_generations", "1"], "--num_generations: must be >= 2 for grpo"),
+    (["--report_to", "nosuch"], "--report_to: 'nosuch' is not one of"),
+    (["--optim", "sgd"], "--optim: 'sgd' is not one of adamw_torch"),
+    (["--learning_rate", "-1"], "--learning_rate: must be > 0.0"),
+    (["--eval_fraction", "1.5"], "--eval_fraction: must be < 1.0"),
+    (["--overlong_rows", "truncate"], "--overlong_rows: 'truncate' is not one of error, drop"),
+])
+def test_script_settings_refused_at_parse_time(argv, message, tmp_path):
+    _, cls = script_config("grpo_math")
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse_config(cls, argv + ["--output_dir", str(tmp_path)])

@@ -1,10 +1,60 @@
 """unialign: align language models and diffusion models with the same RL and preference code.
 
 `import unialign` is light: it pulls in torch only. Text, image, reward and trainer code live in
-subpackages that import transformers / diffusers / open_clip / accelerate lazily, where used.
+subpackages that import transformers / diffusers / open_clip / accelerate lazily, where used; the
+names below are importable from the top level and load their subpackage on first use::
+
+    from unialign import CausalLMPolicy, OnlineConfig, OnlineTrainer, get_reward
+
+    def brevity(completions, **columns):            # any TRL-style reward: f(prompts, completions, **columns)
+        return [-len(c) / 100 for c in completions]
+
+    rows = [{"prompt": "Ann has 12 pens and buys 30 more. How many now?", "answer": "42"}] * 8  # or a datasets.Dataset
+    policy = CausalLMPolicy.from_pretrained("embedded")
+    config = OnlineConfig(algorithm="grpo", max_steps=2, prompts_per_step=4, num_generations=4, output_dir="out")
+    OnlineTrainer(policy, [get_reward("math_accuracy"), brevity], rows, config).train()
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from unialign.types import PreferenceBatch, Trajectory
 
 __version__ = "0.1.0"
-__all__ = ["PreferenceBatch", "Trajectory", "__version__"]
+
+_LAZY = {  # name -> module that defines it
+    "CausalLMPolicy": "unialign.text.policy",
+    "RewardModel": "unialign.text.reward_model",
+    "DiffusionPolicy": "unialign.image.policy",
+    "OnlineConfig": "unialign.trainers.online",
+    "OnlineTrainer": "unialign.trainers.online",
+    "PreferenceConfig": "unialign.trainers.preference",
+    "PreferenceTrainer": "unialign.trainers.preference",
+    "DPOObjective": "unialign.trainers.preference",
+    "BradleyTerryObjective": "unialign.trainers.preference",
+    "get_reward": "unialign.rewards",
+    "CombinedReward": "unialign.rewards",
+    "RewardFunction": "unialign.rewards",
+    "load_dataset_rows": "unialign.data",
+    "train_eval_rows": "unialign.data",
+    "prompt_rows": "unialign.text.data",
+    "normalize_pairs": "unialign.text.preference",
+    "parse_config": "unialign.config",
+    "UserError": "unialign.config",
+}
+
+__all__ = ["PreferenceBatch", "Trajectory", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'unialign' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
