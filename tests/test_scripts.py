@@ -135,3 +135,159 @@ def test_dpo_sdxl_two_steps(tmp_path):
     # before training the policy is its reference: every margin is 0, a tie counted 1/2, however many draws
     assert s["implicit_accuracy_before"] == s["implicit_accuracy_before_k1"] == 0.5
     assert 0.0 <= s["implicit_accuracy_after"] <= 1.0
+
+
+# ---------------------------------------------------------------- a user's own data, reward and mistakes
+def run_cli(name: str, argv: list[str], capsys) -> tuple[int, str]:
+    """What ``python scripts/<name>.py ARGV`` does in-process: (exit status, last stderr line)."""
+    from unialign.config import exit_on_user_error, parse_config
+
+    module = load_script(name)
+    cfg_cls = next(v for k, v in vars(module).items() if k.endswith("Config") and isinstance(v, type)
+                   and v.__module__ == module.__name__)
+    try:
+        with exit_on_user_error():
+            module.main(parse_config(cfg_cls, argv, presets=module.PRESETS))
+    except SystemExit as exc:
+        err = capsys.readouterr().err.strip().splitlines()
+        return exc.code, err[-1] if err else ""
+    return 0, ""
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading any model fails the test: the errors under test must come before."""
+    from unialign.image.policy import DiffusionPolicy
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.text.reward_model import RewardModel
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error")
+
+    for cls in (CausalLMPolicy, RewardModel, DiffusionPolicy):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
+    import unialign.image.embedded as emb
+    monkeypatch.setattr(emb, "load_embedded", boom)
+    monkeypatch.setattr(emb, "image_rl_parts", boom)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+TRL_ROWS = [{"prompt": f"Ann has {a} pens and buys {b} more. How many now?", "solution": str(a + b)}
+            for a, b in zip(range(11, 41), range(52, 82))]
+
+
+def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys, no_model):
+    good = write_jsonl(tmp_path / "good.jsonl", TRL_ROWS)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b",}\n')
+    write_jsonl(tmp_path / "schema.jsonl", [{"text": "hello"}] * 5)
+    (tmp_path / "wrong.yaml").write_text("max_steps: ten\n")
+    (tmp_path / "a_file").write_text("x")
+    out = ["--output_dir", str(tmp_path / "out")]
+    cases = [
+        (["--dataset_name", str(tmp_path / "empty.jsonl")], "empty.jsonl' has no rows"),
+        (["--dataset_name", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not valid JSON"),
+        (["--dataset_name", str(tmp_path / "schema.jsonl")], "train row 0: no 'prompt' column"),
+        (["--dataset_name", str(good), "--reward_funcs", "math_accuracy"],
+         "reward 'math_accuracy' needs the column(s) ['answer']"),
+        (["--reward_funcs", "nosuch_reward"], "--reward_funcs: cannot use reward 'nosuch_reward'"),
+        (["--dataset_name", str(good), "--eval_split", "test"], "is a single file without splits"),
+        (["--torch_dtype", "nosuch"], "--torch_dtype: 'nosuch' is not one of"),
+        (["--config", str(tmp_path / "wrong.yaml")], "wrong.yaml: --max_steps: expected an integer, got 'ten'"),
+        (["--prompts_per_step", "0"], "--prompts_per_step: must be >= 1, got 0"),
+        (["--loss_type", "nosuch"], "--loss_type: 'nosuch' is not one of"),
+        (["--temperature", "0"], "--temperature: must be > 0.0, got 0.0"),
+        (["--max_steps", "0"], "--max_steps: must be >= 1, got 0"),
+    ]
+    for argv, message in cases:
+        code, line = run_cli("grpo_math", argv + out, capsys)
+        assert code == 2 and message in line, (argv, line)
+    code, line = run_cli("grpo_math", ["--output_dir", str(tmp_path / "a_file")], capsys)
+    assert code == 2 and "exists and is not a directory" in line
+    code, line = run_cli("dpo_text", ["--dataset_name", str(tmp_path / "schema.jsonl")] + out, capsys)
+    assert code == 2 and "train row 0: missing field 'chosen'" in line
+    code, line = run_cli("grpo_image", ["--reward", "nosuch"] + out, capsys)
+    assert code == 2 and "--reward: cannot use reward 'nosuch'" in line
+    code, line = run_cli("dpo_sdxl", ["--dataset_name", str(tmp_path / "bad.jsonl")] + out, capsys)
+    assert code == 2 and "bad.jsonl:2: not valid JSON" in line
+
+
+def test_huge_prompt_refused_naming_the_row_before_any_forward(tmp_path, capsys, monkeypatch):
+    from unialign.text.policy import CausalLMPolicy
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the model ran before the prompt was refused")
+
+    monkeypatch.setattr(CausalLMPolicy, "generate", no_forward)
+    monkeypatch.setattr(CausalLMPolicy, "sample", no_forward)
+    rows = TRL_ROWS[:5] + [{"prompt": "x" * 1_000_000, "solution": "1"}] + TRL_ROWS[5:]
+    data = write_jsonl(tmp_path / "big.jsonl", rows)
+    argv = ["--dataset_name", str(data), "--reward_funcs", "math_format", "--eval_fraction", "0.1",
+            "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    code, line = run_cli("grpo_math", argv, capsys)
+    assert code == 2 and "row 5: prompt has" in line and "--max_prompt_length" in line, line
+    pairs = [{"prompt": "2+2?", "chosen": "4", "rejected": "5"}] * 9 + [{"prompt": "2+2?", "chosen": "4" * 5000,
+                                                                          "rejected": "5"}]
+    code, line = run_cli("dpo_text", ["--dataset_name", str(write_jsonl(tmp_path / "pairs.jsonl", pairs)),
+                                      "--max_completion_length", "64", "--eval_fraction", "0.1",
+                                      "--output_dir", str(tmp_path / "out2")], capsys)
+    assert code == 2 and "chosen has 5001 tokens > 64" in line and "--max_completion_length" in line, line
+
+
+def test_grpo_on_a_folder_of_trl_rows_with_a_custom_reward(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(completions, solution, **kwargs):\n"
+        "    return [float(s in c) for c, s in zip(completions, solution)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "data"
+    data.mkdir()
+    chat = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in TRL_ROWS[:10]]
+    write_jsonl(data / "train.jsonl", TRL_ROWS[10:] + chat)
+    write_jsonl(data / "test.jsonl", TRL_ROWS[:6])
+    s = run("grpo_math", ["--dataset_name", str(data), "--reward_funcs", "my_rewards:exact", "--max_steps", "2",
+                          "--prompts_per_step", "2", "--num_generations", "4", "--output_dir", str(tmp_path / "out"),
+                          "--report_to", "none"])
+    assert s["metric"] == "reward" and s["steps"] == 2 and s["eval_source"].endswith("[test]")
+    assert (s["train_rows"], s["eval_rows"]) == (30, 6) and s["config"].get("dataset_config") is None
+
+
+def test_single_file_holds_out_a_fraction_stated_in_the_summary(tmp_path):
+    pairs = [{"prompt": f"{a}+{a}?", "chosen": f"#### {2 * a}", "rejected": f"#### {2 * a + 1}"} for a in range(40)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    s = run("dpo_text", ["--dataset_name", str(data), "--eval_fraction", "0.25", "--max_steps", "1", "--batch_size", "4",
+                         "--micro_batch_size", "4", "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    assert (s["train_rows"], s["eval_rows"], s["eval_fraction"]) == (30, 10, 0.25) and s["metric"] == "implicit_accuracy"
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["eval_fraction"] == 0.25 and "held out" in saved["eval_source"]
+
+
+# ---------------------------------------------------------------- the README's Python API, as written there
+def test_python_api_grpo_in_ten_lines(tmp_path):
+    import datasets
+
+    from unialign import CausalLMPolicy, OnlineConfig, OnlineTrainer, get_reward
+
+    def brevity(completions, **kwargs):  # any TRL-style reward: f(prompts, completions, **columns)
+        return [-len(c) / 100 for c in completions]
+
+    rows = datasets.Dataset.from_list([{"prompt": f"Ann has {a} pens and buys 30 more. How many now?",
+                                        "answer": str(a + 30)} for a in range(10, 18)])
+    policy = CausalLMPolicy.from_pretrained("embedded")
+    config = OnlineConfig(max_steps=2, prompts_per_step=4, num_generations=4, output_dir=str(tmp_path), report_to="none")
+    history = OnlineTrainer(policy, [get_reward("math_accuracy"), brevity], rows, config).train()
+    assert len(history) == 2 and all(math.isfinite(h["reward/brevity"]) for h in history)
+
+
+def test_python_api_dpo_in_ten_lines(tmp_path):
+    from unialign import CausalLMPolicy, DPOObjective, PreferenceConfig, PreferenceTrainer
+
+    pairs = [{"prompt": "Tom has 15 cards and gets 27 more. How many now?",
+              "chosen": "5+7=12,1+2+1=4\n#### 42", "rejected": "5+7=12,1+2=3\n#### 32"}] * 8
+    policy = CausalLMPolicy.from_pretrained("embedded")
+    config = PreferenceConfig(max_steps=2, batch_size=4, micro_batch_size=4, output_dir=str(tmp_path), report_to="none")
+    history = PreferenceTrainer(DPOObjective(policy, beta=0.1), pairs, config).train()
+    assert len(history) == 2 and abs(history[0]["loss"] - math.log(2)) < 1e-4
