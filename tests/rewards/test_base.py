@@ -122,8 +122,8 @@ def test_tensor_numpy_bool_and_none_outputs():
     expected = [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 0.0, math.nan], [0.5, 1.0, math.nan]]
     for out, want in zip(outputs, expected):
         got = RewardFunction(lambda completions, out=out, **kw: out).score(PROMPTS, COMPLETIONS)
-        assert got.dtype == torch.float32
-        np.testing.assert_array_equal(got.numpy(), np.array(want, dtype=np.float32))
+        assert got.dtype == torch.float64
+        np.testing.assert_array_equal(got.numpy(), np.array(want, dtype=np.float64))
 
 
 def test_column_length_mismatch_raises():
@@ -137,7 +137,7 @@ def test_weighted_sum_by_hand():
     combined = CombinedReward([length_reward, answer_reward], weights=[0.5, -2.0])
     out = combined(PROMPTS, COMPLETIONS, COLUMNS)
     # lengths 1,2,3 ; answers 1,2,3  ->  0.5*len - 2*answer = -1.5, -3, -4.5
-    assert out.rewards_B.dtype == torch.float32
+    assert out.rewards_B.dtype == torch.float64
     assert out.rewards_B.tolist() == [-1.5, -3.0, -4.5]
     assert out.per_function["length_reward"].tolist() == [1.0, 2.0, 3.0]
     assert out.per_function["answer_reward"].tolist() == [1.0, 2.0, 3.0]

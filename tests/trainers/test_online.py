@@ -15,6 +15,7 @@ from tests.conftest import make_tiny_lm
 from tests.helpers import assert_close
 from unialign.text.policy import CausalLMPolicy, unwrap
 from unialign.trainers import OnlineConfig, OnlineTrainer, RatioCheckError
+from unialign.trainers.online import curve_keys
 
 ROWS = [{"prompt": f"{i}+{i}?", "answer": str(2 * i)} for i in range(12)]
 
@@ -199,7 +200,8 @@ def test_ppo_trains_a_value_head_with_kl_in_the_reward(tmp_path):
     head = policy.value_head.weight.detach().clone()
     history = trainer.train()
     assert not torch.equal(head, policy.value_head.weight.detach())  # the critic learned
-    assert {"kl_seq", "kl_coef", "value_clip_frac"} <= set(history[-1])
+    assert {"kl_seq", "kl_coef", "value_clip_frac", "value_loss", "explained_variance"} <= set(history[-1])
+    assert "frac_reward_zero_std" not in curve_keys(trainer.spec, history)
     assert history[-1]["kl_coef"] != 0.05  # the adaptive controller moved the coefficient
     policy.save(str(tmp_path / "final"))
     assert (tmp_path / "final" / "value_head.safetensors").exists()

@@ -8,7 +8,12 @@ Contract (TRL ``GRPOTrainer`` compatible, huggingface/trl#2644, #4939):
 * Only the keywords a function accepts are passed, unless it takes ``**kwargs``, which gets everything.
   A required parameter with no matching column is an error naming the function and the column.
 * The function returns B scores; ``None`` means "no score" and becomes NaN. Numbers, bools, a 1-D
-  tensor or numpy array are accepted; anything else, or the wrong length, raises naming the function.
+  tensor or numpy array are accepted; anything else, or the wrong length, raises ``RewardError`` naming
+  the function and the sample (its index and the start of its prompt). So does a function that raises.
+  With ``on_error="skip"`` such samples are counted and scored NaN instead (they then train like any
+  NaN reward: excluded from baselines, advantage 0).
+* Scores are float64 from the function to the advantages: rewards of 1e20 keep their differences
+  (float32 squares of them overflow a group's variance to inf, and every advantage would be 0).
 """
 
 from __future__ import annotations
@@ -28,6 +33,29 @@ Tensor = torch.Tensor
 logger = logging.getLogger(__name__)
 
 _RESERVED = ("prompts", "completions")
+ON_ERROR = ("raise", "skip")
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something that is not B numbers; the message names the
+    function and, where one is to blame, the sample (index and the start of its prompt)."""
+
+
+class RewardTypeError(RewardError, TypeError):
+    """A ``RewardError`` about the type of what a reward function returned."""
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """The start of a prompt for an error message (conversational prompts by their last message)."""
+    try:
+        text = completion_to_text(value)
+    except TypeError:
+        text = str(value)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _sample(i: int, prompts: Sequence[Any]) -> str:
+    return f"sample {i} (prompt {_short(prompts[i])})" if 0 <= i < len(prompts) else f"sample {i}"
 
 
 def reward_name(fn: Any) -> str:
@@ -122,21 +150,34 @@ def map_with_time_limit(fn: Callable[[Any], Any], items: Sequence[Any], timeout_
     return list(results)
 
 
-def _to_scores(out: Any, name: str, batch_size: int) -> list[float]:
-    """Validate a reward function's return value and turn it into B floats (None -> NaN)."""
+def _to_scores(out: Any, name: str, batch_size: int, prompts: Sequence[Any] = (),
+               on_error: str = "raise") -> tuple[list[float], list[bool]]:
+    """Validate a reward function's return value: B floats (None -> NaN) and a per-sample error flag.
+    A wrong shape or a non-number raises ``RewardError`` naming the function and the sample; with
+    ``on_error="skip"`` the affected samples are NaN and flagged instead."""
+    def fail(err: RewardError, where: int | None) -> tuple[list[float], list[bool]]:
+        if on_error == "raise":
+            raise err
+        logger.warning("%s; scored as NaN (reward_errors=skip)", err)
+        return [math.nan] * batch_size, [where is None or j == where for j in range(batch_size)]
+
     if isinstance(out, Tensor):
         if out.dim() != 1:
-            raise ValueError(f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; expected [B]")
+            return fail(RewardError(f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; "
+                                    "expected [B]"), None)
         out = out.detach().to("cpu", torch.float64).tolist()
     elif hasattr(out, "tolist") and hasattr(out, "ndim"):  # numpy array
         if out.ndim != 1:
-            raise ValueError(f"reward function {name!r} returned an array of shape {tuple(out.shape)}; expected [B]")
+            return fail(RewardError(f"reward function {name!r} returned an array of shape {tuple(out.shape)}; "
+                                    "expected [B]"), None)
         out = out.tolist()
     if not isinstance(out, (list, tuple)):
-        raise TypeError(f"reward function {name!r} returned {type(out).__name__}; expected a list of B floats or None")
+        return fail(RewardTypeError(f"reward function {name!r} returned {type(out).__name__}; expected a list of "
+                                    "B floats or None"), None)
     if len(out) != batch_size:
-        raise ValueError(f"reward function {name!r} returned {len(out)} scores for a batch of {batch_size} completions")
-    scores = []
+        return fail(RewardError(f"reward function {name!r} returned {len(out)} scores for a batch of {batch_size} "
+                                "completions"), None)
+    scores, errors = [], [False] * batch_size
     for i, x in enumerate(out):
         if x is None:
             scores.append(math.nan)
@@ -145,8 +186,14 @@ def _to_scores(out: Any, name: str, batch_size: int) -> list[float]:
         elif isinstance(x, numbers.Real):  # int, float, bool, numpy scalars
             scores.append(float(x))
         else:
-            raise TypeError(f"reward function {name!r} returned {type(x).__name__} at index {i}; expected float or None")
-    return scores
+            err = RewardTypeError(f"reward function {name!r} returned {type(x).__name__} for {_sample(i, prompts)}; "
+                                  "expected float or None")
+            if on_error == "raise":
+                raise err
+            logger.warning("%s; scored as NaN (reward_errors=skip)", err)
+            scores.append(math.nan)
+            errors[i] = True
+    return scores, errors
 
 
 @dataclass
@@ -189,9 +236,15 @@ class RewardFunction:
 
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[Any]:
         """Call ``fn`` with the keywords it accepts; return its raw output (TRL's contract)."""
+        args, kwargs = self._bind(prompts, completions, columns)
+        return self.fn(*args, **kwargs)
+
+    def _bind(self, prompts: list[Any], completions: list[Any], columns: dict[str, Any]) -> tuple[list, dict]:
+        """The positional and keyword arguments ``fn`` takes for this batch (TypeError, naming the function,
+        when it needs a column the batch lacks)."""
         available = {"prompts": prompts, "completions": completions, **columns, **self.kwargs}
         if self._params is None:
-            return self.fn(**available)
+            return [], available
         args: list[Any] = []
         positional_only = [p for p in self._params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
         if len(positional_only) > 2:
@@ -210,17 +263,29 @@ class RewardFunction:
         if missing:
             raise TypeError(f"reward function {self.name!r} needs {missing}, which the batch does not provide "
                             f"(columns: {sorted(columns)})")
-        return self.fn(*args, **kwargs)
+        return args, kwargs
 
     def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]] | None = None) -> Tensor:
-        """Float32 scores [B] (NaN for ``None``). Raises, naming this function, if it returns the wrong
-        number of scores or a non-numeric value, or if a column's length is not B."""
+        """Float64 scores [B] (NaN for ``None``). Raises ``RewardError``, naming this function and the
+        sample, if it raises or returns the wrong number of scores or a non-number; ValueError if a
+        column's length is not B."""
         return self.score_with_metrics(prompts, completions, columns)[0]
 
     def score_with_metrics(self, prompts: list[Any], completions: list[Any],
                            columns: dict[str, list[Any]] | None = None) -> tuple[Tensor, dict[str, float]]:
         """``score`` plus the batch-level metrics the function reported: a function may return a list
         subclass with a ``metrics`` dict of floats (e.g. the shape verifier's per-part rates); else {}."""
+        scores, metrics, _ = self.score_checked(prompts, completions, columns)
+        return scores, metrics
+
+    def score_checked(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]] | None = None,
+                      on_error: str = "raise") -> tuple[Tensor, dict[str, float], Tensor]:
+        """(scores float64 [B], metrics, errors bool [B]). ``on_error="raise"``: an exception inside the
+        function, or an unusable return value, raises ``RewardError`` naming the function and the first
+        sample to blame (found by scoring the samples one at a time when the batch call raised).
+        ``"skip"``: those samples score NaN and are flagged in ``errors``."""
+        if on_error not in ON_ERROR:
+            raise ValueError(f"reward_errors must be 'raise' or 'skip', got {on_error!r}")
         columns = dict(columns or {})
         batch_size = len(completions)
         if len(prompts) != batch_size:
@@ -230,20 +295,60 @@ class RewardFunction:
                 raise ValueError(f"column name {key!r} is reserved")
             if len(values) != batch_size:
                 raise ValueError(f"column {key!r} has {len(values)} values for a batch of {batch_size}")
-        out = self(prompts, completions, **columns)
+        args, kwargs = self._bind(prompts, completions, columns)  # a missing column is a setup error: raised
+        try:
+            out = self.fn(*args, **kwargs)
+        except Exception as err:  # the user's function failed: name it and the sample, or skip the samples
+            return self._score_one_by_one(prompts, completions, columns, on_error, err)
         metrics = getattr(out, "metrics", None)
         metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
-        return torch.tensor(_to_scores(out, self.name, batch_size), dtype=torch.float32), metrics
+        scores, errors = _to_scores(out, self.name, batch_size, prompts, on_error)
+        return torch.tensor(scores, dtype=torch.float64), metrics, torch.tensor(errors, dtype=torch.bool)
+
+    def _score_one_by_one(self, prompts, completions, columns, on_error: str, batch_err: Exception):
+        """After the batch call raised ``batch_err``: score each sample alone to find the ones to blame."""
+        scores, errors, first = [], [], None
+        for i in range(len(completions)):
+            one = {k: v[i:i + 1] for k, v in columns.items()}
+            try:
+                args, kwargs = self._bind(prompts[i:i + 1], completions[i:i + 1], one)
+                value, bad = _to_scores(self.fn(*args, **kwargs), self.name, 1, prompts[i:i + 1], on_error)
+                value, bad = value[0], bad[0]
+            except Exception as err:
+                if first is None:
+                    first = (i, err)
+                if on_error == "raise":
+                    break
+                value, bad = math.nan, True
+            scores.append(value)
+            errors.append(bad)
+        if on_error == "raise":
+            i, err = first if first is not None else (None, batch_err)
+            if isinstance(err, RewardError):  # already names the function and the sample
+                raise err
+            where = _sample(i, prompts) if i is not None else f"a batch of {len(completions)} (no sample fails alone)"
+            raise RewardError(f"reward function {self.name!r} raised {type(err).__name__} on {where}: {err} "
+                              "(reward_errors='skip' scores such samples NaN and counts them)") from err
+        logger.warning("reward function %r raised %s on %d of %d samples (first: %s); scored as NaN",
+                       self.name, type(batch_err).__name__, sum(errors), len(errors),
+                       _sample(first[0], prompts) if first else "none alone")
+        if not any(errors):  # the batch failed but every sample alone works: the batch is to blame
+            errors = [True] * len(completions)
+            scores = [math.nan] * len(completions)
+        return torch.tensor(scores, dtype=torch.float64), {}, torch.tensor(errors, dtype=torch.bool)
 
 
 @dataclass
 class RewardOutput:
     """What ``CombinedReward`` returns.
 
-    rewards_B:     float32 [B], sum_i weight_i * score_i. NaN where a component with non-zero weight is
-                   not finite (None / NaN / inf) under ``on_nonfinite="nan"``; see ``CombinedReward``.
-    per_function:  name -> float32 [B], each function's raw (unweighted) scores, NaN for None.
+    rewards_B:     float64 [B], sum_i weight_i * score_i. NaN where a component with non-zero weight is
+                   not finite (None / NaN / inf) under ``on_nonfinite="nan"``, or failed (``on_error``);
+                   see ``CombinedReward``.
+    per_function:  name -> float64 [B], each function's raw (unweighted) scores, NaN for None.
     num_nonfinite: how many of the B entries of ``rewards_B`` are not finite.
+    num_errors:    samples whose score a function failed to give (raised / not a number; ``on_error="skip"``),
+                   counted once per sample; ``errors_per_function``: the same per function name.
     function_metrics: ``"<name>/<metric>"`` -> float, batch-level metrics the functions reported
                    (``RewardFunction.score_with_metrics``), e.g. ``shape_verifier/fidelity``.
     """
@@ -252,6 +357,8 @@ class RewardOutput:
     per_function: dict[str, Tensor]
     num_nonfinite: int
     function_metrics: dict[str, float] = field(default_factory=dict)
+    num_errors: int = 0
+    errors_per_function: dict[str, int] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """Detached floats for logging: mean over finite entries and non-finite fraction, per function
@@ -264,6 +371,7 @@ class RewardOutput:
             out[f"{key}/mean"] = float(values[finite].double().mean()) if n else math.nan
             out[f"{key}/frac_nonfinite"] = 1.0 - n / values.numel() if values.numel() else 0.0
         out.update({f"rewards/{k}": v for k, v in self.function_metrics.items()})
+        out["reward/num_errors"] = float(self.num_errors)
         return out
 
 
@@ -279,16 +387,22 @@ class CombinedReward:
         ``"skip"``: TRL's ``nansum``: non-finite components are left out of the sum; the total is NaN
             only where every weighted component is non-finite. Use it when rewards return ``None`` for
             samples they do not apply to (multi-task data).
+    ``on_error``: ``"raise"`` (default): a function that raises or returns something unusable raises
+        ``RewardError`` naming it and the sample. ``"skip"``: those samples are counted (``num_errors``)
+        and their total is NaN (whatever ``on_nonfinite`` says), so they train like NaN rewards.
     Components with weight 0 are computed and reported in ``per_function`` but never affect the total.
     Names must be unique (set ``RewardFunction(name=...)`` to tell two uses of one function apart).
+    Scores are combined in float64 (``rewards_B`` is float64).
     """
 
     def __init__(self, rewards: Sequence[Any], weights: Sequence[float] | None = None,
-                 on_nonfinite: str = "nan") -> None:
+                 on_nonfinite: str = "nan", on_error: str = "raise") -> None:
         if not rewards:
             raise ValueError("CombinedReward needs at least one reward function")
         if on_nonfinite not in ("nan", "skip"):
             raise ValueError(f"on_nonfinite must be 'nan' or 'skip', got {on_nonfinite!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"reward_errors must be 'raise' or 'skip', got {on_error!r}")
         if weights is not None and len(weights) != len(rewards):
             raise ValueError(f"{len(weights)} weights for {len(rewards)} reward functions")
         functions = []
@@ -305,29 +419,35 @@ class CombinedReward:
         if duplicates:
             raise ValueError(f"reward names must be unique; repeated: {duplicates}")
         self.functions: list[RewardFunction] = functions
-        self.on_nonfinite = on_nonfinite
+        self.on_nonfinite, self.on_error = on_nonfinite, on_error
 
     @property
     def weights(self) -> list[float]:
         return [f.weight for f in self.functions]
 
     def __call__(self, prompts: list[Any], completions: list[Any],
-                 columns: dict[str, list[Any]] | None = None) -> RewardOutput:
-        """Score the batch with every function and combine (see the class docstring for NaN rules)."""
-        per_function, function_metrics = {}, {}
+                 columns: dict[str, list[Any]] | None = None, on_error: str | None = None) -> RewardOutput:
+        """Score the batch with every function and combine (see the class docstring for NaN rules);
+        ``on_error`` overrides the instance's for this call."""
+        on_error = on_error or self.on_error
+        per_function, function_metrics, errors = {}, {}, {}
         for f in self.functions:
-            per_function[f.name], metrics = f.score_with_metrics(prompts, completions, columns)
+            per_function[f.name], metrics, errors[f.name] = f.score_checked(prompts, completions, columns, on_error)
             function_metrics.update({f"{f.name}/{k}": v for k, v in metrics.items()})
         batch_size = len(completions)
-        scores_F_B = torch.stack(list(per_function.values())).double() if per_function else torch.zeros(0, batch_size)
+        scores_F_B = torch.stack(list(per_function.values())) if per_function else torch.zeros(0, batch_size)
+        errors_F_B = torch.stack(list(errors.values())) if errors else torch.zeros(0, batch_size, dtype=torch.bool)
         weights_F = torch.tensor(self.weights, dtype=torch.float64)
         used = weights_F != 0
-        scores_F_B, weights_F = scores_F_B[used], weights_F[used]
+        scores_F_B, weights_F, errors_F_B = scores_F_B[used].double(), weights_F[used], errors_F_B[used]
         finite_F_B = torch.isfinite(scores_F_B)
         total_B = (weights_F[:, None] * torch.where(finite_F_B, scores_F_B, torch.zeros_like(scores_F_B))).sum(0)
         if weights_F.numel():
             bad_B = ~finite_F_B.all(0) if self.on_nonfinite == "nan" else ~finite_F_B.any(0)
+            bad_B = bad_B | errors_F_B.any(0)
             total_B = torch.where(bad_B, torch.full_like(total_B, math.nan), total_B)
-        rewards_B = total_B.to(torch.float32)
-        return RewardOutput(rewards_B=rewards_B, per_function=per_function,
-                            num_nonfinite=int((~torch.isfinite(rewards_B)).sum()), function_metrics=function_metrics)
+        all_errors_B = torch.stack(list(errors.values())).any(0) if errors else torch.zeros(batch_size, dtype=torch.bool)
+        return RewardOutput(rewards_B=total_B, per_function=per_function,
+                            num_nonfinite=int((~torch.isfinite(total_B)).sum()), function_metrics=function_metrics,
+                            num_errors=int(all_errors_B.sum()),
+                            errors_per_function={k: int(v.sum()) for k, v in errors.items()})

@@ -1,6 +1,12 @@
 """Built-in rewards by name, as a literal dict of ``"module:attribute"`` paths resolved on first use,
 so naming a reward never imports open_clip / transformers until that reward is actually built.
 
+A reward spec (``--reward_funcs``, ``get_reward``) is one of
+  * a registered name (``REWARDS``),
+  * TRL's dotted ``package.module.function`` (the current directory is importable, as in TRL),
+  * ``package.module:function`` (``function`` may be dotted: ``Class.method``),
+  * ``path/to/file.py:function``: the user's own file, executed on load like any module they import.
+
 Each path names either a reward *class* (a factory: ``get_reward`` instantiates it with the keyword
 arguments, and the instance is the reward, e.g. a model-based reward that loads weights in ``__init__``)
 or a reward *function* with TRL's signature (the keyword arguments are bound to every call).
@@ -8,8 +14,13 @@ or a reward *function* with TRL's signature (the keyword arguments are bound to 
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from unialign.rewards.base import RewardFunction
@@ -42,21 +53,87 @@ def resolve(path: str) -> Any:
     return obj
 
 
-def get_reward(name: str, **kwargs: Any) -> RewardFunction:
-    """The registered reward ``name`` as a ``RewardFunction`` (named ``name``, weight 1).
+SPEC_FORMS = "'package.module.function', 'module:function' or 'path/to/file.py:function'"
 
-    A registered class is instantiated with ``kwargs``; a registered function gets ``kwargs`` bound to
-    every call (a TypeError here if it does not take them). ``name`` may also be a ``"module:attribute"``
-    path to a reward outside the registry. Unknown names raise ValueError listing the registered ones.
-    """
-    if name in REWARDS:
-        path = REWARDS[name]
-    elif ":" in name:
-        path = name
+
+def resolve_reward(spec: str) -> tuple[Any, str]:
+    """The object a reward spec names (a function or a class, not yet instantiated) and its label (the
+    registry name, else the attribute's name). Imports the module or runs the file; builds nothing.
+    Raises ValueError naming the spec: unknown name (listing the registered ones), missing module, file
+    or attribute, or a module that fails to import."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward: expected a registered name or {SPEC_FORMS}, got {spec!r}")
+    spec = spec.strip()
+    if spec in REWARDS:
+        return resolve(REWARDS[spec]), spec
+    if ":" in spec:
+        source, _, attribute = spec.rpartition(":")  # rpartition: a Windows drive letter stays in the path
+        is_file = source.endswith(".py") or "/" in source or os.sep in source
+        module = _load_file(spec, source) if is_file else _import(spec, source)
+    elif spec.endswith(".py"):
+        raise ValueError(f"reward {spec!r}: name the function in the file too, as 'path/to/file.py:function'")
+    elif "." in spec:
+        source, _, attribute = spec.rpartition(".")  # TRL: the last dotted part is the function
+        module = _import(spec, source)
     else:
-        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARDS)} or pass 'module:attribute'")
-    target = resolve(path)
-    label = name if name in REWARDS else path.rpartition(".")[2].rpartition(":")[2]
+        raise ValueError(f"unknown reward {spec!r}; registered: {', '.join(sorted(REWARDS))}; or give {SPEC_FORMS}")
+    if not source or not attribute:
+        raise ValueError(f"reward {spec!r}: expected a registered name or {SPEC_FORMS}")
+    obj = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+            raise ValueError(f"reward {spec!r}: {source!r} has no attribute {attribute!r} "
+                             f"(callables there: {', '.join(public[:20]) or 'none'})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward {spec!r}: {attribute!r} is a {type(obj).__name__}, not a function or class")
+    return obj, attribute.rpartition(".")[2]
+
+
+def _import(spec: str, module_name: str):
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # TRL imports reward modules from the current directory
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise ValueError(f"reward {spec!r}: no module named {err.name!r} (importable from {cwd}?; for a file "
+                             "use 'path/to/file.py:function')") from None
+        raise ValueError(f"reward {spec!r}: importing {module_name!r} failed: {err}") from err
+    except Exception as err:  # the user's module raised while importing
+        raise ValueError(f"reward {spec!r}: importing {module_name!r} failed: {type(err).__name__}: {err}") from err
+
+
+def _load_file(spec: str, filename: str):
+    path = Path(filename).expanduser()
+    if not path.is_file():
+        raise ValueError(f"reward {spec!r}: no such file {filename!r}")
+    path = path.resolve()
+    name = f"unialign_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up here
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ValueError(f"reward {spec!r}: running {str(path)!r} failed: {type(err).__name__}: {err}") from err
+    return module
+
+
+def get_reward(name: str, **kwargs: Any) -> RewardFunction:
+    """The reward ``name`` as a ``RewardFunction`` (named after the registry entry or the function, weight 1).
+
+    ``name`` is a registered name, TRL's dotted ``package.module.function``, ``module:function`` or
+    ``path/to/file.py:function`` (see ``resolve_reward``). A class is instantiated with ``kwargs``; a
+    function gets ``kwargs`` bound to every call (a TypeError here if it does not take them). Unknown
+    names raise ValueError listing the registered ones.
+    """
+    target, label = resolve_reward(name)
     if inspect.isclass(target):
         return RewardFunction(target(**kwargs), name=label)
     return RewardFunction(target, name=label, kwargs=kwargs)

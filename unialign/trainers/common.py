@@ -337,14 +337,29 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
     return fn
 
 
-def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> None:
-    """Plot metrics over steps to a PNG (one panel per key present in the history, four to a row)."""
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing moving average of ``values`` over ``window`` points (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",),
+                smooth: tuple[str, ...] = ()) -> None:
+    """Plot metrics over steps to a PNG (one panel per key present in the history, four to a row). Keys
+    in ``smooth`` are drawn raw (faint) with a trailing moving average over ~5 % of the points on top."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in keys if any(k in h for h in history)]
+    def finite(key: str) -> list[tuple[int, float]]:
+        return [(h["step"], float(h[key])) for h in history
+                if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
+
+    keys = [k for k in keys if finite(k)]
     if not keys:
         return
     cols = min(len(keys), 4)
@@ -353,11 +368,17 @@ def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = (
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
     for ax, key in zip(axes.flat, keys):
-        pts = [(h["step"], h[key]) for h in history if key in h and math.isfinite(h[key])]
-        if pts:
-            ax.plot(*zip(*pts), marker=".")
+        steps, values = zip(*finite(key))
+        window = max(1, len(values) // 20)
+        if key in smooth and window > 1:
+            ax.plot(steps, values, color="C0", alpha=0.3, linewidth=0.8, label="raw")
+            ax.plot(steps, smoothed(list(values), window), color="C0", label=f"mean of {window}")
+            ax.legend(fontsize=8)
+            ax.set_title(f"{key} (smoothed)")
+        else:
+            ax.plot(steps, values, marker="." if len(values) < 50 else None)
+            ax.set_title(key)
         ax.set_xlabel("step")
-        ax.set_title(key)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from unialign import algos
 from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
-from unialign.rewards.base import CombinedReward
+from unialign.rewards.base import ON_ERROR, CombinedReward, RewardError
 from unialign.trainers.common import (
     ResumePoint,
     TrainConfig,
@@ -74,6 +74,10 @@ class OnlineConfig(TrainConfig):
     max_generation_rounds: int = 3
     ratio_check_tol: float | None = None
     eval_steps: int = 0  # run the trainer's evaluator every N steps (0: only when a script asks)
+    reward_errors: str = field(default="raise", metadata={"help": (
+        "a reward function that raises or returns non-numbers: 'raise' (stop, naming the function and the "
+        "sample; progress so far is checkpointed) or 'skip' (count them in reward_errors and exclude those "
+        "samples, like NaN rewards)"), "choices": ["raise", "skip"]})
     # algorithm overrides (TRL names)
     epsilon: float | None = None
     epsilon_high: float | None = None
@@ -112,6 +116,47 @@ def overlong_cache_tokens(cache_len: float, max_completion_length: int | None) -
     return min(tokens, max_completion_length)
 
 
+def explained_variance(values_B_T: torch.Tensor, returns_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the unmasked steps: how much of the returns' spread the value head
+    predicts (1 perfect, 0 no better than a constant, negative worse). All [B, T]; NaN when Var(R) is 0."""
+    n = mask_B_T.sum()
+    if n < 2:
+        return math.nan
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * mask_B_T).sum() / n
+        return (((x - mean) * mask_B_T) ** 2).sum() / (n - 1)
+
+    var_r = var(returns_B_T)
+    return float(1 - var(returns_B_T - values_B_T) / var_r) if var_r > 0 else math.nan
+
+
+def curve_keys(spec: AlgoSpec, history: list[dict]) -> list[str]:
+    """The panels of ``reward_curve.png`` for ``spec``: the training reward (smoothed), the evaluator's
+    held-out numbers (``eval/*`` except spreads and per-part breakdowns), the loss; then, where they
+    vary: the KL (in the loss, or the per-sequence KL in PPO's reward), the learning rate, the clip
+    fraction, the share of zero-spread groups (group baselines only: GRPO family, RLOO), PPO's value loss
+    and explained variance, and the entropy (logged only where it depends on the weights)."""
+    evals = sorted({k for h in history for k in h if k.startswith("eval/")
+                    and not k.endswith("_std") and not k.startswith("eval/fidelity/")})
+    always = ["reward/mean", *evals, "loss"]
+    varying = []
+    if spec.beta > 0:
+        varying.append("kl_seq" if spec.kl_in_reward else "kl")
+    varying += ["lr", "clip_frac"]
+    if spec.advantage in ("group", "rloo"):
+        varying.append("frac_reward_zero_std")
+    if spec.value_coef > 0:
+        varying += ["value_loss", "explained_variance"]
+    varying.append("entropy")
+
+    def values(key: str) -> list[float]:
+        return [h[key] for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
+
+    present = [k for k in always if values(k)]
+    return present + [k for k in varying if len(set(values(k))) > 1]
+
+
 class RatioCheckError(RuntimeError):
     pass
 
@@ -127,6 +172,8 @@ class OnlineTrainer:
         for i, row in enumerate(prompts):
             if "prompt" not in row:
                 raise ValueError(f"prompts[{i}]: missing the 'prompt' field (keys: {sorted(row)})")
+        if config.reward_errors not in ON_ERROR:
+            raise ValueError(f"reward_errors must be 'raise' or 'skip', got {config.reward_errors!r}")
         if not isinstance(reward_fn, CombinedReward):
             reward_fn = CombinedReward(list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
         self.policy, self.reward_fn, self.rows, self.cfg = policy, reward_fn, prompts, config
@@ -168,7 +215,7 @@ class OnlineTrainer:
         self.stat_tracker = algos.PerPromptStatTracker(self.spec.stat_buffer_size, self.spec.stat_min_count)
         self.kl_ctl = algos.AdaptiveKLController(self.spec.beta, self.spec.kl_target, self.spec.kl_horizon)
         self.step, self.cursor, self.history = 0, 0, []
-        self.counters = {"nonfinite_rewards": 0, "skipped_steps": 0}
+        self.counters = {"nonfinite_rewards": 0, "reward_errors": 0, "skipped_steps": 0}
         self.ratio_checked = False
         self._param_dtype = params[0].dtype
         self.evaluator = evaluator
@@ -207,42 +254,47 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ phases 1-3
     def _score(self, traj: Trajectory) -> dict[str, float]:
-        out = self.reward_fn(traj.prompts, traj.completions, traj.columns)
-        rewards, per_fn = out.rewards_B, out.per_function
+        out = self.reward_fn(traj.prompts, traj.completions, traj.columns, on_error=self.cfg.reward_errors)
+        self.counters["reward_errors"] = self.counters.get("reward_errors", 0) + out.num_errors
+        rewards, per_fn = out.rewards_B.double(), out.per_function  # float64 up to the advantages
         spec, cfg = self.spec, self.cfg
         cache_len = overlong_cache_tokens(spec.overlong_cache_len, cfg.max_completion_length)
         if cache_len:
             lengths = traj.mask_B_T.sum(-1)
             rewards = rewards + algos.overlong_penalty(lengths, cfg.max_completion_length, cache_len)
         traj.rewards_B = rewards
-        stats = {f"reward/{k}": float(torch.nanmean(v.float())) for k, v in per_fn.items()}
+        stats = {f"reward/{k}": float(torch.nanmean(v.double())) for k, v in per_fn.items()}
         stats.update({f"reward/{k}": v for k, v in out.function_metrics.items()})
         return stats
 
     def _advantages(self, traj: Trajectory) -> dict[str, float]:
         """Fills ``traj.advantages_B_T`` (and ``ref_logp_B_T``, returns for PPO); returns stats."""
         spec, G, device = self.spec, self.cfg.num_generations, self.acc.device
-        rewards_all = gather(traj.rewards_B.to(device)).cpu()  # groups may span processes in general
+        # float64: a group's variance of rewards ~1e20 overflows float32 and would zero every advantage
+        rewards = traj.rewards_B.double()
+        rewards_all = gather(rewards.to(device)).cpu() if self.acc.num_processes > 1 else rewards
         start = self.acc.process_index * len(traj)
         local = slice(start, start + len(traj))
         if self.spec.beta > 0 and not self._kl_from_policy:
             traj.ref_logp_B_T = self._batched(self.policy.reference().log_prob, traj)
         mask = traj.mask_B_T
-        if spec.advantage == "gae":
-            scores = torch.nan_to_num(traj.rewards_B, nan=0.0)
-            kl = algos.kl_estimate(traj.old_logp_B_T, traj.ref_logp_B_T, spec.kl_estimator) if spec.beta > 0 \
-                else torch.zeros_like(mask)
-            step_rewards = algos.kl_shaped_rewards(scores, kl, mask, self.kl_ctl.value)
+        if spec.advantage == "gae":  # in float64, back to the loop's float32 at the end
+            scores = torch.nan_to_num(rewards, nan=0.0)
+            mask64, values64 = mask.double(), traj.values_B_T.double()
+            kl = algos.kl_estimate(traj.old_logp_B_T, traj.ref_logp_B_T, spec.kl_estimator).double() \
+                if spec.beta > 0 else torch.zeros_like(mask64)
+            step_rewards = algos.kl_shaped_rewards(scores, kl, mask64, self.kl_ctl.value)
             if spec.whiten_rewards:  # TRL's whiten_rewards: scale only, the mean is kept
-                step_rewards = algos.whiten(step_rewards, mask, shift_mean=False)
-            adv, returns = algos.gae(step_rewards, traj.values_B_T, mask, spec.gamma, spec.lam)
+                step_rewards = algos.whiten(step_rewards, mask64, shift_mean=False)
+            adv, returns = algos.gae(step_rewards, values64, mask64, spec.gamma, spec.lam)
             if spec.whiten_advantages:
-                adv = algos.whiten(adv, mask)
-            traj.payload["returns_B_T"] = returns
-            traj.advantages_B_T = adv
-            seq_kl = (kl * mask).sum(-1)
+                adv = algos.whiten(adv, mask64)
+            traj.payload["returns_B_T"] = returns.float()
+            traj.advantages_B_T = adv.float()
+            seq_kl = (kl * mask64).sum(-1)
             return {"kl_seq": float(seq_kl.mean()), "kl_coef": self.kl_ctl.value,
-                    "values_mean": float((traj.values_B_T * mask).sum() / mask.sum().clamp(min=1))}
+                    "values_mean": float((values64 * mask64).sum() / mask64.sum().clamp(min=1)),
+                    "explained_variance": explained_variance(values64, returns, mask64)}
         if spec.advantage == "group":
             adv = algos.group_advantages(rewards_all, G, spec.scale_rewards)
         elif spec.advantage == "rloo":
@@ -254,7 +306,7 @@ class OnlineTrainer:
             adv = torch.nan_to_num(rewards_all, nan=0.0, posinf=0.0, neginf=0.0)
         else:
             raise ValueError(f"unknown advantage estimator {spec.advantage!r}")
-        adv = adv[local]
+        adv = adv[local].float()
         if spec.advantage_clip is not None:
             adv = adv.clamp(-spec.advantage_clip, spec.advantage_clip)
         traj.advantages_B_T = adv.unsqueeze(-1).expand_as(mask).contiguous()
@@ -339,9 +391,12 @@ class OnlineTrainer:
         if values is not None:
             vf, vm = algos.clipped_value_loss(values, mb.values_B_T.to(values.device),
                                               mb.payload["returns_B_T"].to(values.device), mask, spec.value_clip)
-            loss = loss + spec.value_coef * algos.aggregate(vf, mask, "token_mean", value_normalizer)
+            value_loss = algos.aggregate(vf, mask, "token_mean", value_normalizer)
+            loss = loss + spec.value_coef * value_loss
             m.update(vm)
-        m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+            m["value_loss"] = value_loss.detach()
+        if entropy.requires_grad or not logp.requires_grad:  # else it is a constant of the sampler (DDPO's sigma_t)
+            m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         return loss, m
 
     def _check_ratio(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> None:
@@ -448,18 +503,25 @@ class OnlineTrainer:
         self._start_trackers()
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.spec.name)
         while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            traj, stats = self.collect()                              # 1-3
+            t0, cursor = time.perf_counter(), self.cursor
+            try:
+                traj, stats = self.collect()                          # 1-3
+            except RewardError as err:
+                raise self._stop_on_reward_error(err, cursor) from err
             if traj is not None:
                 stats.update(self.update(traj))                       # 4
-                steps = gather(traj.mask_B_T.sum().reshape(1).to(acc.device)).sum()
-                stats["steps_per_second"] = float(steps) / (time.perf_counter() - t0)
+                local = [[float(traj.mask_B_T.sum()), float(len(traj))]]
+                counts = gather(torch.tensor(local, device=acc.device)).sum(0)
+                seconds = time.perf_counter() - t0
+                # trained trajectory steps: completion tokens of text, trained denoising steps of images
+                stats.update(tokens_per_second=float(counts[0]) / seconds, samples_per_second=float(counts[1]) / seconds)
                 if self.spec.kl_in_reward and "kl_seq" in stats:
                     self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
             else:
                 self.counters["skipped_steps"] += 1
             self.step += 1
-            stats.update({"step": self.step, "lr": self.scheduler.get_last_lr()[0], **self.counters})
+            stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0,
+                          "lr": self.scheduler.get_last_lr()[0], **self.counters})
             self.history.append(stats)                                # 5
             if self.step % cfg.logging_steps == 0:
                 acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
@@ -476,13 +538,20 @@ class OnlineTrainer:
         acc.end_training()
         return self.history
 
+    def _stop_on_reward_error(self, err: RewardError, cursor: int) -> RewardError:
+        """A reward function failed (``reward_errors="raise"``): checkpoint the last finished step (single
+        process; the step that failed is not counted) and return the error, saying where progress is."""
+        where = ""
+        if self.step > 0 and self.acc.num_processes == 1:
+            self.cursor = cursor  # the failed step's prompts are drawn again on resume
+            path = self.save_checkpoint()
+            where = f"; steps 1-{self.step} are saved in {path} (fix the reward, then --resume_from_checkpoint latest)"
+        return RewardError(f"{err}{where}")
+
     def save_curves(self) -> None:
-        """``reward_curve.png`` in the output folder: the training reward, the evaluator's held-out numbers
-        (``eval/*`` except spreads and per-part breakdowns of a metric, which stay in the logs), the KL
-        when one is trained, the share of zero-spread groups, and entropy."""
+        """``reward_curve.png`` in the output folder, panels chosen by ``curve_keys``; the training reward
+        is drawn raw (faint) and smoothed."""
         if self.acc.is_main_process:
-            evals = sorted({k for h in self.history for k in h if k.startswith("eval/")
-                            and not k.endswith("_std") and not k.startswith("eval/fidelity/")})
             save_curves(self.history, Path(self.cfg.output_dir) / "reward_curve.png",
-                        ("reward/mean", *evals, "kl", "frac_reward_zero_std", "entropy"))
+                        tuple(curve_keys(self.spec, self.history)), smooth=("reward/mean",))
 

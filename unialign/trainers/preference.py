@@ -271,8 +271,10 @@ class PreferenceTrainer:
         bar.close()
         self.save_checkpoint()
         if acc.is_main_process:
+            lr_varies = len({h["lr"] for h in self.history}) > 1
             save_curves(self.history, Path(cfg.output_dir) / "loss_curve.png",
-                        ("loss", "implicit_accuracy", "accuracy", "rewards/margin"))
+                        ("loss", "implicit_accuracy", "accuracy", "rewards/margin", *(("lr",) if lr_varies else ())),
+                        smooth=("loss", "implicit_accuracy", "accuracy"))
         acc.end_training()
         return self.history
 
