@@ -115,7 +115,7 @@ def test_prompt_formats_trl_standard_conversational_and_gsm8k():
 
 def test_limit_rows_refuses_naming_rows_or_drops_counted():
     rows = [{"prompt": "a" * n} for n in (3, 50, 4, 60)]
-    count = {"prompt": (10, lambda prompts: [len(p) for p in prompts])}
+    count = {"prompt": (10, lambda prompts, limit: [len(p) for p in prompts])}
     with pytest.raises(UserError, match=r"train: 2 of 4 rows are too long \(row 1: prompt has 50 tokens > 10; "
                                         r"row 3: prompt has 60 tokens > 10\); raise --max_prompt_length"):
         limit_rows(rows, count, "error", "train")
@@ -130,7 +130,11 @@ def test_prompt_token_counter_counts_template_and_special_tokens(tiny_policy):
     count = prompt_token_counter(tiny_policy)
     raw, chat = "12+30", [{"role": "user", "content": "12+30"}]
     expected = [len(tiny_policy._encode_prompts([p])["input_ids"][0]) for p in (raw, chat)]
-    assert count([raw, chat]) == expected
+    assert count([raw, chat], 0) == expected  # limit 0: every prompt tokenized
+    # texts whose UTF-8 length (+ slack) is within the limit are not tokenized: their bound is reported
+    bounds = count([raw, chat], 1000)
+    assert all(e <= b <= 1000 for e, b in zip(expected, bounds))
+    assert count(["x" * 5000], 1000)[0] == len(tiny_policy._encode_prompts(["x" * 5000])["input_ids"][0])
 
 
 def test_image_columns_as_paths_bytes_and_feature_dicts(tmp_path):

@@ -96,22 +96,41 @@ def _short(value: Any) -> str:
 
 
 # ------------------------------------------------------------------ token limits
-Counter = Callable[[list[Any]], list[int]]
+Counter = Callable[[list[Any], int], list[int]]
+# a token covers at least one UTF-8 byte of its text, except the few a tokenizer adds (BOS / EOS, a
+# SentencePiece dummy prefix): a text of b bytes has at most b + SPECIAL_SLACK tokens
+SPECIAL_SLACK = 4
+
+
+def _bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]], list[int]]) -> list[int]:
+    """Token counts of ``texts``: exact for any text whose UTF-8 length could exceed ``limit`` tokens, else
+    that (never exceeded) bound, so that the short texts of a large dataset are not tokenized at all."""
+    bounds = [len(t.encode("utf-8")) + SPECIAL_SLACK for t in texts]
+    idx = [i for i, b in enumerate(bounds) if b > limit]
+    for i, n in zip(idx, tokenize([texts[i] for i in idx]) if idx else []):
+        bounds[i] = n
+    return bounds
 
 
 def prompt_token_counter(policy) -> Counter:
-    """Token counts of prompts in ``policy`` (a ``CausalLMPolicy``): chat template / system prompt applied,
-    with the special tokens the policy adds (BOS on raw text where the tokenizer adds one)."""
+    """``count(prompts, limit)``: token counts of prompts in ``policy`` (a ``CausalLMPolicy``) -- chat template
+    and system prompt applied, with the special tokens the policy adds (BOS on raw text where the tokenizer
+    adds one) -- exact wherever a prompt could be longer than ``limit`` (``_bounded_counts``)."""
     tokenizer = policy.tokenizer
 
-    def count(prompts: list[Any]) -> list[int]:
-        out = []
+    def count(prompts: list[Any], limit: int) -> list[int]:
+        flags = [_templated(policy, p) for p in prompts]
+        texts = [policy.format_prompt(p) for p in prompts]
+        out = [0] * len(prompts)
         for templated in (True, False):
-            idx = [i for i, p in enumerate(prompts) if _templated(policy, p) == templated]
-            if idx:
-                ids = tokenizer([policy.format_prompt(prompts[i]) for i in idx], add_special_tokens=not templated)
-                out += list(zip(idx, map(len, ids["input_ids"])))
-        return [n for _, n in sorted(out)]
+            idx = [i for i, f in enumerate(flags) if f == templated]
+            if not idx:
+                continue
+            counts = _bounded_counts([texts[i] for i in idx], limit, lambda batch, t=templated: [
+                len(x) for x in tokenizer(batch, add_special_tokens=not t)["input_ids"]])
+            for i, n in zip(idx, counts):
+                out[i] = n
+        return out
 
     return count
 
@@ -123,12 +142,14 @@ def _templated(policy, prompt: Any) -> bool:
 
 
 def completion_token_counter(tokenizer) -> Counter:
-    """Token counts of completions (strings or assistant messages) as the pair losses take them: text + EOS."""
+    """``count(completions, limit)``: tokens of completions (strings or assistant messages) as the pair
+    losses take them, text + EOS (exact wherever they could exceed ``limit``)."""
     from unialign.text.preference import completion_text
 
-    def count(completions: list[Any]) -> list[int]:
-        ids = tokenizer([completion_text(c) for c in completions], add_special_tokens=False)["input_ids"]
-        return [len(x) + 1 for x in ids]
+    def count(completions: list[Any], limit: int) -> list[int]:
+        counts = _bounded_counts([completion_text(c) for c in completions], limit - 1, lambda batch: [
+            len(x) for x in tokenizer(batch, add_special_tokens=False)["input_ids"]])
+        return [n + 1 for n in counts]
 
     return count
 
@@ -136,7 +157,7 @@ def completion_token_counter(tokenizer) -> Counter:
 def limit_rows(rows: list[dict[str, Any]], limits: dict[str, tuple[int | None, Counter]], action: str = "error",
                source: str = "dataset") -> tuple[list[dict[str, Any]], list[int]]:
     """Check rows against token limits: ``limits`` maps a field (``"prompt"``, ``"chosen"``, ...) to (limit or
-    None for none, a batch counter). ``action="error"``: ``UserError`` naming the rows over a limit (the
+    None for none, a batch counter ``count(values, limit)``). ``action="error"``: ``UserError`` naming the rows over a limit (the
     first three), their lengths and the flag to raise; ``"drop"``: (the rows within the limits, the
     indices of those dropped). Rows are counted in chunks, so a huge prompt costs one tokenizer call."""
     over: dict[int, tuple[str, int, int]] = {}
@@ -145,7 +166,7 @@ def limit_rows(rows: list[dict[str, Any]], limits: dict[str, tuple[int | None, C
             continue
         for start in range(0, len(rows), 1024):
             chunk = rows[start:start + 1024]
-            for j, n in enumerate(count([r[key] for r in chunk])):
+            for j, n in enumerate(count([r[key] for r in chunk], limit)):
                 if n > limit and start + j not in over:
                     over[start + j] = (key, n, limit)
     if over and (action == "error" or len(over) == len(rows)):
