@@ -1,42 +1,66 @@
-"""Verifiable math rewards (GSM8K / MATH style): extract a final answer, compare it exactly with the reference.
-Model output is never executed, eval'd or handed to sympy: a bounded hand-written grammar reads numbers.
+"""Verifiable math rewards (GSM8K / MATH style): extract a final answer, compare it with the reference.
+Model output is never executed, eval'd or handed to ``sympify`` / ``parse_expr``.
 
-Safety by design, then by budget: every input is length-capped before any regex runs, every regex is
-free of nested quantifiers (linear time), numbers are exact ``Fraction``s with capped digits and exponent,
-and each sample's extract+compare also runs under a wall-clock limit (``base.map_with_time_limit``);
-an unparseable or timed-out answer scores 0.0.
+Three tiers, cheapest first (``math_accuracy_reward``):
+
+1. **In-process, exact** (``math_compare``): answers are cleaned (LaTeX presentation, units, ``x =``),
+   numbers compared as exact rationals, structures (sets, tuples, intervals, matrices, lists) split and
+   compared element by element, text answers case-insensitively. Every input is length-capped before any
+   regex runs and every regex is linear-time; runs under ``base.map_with_time_limit``.
+2. **In-process, numeric** (``math_parse``): expressions in a small LaTeX grammar (``\\frac``, ``\\sqrt``,
+   ``\\pi``, powers, trig / log, implicit products, mixed numbers) are parsed by recursive descent into a
+   capped tree and evaluated in complex floating point at three fixed points of their letters; equal
+   when all agree to a relative 1e-9. Floats cannot grow into huge integers, so this tier is bounded.
+3. **Worker process, symbolic** (``math_worker``): what tiers 1-2 cannot decide, when both sides pass a
+   whitelist of math characters and LaTeX commands, goes to a persistent child process that parses with
+   ``latex2sympy2_extended`` (ANTLR grammar), checks the tree (size, depth, exponent, factorial caps) and
+   compares with sympy; a request over ``timeout_s`` gets the child killed (a fresh one serves the next).
 
 Answer extraction, in order of preference (``extract_answer``):
-    1. GSM8K: the text after the **last** ``####`` up to the end of its line (when not empty);
-    2. the content of the **last** ``\\boxed{...}`` (balanced braces, nesting allowed);
-    3. the last number in the text (integer, decimal, ``1,234``, ``3/4``, ``\\frac{3}{4}``, ``2e5``, signed;
-       none when it is an exponent or subscript, as in ``10^5``).
+    1. GSM8K: the text after the **last** ``####`` up to the end of its line (when not empty), without
+       markdown emphasis (``#### **1200**``), a parenthesised word note (``#### 1200 (dollars)``) or a
+       leading "The answer is";
+    2. the content of the **last** ``\\boxed{...}`` (balanced braces, nesting allowed); none when it is
+       ``\\boxed{a} or \\boxed{b}`` (a hedge);
+    3. the content of the last ``<answer>...</answer>`` (itself read by these rules);
+    4. (``last_number`` only) the rest of the sentence after the last "answer is" / "answer:" phrase, so
+       text after the answer never supplies it;
+    5. (``last_number`` only) the last number in plain text: numbers inside LaTeX math (``$...$`` with
+       LaTeX in it, ``\\(...\\)``, ``\\[...\\]``, ``$$...$$``), next to a LaTeX command (``2\\pi``,
+       ``\\sqrt3``), a variable (``2x``), an exponent or subscript (``10^5``) do not count, and a hedged
+       last number ("42 or 43") gives no answer.
     When a ``####`` line or the last ``\\boxed`` is present but malformed, there is no answer (score 0);
     the extractor never falls back to a number hidden inside a malformed answer (``#### 9**9`` is not 9).
 
-Comparison (``answers_equal``): both sides are normalised (LaTeX wrappers ``\\text{}``, ``\\left``/``\\right``,
-``$``, ``^\\circ``, ``\\%``, thin spaces, a trailing period, trailing unit words after a number,
-a leading ``x =``). If either side reads as a number the two must be the same exact rational
-(``0.75 == 3/4 == \\frac{3}{4}``, ``5.0 == 5``, ``−5 == -5``; ``0.333 != 1/3``, no tolerance); otherwise
-the normalised strings must be identical. Percent signs are dropped, so ``50%`` equals ``50`` (GSM8K
-writes percentages as bare numbers), not ``0.5``. Digits are ASCII ``0-9`` only; ``1,5`` (decimal
-comma) is not a number. Like MATH's ``strip_string``, normalisation removes all whitespace, so
-``1 000`` (and ``1\\,000``) read as 1000.
+Comparison conventions (``answers_equal``; details in ``math_compare``): a number gold needs a plain
+number with the same exact value (``0.75 == 3/4``, ``2\\frac{1}{2} == 5/2``, ``1\\,000 == 1000``;
+``2+2 != 4``); tolerance only for a decimal of >= 6 significant digits against a gold value with no
+finite decimal expansion (relative 1e-6: ``3.14159 == \\pi``, ``0.333 != 1/3``); percent signs are dropped
+(``50\\% == 50 != 0.5``); sets and bare lists are order-free, tuples and intervals ordered with matching
+brackets, matrices cell by cell; a single-value gold never matches several values; ``x = 5 == 5``;
+``\\text{Monday} == monday``.
 """
 
 from __future__ import annotations
 
 import re
 from collections import deque
-from fractions import Fraction
 from typing import Any
 
+from unialign.rewards import math_worker
 from unialign.rewards.base import completion_to_text, map_with_time_limit
+from unialign.rewards.math_compare import (  # noqa: F401 - re-exported (public API of this module)
+    MAX_ANSWER_CHARS,
+    MAX_EXPONENT,
+    MAX_NUMBER_CHARS,
+    clean,
+    compare,
+    normalize_answer,
+    number_value,
+    parse_number,
+)
 
-MAX_NUMBER_CHARS = 200      # parse_number refuses longer strings outright
-MAX_ANSWER_CHARS = 1000     # an extracted / reference answer longer than this is no answer
-MAX_EXPONENT = 400          # |k| in 1e<k> or \times 10^{k}
-LAST_NUMBER_WINDOW = 2000   # the last-number fallback looks at this many trailing characters
+LAST_NUMBER_WINDOW = 2000   # the last-number and answer-phrase fallbacks look at this many trailing characters
 
 _MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-", "\u2013": "-"})
 
@@ -47,142 +71,34 @@ _NUMBER_TOKEN = re.compile(
     r"(?:\\[dt]?frac\{[^{}]{1,50}\}\{[^{}]{1,50}\}|\\[dt]?frac[0-9]{2}(?![0-9])"
     rf"|(?:{_UNSIGNED})(?:[eE][-+]?[0-9]+)?(?:[ \t]*/[ \t]*(?:{_UNSIGNED}))?)"
 )
-_DECIMAL = re.compile(
-    r"([-+]?)[ \t]*(?:([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.([0-9]*))?|\.([0-9]+))(?:[eE]([-+]?[0-9]+))?"
-)
-_TIMES_TEN = re.compile(r"([-+]?[ \t]*[0-9.,]+)[ \t]*(?:\\times|\\cdot|×|\*)[ \t]*10\^\{?([-+]?[0-9]+)\}?")
-_LATEX_FRAC = re.compile(r"([-+]?)[ \t]*\\frac(?:\{([^{}]+)\}\{([^{}]+)\}|([0-9])([0-9]))")
-
-_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)[ \t]*\{([^{}]*)\}")
-_DROP = re.compile(r"\\left|\\right|\\[!,;: ]|\\\$|\$|\^\{?\\circ\}?|\\circ|°|\\%|%|\\\(|\\\)|\\\[|\\\]|\\displaystyle")
-_UNITS = re.compile(r"([-+]?[0-9.][0-9.,/]*)[ \t]+[A-Za-z][A-Za-z \t./^]*")
-_ASSIGNMENT = re.compile(r"[A-Za-z][ \t]*=[ \t]*(\S.*)")
-_WHITESPACE = re.compile(r"\s+")
 _BARE_TOKEN = re.compile(r"[^\s$]{1,200}")
+_MATH_REGION = re.compile(r"\$\$[^$]{0,2000}\$\$|\\\((?:[^\\]|\\[^)]){0,2000}\\\)|\\\[(?:[^\\]|\\[^\]]){0,2000}\\\]"
+                          r"|\$[^$\n]{1,300}\$")
+_LATEX_IN_DOLLARS = re.compile(r"[\\^_{}]|[0-9][A-Za-z]|[A-Za-z][0-9]|^[^0-9]*$")
+_HEDGE_BEFORE = re.compile(r"[0-9][ \t]*(?:,[ \t]*)?(?:or|and/or|/)[ \t]+(?:maybe[ \t]+|possibly[ \t]+|perhaps[ \t]+)?$")
+_PHRASE = re.compile(r"(?i)\banswer(?:[ \t]+is|[ \t]*:|[ \t]+is[ \t]*:)[ \t*:]*")
+_PHRASE_PREFIX = re.compile(r"(?i)^(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is|[ \t]*:)[ \t*:]*")
+_SENTENCE_END = re.compile(r"\.(?:[ \t]|$)|\n|!|\?")
+_EMPHASIS = re.compile(r"^[*_ \t]+|[*_ \t]+$")
+_WORD_NOTE = re.compile(r"(.*?\S)[ \t]*\([A-Za-z][A-Za-z .,'-]{0,60}\)[ \t.]*")
+_BOXED_OR = re.compile(r"(?i)^[ \t$.,]*(?:\\text\{)?[ \t]*or\b")
 
 
-def parse_number(s: str) -> Fraction | None:
-    """The exact rational value of ``s``, or None when ``s`` is not a plain number.
-
-    Accepts (with optional ``+``/``-``/``−`` sign, surrounding ``$``, outer braces, a trailing period or
-    ``%``): integers, ``1,234`` (groups of three), decimals (``.5``, ``5.``), scientific ``2.5e-3``,
-    ``1.5 \\times 10^{3}``, ``a/b`` and ``\\frac{a}{b}`` / ``\\dfrac`` / ``\\tfrac`` / ``\\frac34`` with
-    decimal parts. Bounded: strings over ``MAX_NUMBER_CHARS`` and exponents over ``MAX_EXPONENT`` give None,
-    so nothing can allocate a huge integer. Never evaluates anything: ``9**9`` and ``2+2`` give None.
-    """
-    if not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
-        return None
-    s = s.translate(_MINUS).replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\$", "")
-    s = s.strip().strip("$").strip()
-    if s.endswith("\\%"):
-        s = s[:-2]
-    s = s.rstrip("%").rstrip()
-    if len(s) > 1 and s.endswith("."):
-        s = s[:-1]
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    while len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _balanced(s[1:-1]):
-        s = s[1:-1].strip()
-    if not s:
-        return None
-    value = _parse_decimal(s)
-    if value is not None:
-        return value
-    m = _TIMES_TEN.fullmatch(s)
-    if m:
-        mantissa, exponent = _parse_decimal(m.group(1)), _bounded_exponent(m.group(2))
-        return None if mantissa is None or exponent is None else mantissa * Fraction(10) ** exponent
-    m = _LATEX_FRAC.fullmatch(s)
-    if m:
-        num, den = (m.group(2), m.group(3)) if m.group(2) is not None else (m.group(4), m.group(5))
-        value = _ratio(_parse_decimal(num.strip()), _parse_decimal(den.strip()))
-        return -value if value is not None and m.group(1) == "-" else value
-    if s.count("/") == 1:
-        num, den = s.split("/")
-        return _ratio(_parse_decimal(num.strip()), _parse_decimal(den.strip()))
-    return None
-
-
-def _balanced(s: str) -> bool:
-    depth = 0
-    for c in s:
-        depth += (c == "{") - (c == "}")
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-def _bounded_exponent(text: str) -> int | None:
-    digits = text.lstrip("+-")
-    if len(digits) > 4:
-        return None
-    k = int(text)
-    return k if abs(k) <= MAX_EXPONENT else None
-
-
-def _parse_decimal(s: str) -> Fraction | None:
-    m = _DECIMAL.fullmatch(s)
-    if not m:
-        return None
-    sign, whole, frac, bare_frac, exponent = m.groups()
-    if whole is None:
-        whole, frac = "0", bare_frac
-    frac = frac or ""
-    value = Fraction(int(whole.replace(",", "") + frac), 10 ** len(frac))
-    if exponent is not None:
-        k = _bounded_exponent(exponent)
-        if k is None:
-            return None
-        value *= Fraction(10) ** k
-    return -value if sign == "-" else value
-
-
-def _ratio(num: Fraction | None, den: Fraction | None) -> Fraction | None:
-    if num is None or den is None or den == 0:
-        return None
-    return num / den
-
-
-def normalize_answer(s: str) -> str | None:
-    """A canonical string form of an answer for comparison, or None when ``s`` is empty or longer than
-    ``MAX_ANSWER_CHARS``: drops ``\\text{}``-style wrappers (keeping their content), ``\\left``/``\\right``,
-    ``$``, degree and percent signs, LaTeX spacing, a leading ``x =``, unit words after a number, all
-    whitespace and a trailing period; ``\\dfrac``/``\\tfrac`` become ``\\frac``. Linear time."""
-    if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
-        return None
-    s = s.translate(_MINUS).replace("{,}", ",")
-    for _ in range(3):  # \text{\textbf{a}}: innermost first
-        s = _WRAPPER.sub(r"\1", s)
-    s = _DROP.sub(" ", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").strip()
-    m = _ASSIGNMENT.fullmatch(s)
-    if m:
-        s = m.group(1).strip()
-    m = _UNITS.fullmatch(s)
-    if m:
-        s = m.group(1)
-    s = _WHITESPACE.sub("", s)
-    if len(s) > 1 and s.endswith("."):
-        s = s[:-1]
-    return s or None
-
-
-def answers_equal(prediction: str, reference: str) -> bool:
-    """True when two extracted answers agree: equal exact rationals if either side is a number, else
-    identical ``normalize_answer`` strings (see the module docstring). Never evaluates either side."""
-    p, r = normalize_answer(prediction), normalize_answer(reference)
-    if p is None or r is None:
-        return False
-    p_value, r_value = parse_number(p), parse_number(r)
-    if p_value is not None or r_value is not None:
-        return p_value is not None and p_value == r_value
-    return p == r
+def answers_equal(prediction: str, reference: str, *, timeout_s: float = 1.0) -> bool:
+    """True when two extracted answers agree under the module's conventions (tiers 1-3 above; the
+    symbolic tier under a hard ``timeout_s``). Never evaluates either side."""
+    verdict = compare(prediction, reference)
+    if verdict is None:
+        verdict = math_worker.shared_worker().compare(prediction, reference, timeout_s)
+    return bool(verdict)
 
 
 def extract_answer(text: str, *, last_number: bool = True) -> str | None:
     """The final answer in a model's ``text`` (stripped), or None: the last ``####`` line, else the
-    last ``\\boxed{...}``, else (when ``last_number``) the last number. A present but malformed ``####``
-    answer or last ``\\boxed`` (unbalanced, or longer than ``MAX_ANSWER_CHARS``) gives None rather than a
-    fallback. Linear time in ``len(text)``; see the module docstring for the grammar."""
+    last ``\\boxed{...}``, else the last ``<answer>`` tag, else (when ``last_number``) the sentence after
+    the last "answer is" phrase or the last plain-text number. A present but malformed ``####`` answer or
+    last ``\\boxed`` (unbalanced, or longer than ``MAX_ANSWER_CHARS``) gives None rather than a fallback.
+    Linear time in ``len(text)``; see the module docstring for the rules."""
     if not isinstance(text, str):
         return None
     hashes = text.rfind("####")
@@ -190,18 +106,56 @@ def extract_answer(text: str, *, last_number: bool = True) -> str | None:
         line = _line_after(text, hashes + 4)
         if line is None:
             return None
-        if line.strip():
-            return line.strip()
+        line = _tidy(line)
+        if line:
+            return line
     boxed = text.rfind("\\boxed")
     if boxed >= 0:
-        return _boxed_content(text, boxed + len("\\boxed"))
-    return _last_number(text) if last_number else None
+        return _last_boxed(text, boxed)
+    tag = text.rfind("<answer>")
+    if tag >= 0:
+        end = text.find("</answer>", tag, tag + MAX_ANSWER_CHARS + 10)
+        if end >= 0:
+            inner = text[tag + len("<answer>") : end]
+            found = extract_answer(inner, last_number=False) or _tidy(inner)
+            if found and len(found) <= 200:
+                return found
+    if not last_number:
+        return None
+    phrase = _after_phrase(text)
+    if phrase is not None:
+        return phrase
+    return _last_number(text)
+
+
+def _tidy(line: str) -> str:
+    """A ``####`` / tag answer without markdown emphasis, an "answer is" prefix or a parenthesised note."""
+    line = _EMPHASIS.sub("", line.strip())
+    line = _PHRASE_PREFIX.sub("", line)
+    line = _EMPHASIS.sub("", line)
+    m = _WORD_NOTE.fullmatch(line)
+    if m:
+        line = m.group(1)
+    return line.strip()
+
+
+def _last_boxed(text: str, boxed: int) -> str | None:
+    """Content of the last ``\\boxed``; None when it is malformed or hedged (``\\boxed{a} or \\boxed{b}``)."""
+    content = _boxed_content(text, boxed + len("\\boxed"))
+    previous = text.rfind("\\boxed", max(0, boxed - 300), boxed)
+    if content is not None and previous >= 0:
+        earlier = _boxed_content(text, previous + len("\\boxed"))
+        if earlier is not None and earlier != content:
+            closing = text.find(earlier, previous) + len(earlier) + 1
+            if 0 < closing <= boxed and _BOXED_OR.match(text[closing:boxed]):
+                return None
+    return content
 
 
 def reference_answer(reference: Any) -> str | None:
     """The answer inside a dataset reference: after the last ``####`` (a full GSM8K solution), else the
-    last ``\\boxed{}`` (a MATH solution), else the whole value as a string (a bare answer such as ``"72"``
-    or ``72``). None when empty or malformed."""
+    last ``\\boxed{}`` (a MATH solution), else the whole value as a string (a bare answer such as ``"72"``,
+    ``72`` or ``\\frac{\\sqrt{2}}{2}``). None when empty or malformed."""
     if reference is None:
         return None
     text = reference if isinstance(reference, str) else str(reference)
@@ -241,48 +195,94 @@ def _boxed_content(text: str, i: int) -> str | None:
     return None  # unbalanced, or longer than MAX_ANSWER_CHARS
 
 
+def _after_phrase(text: str) -> str | None:
+    """The rest of the sentence after the last "answer is" / "answer:" in the trailing window, or None."""
+    window = text[-LAST_NUMBER_WINDOW:]
+    last = deque(_PHRASE.finditer(window), maxlen=1)
+    if not last:
+        return None
+    rest = window[last[0].end() :]
+    if rest.startswith(("$", "\\(", "\\[")):
+        region = _MATH_REGION.match(rest)
+        if region:
+            return _tidy(region.group(0)) or None
+    end = _SENTENCE_END.search(rest)
+    value = _tidy(rest[: end.start()] if end else rest)
+    return value if value and len(value) <= 200 else None
+
+
 def _last_number(text: str) -> str | None:
-    """The last number token in the final ``LAST_NUMBER_WINDOW`` characters; None if there is none, if
-    it runs past the window start (a number that long is no answer) or if it is an exponent or subscript
-    (``10^5``, ``x_2``: an expression, which is never evaluated)."""
+    """The last number token of the plain text in the final ``LAST_NUMBER_WINDOW`` characters; None if
+    there is none, if it runs past the window start, if it is an exponent or subscript (``10^5``), sits next
+    to LaTeX or a variable (``2\\pi``, ``\\sqrt3``, ``2x``), or is hedged ("42 or 43")."""
     start = max(0, len(text) - LAST_NUMBER_WINDOW)
     window = text[start:].translate(_MINUS)  # one-to-one characters: offsets unchanged
+    window = _MATH_REGION.sub(_blank_latex, window)
     tail = deque(_NUMBER_TOKEN.finditer(window), maxlen=1)
     if not tail:
         return None
     last = tail[0]
     if last.start() == 0 and start > 0 and text[start - 1] in "0123456789.,/{}\\":
         return None
-    if window[max(0, last.start() - 2) : last.start()].endswith(("^", "_", "^{", "_{")):  # x^2, a_{3}
+    before, after = window[max(0, last.start() - 40) : last.start()], window[last.end() : last.end() + 3]
+    if before.endswith(("^", "_", "^{", "_{", "\\sqrt", "\\sqrt{")):  # x^2, a_{3}, \sqrt3
+        return None
+    if after[:1] in ("\\", "^", "!", "_") or re.match(r"[A-Za-z](?![A-Za-z])", after):  # 2\pi, 3^2, 2x
+        return None
+    if _HEDGE_BEFORE.search(before):  # "43 or 42"
         return None
     return last.group(0).strip()
 
 
-def _score(item: tuple[str, Any, bool]) -> float:
+def _blank_latex(m: re.Match) -> str:
+    """A LaTeX math region becomes spaces (same length); a ``$...$`` pair that is currency stays."""
+    region = m.group(0)
+    if region.startswith("$") and not region.startswith("$$") and not _LATEX_IN_DOLLARS.search(region[1:-1]):
+        return region
+    return " " * len(region)
+
+
+def _score(item: tuple[str, Any, bool]) -> float | tuple[str, str]:
+    """1.0 / 0.0, or ``(prediction, reference)`` when only the symbolic worker can decide."""
     text, reference, last_number = item
     prediction = extract_answer(text, last_number=last_number)
     ref = reference_answer(reference)
     if prediction is None or ref is None:
         return 0.0
-    return 1.0 if answers_equal(prediction, ref) else 0.0
+    verdict = compare(prediction, ref)
+    if verdict is None:
+        return (prediction, ref)
+    return 1.0 if verdict else 0.0
 
 
-def math_accuracy_reward(prompts: list[Any], completions: list[Any], answer: list[Any], *,
-                         timeout_s: float = 1.0, last_number: bool = True, **kwargs: Any) -> list[float]:
+def math_accuracy_reward(prompts: list[Any], completions: list[Any], answer: list[Any] | None = None, *,
+                         solution: list[Any] | None = None, timeout_s: float = 1.0, last_number: bool = True,
+                         **kwargs: Any) -> list[float]:
     """1.0 where a completion's final answer equals the reference, else 0.0 (TRL reward signature).
 
     ``completions``: strings or conversational message lists (the last assistant message is read).
-    ``answer``: per-sample references, a full GSM8K solution ending ``#### N``, a MATH solution with
-    ``\\boxed{}``, or a bare value. ``timeout_s``: wall-clock budget per sample (overrun scores 0.0).
-    ``last_number=False`` accepts only ``####`` / ``\\boxed`` answers (no bare-number fallback).
-    Extra dataset columns in ``kwargs`` are ignored. Never raises on hostile text; raises ValueError
-    if ``answer`` and ``completions`` differ in length.
+    ``answer`` or (TRL's name) ``solution``: per-sample references, a full GSM8K solution ending
+    ``#### N``, a MATH solution with ``\\boxed{}``, or a bare value / LaTeX answer (``answer`` wins when
+    both are given). ``timeout_s``: wall-clock budget per sample for the in-process tiers and, separately,
+    the hard limit of a sample's symbolic check in the worker process (overrun scores 0.0).
+    ``last_number=False`` accepts only ``####`` / ``\\boxed`` / ``<answer>`` answers (no fallbacks).
+    Extra dataset columns in ``kwargs`` are ignored. Never raises on hostile text; raises TypeError
+    without a reference column and ValueError if the references and ``completions`` differ in length.
     """
-    if len(answer) != len(completions):
-        raise ValueError(f"{len(answer)} answers for {len(completions)} completions")
+    references = answer if answer is not None else solution
+    if references is None:
+        raise TypeError("math_accuracy needs the reference answers in an 'answer' or 'solution' column")
+    if len(references) != len(completions):
+        raise ValueError(f"{len(references)} answers for {len(completions)} completions")
     texts = [completion_to_text(c) for c in completions]
-    items = [(t, a, last_number) for t, a in zip(texts, answer)]
-    return [float(x) for x in map_with_time_limit(_score, items, timeout_s, 0.0)]
+    items = [(t, a, last_number) for t, a in zip(texts, references)]
+    results = map_with_time_limit(_score, items, timeout_s, 0.0)
+    out = []
+    for r in results:
+        if isinstance(r, tuple):
+            r = 1.0 if math_worker.shared_worker().compare(r[0], r[1], timeout_s) else 0.0
+        out.append(float(r))
+    return out
 
 
 def math_format_reward(prompts: list[Any], completions: list[Any], *, style: str = "gsm8k",

@@ -1,0 +1,455 @@
+"""Comparison of two extracted math answers (a prediction and a gold answer), without executing either.
+
+This module imports neither torch nor sympy, so the symbolic worker process (``math_worker``) can use the
+same rules. ``compare(prediction, gold, symbolic=None)`` gives True / False, or None when only a symbolic
+check (sympy, in the killable worker) can decide.
+
+Conventions (see ``unialign/rewards/math.py`` for the whole list):
+
+* **Numbers are exact.** When the gold is a plain number (integer, decimal, ``1,234``, ``a/b``,
+  ``\\frac{a}{b}``, a mixed number ``2\\frac{1}{2}`` / ``2 1/2``, ``2.5e3``, ``1.5 \\times 10^{3}``), the
+  prediction must be a plain number with the same exact rational value: ``0.75 == \\frac34``,
+  ``5.0 == 5``; arithmetic left in the answer (``2+2``, ``\\sqrt{16}``) does not count.
+  *Tolerance*: a decimal with at least ``TOL_MIN_DIGITS`` (6) significant digits matches a gold value that
+  has no finite decimal expansion (``1/3``, ``\\sqrt2/2``, ``\\pi``) when within a relative
+  ``NUMERIC_REL_TOL`` (1e-6): ``0.333333 == 1/3``, ``3.14159 == \\pi``, but ``0.333 != 1/3``.
+  Expressions are equal when their values agree to a relative 1e-9 at three fixed points of their free
+  letters (``math_parse.same_value``), else by sympy in the worker.
+* **Percent** signs are dropped: ``50\\% == 50`` (GSM8K writes percentages as bare numbers), ``!= 0.5``.
+* **Structures**: a gold set ``\\{...\\}`` or bare list ``a, b`` is order-free (a multiset); a gold tuple
+  or interval ``(a, b]`` is ordered and its brackets must match; matrices (``pmatrix`` / ``bmatrix`` /
+  ``vmatrix`` / ``array``) compare cell by cell. A single-value gold never matches a prediction with
+  several values (a hedge such as ``42 \\text{ or } 43``).
+* ``x = 5`` equals ``5`` (a leading single-letter or tuple-of-letters assignment is dropped);
+  equations compare as ``lhs - rhs`` up to sign; text answers (``\\text{Monday}``, ``(A)``) compare
+  case-insensitively with ``\\text{}`` wrappers, surrounding parentheses and whitespace removed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from fractions import Fraction
+
+from unialign.rewards import math_parse
+
+MAX_NUMBER_CHARS = 200      # parse_number refuses longer strings outright
+MAX_ANSWER_CHARS = 1000     # an extracted / reference answer longer than this is no answer
+MAX_EXPONENT = 400          # |k| in 1e<k> or \times 10^{k}
+MAX_ELEMENTS = 32           # elements of a set / tuple / matrix
+NUMERIC_REL_TOL = 1e-6      # decimal prediction vs a gold value with no finite decimal expansion
+TOL_MIN_DIGITS = 6          # significant digits a decimal needs for that tolerance
+
+_MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-", "\u2013": "-"})
+
+_DECIMAL = re.compile(
+    r"([-+]?)[ \t]*(?:([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.([0-9]*))?|\.([0-9]+))(?:[eE]([-+]?[0-9]+))?"
+)
+_TIMES_TEN = re.compile(r"([-+]?[ \t]*[0-9.,]+)[ \t]*(?:\\times|\\cdot|×|\*)[ \t]*10\^\{?([-+]?[0-9]+)\}?")
+_LATEX_FRAC = re.compile(r"([-+]?)[ \t]*\\frac(?:\{([^{}]+)\}\{([^{}]+)\}|([0-9])([0-9]))")
+_MIXED = re.compile(r"([-+]?)[ \t]*([0-9]+)[ \t]*(?:\\frac\{[ \t]*([0-9]+)[ \t]*\}\{[ \t]*([0-9]+)[ \t]*\}"
+                    r"|\\frac([0-9])([0-9])|[ \t]([0-9]+)[ \t]*/[ \t]*([0-9]+))")
+
+_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname|boxed)[ \t]*\{([^{}]*)\}")
+_DROP = re.compile(r"\\\\|\\left|\\right|\\[!,;: ]|\\\$|\$|\^\{?\\circ\}?|\\circ|°|\\%|%|\\\(|\\\)|\\\[|\\\]"
+                   r"|\\displaystyle|~")
+_UNITS = re.compile(r"([-+]?[0-9.][0-9.,/]*)[ \t]+[A-Za-z][A-Za-z \t./^]*")
+_TRAILING_UNIT = re.compile(r"(.*[0-9}])(?:[ \t]+[A-Za-z]{2,}\.?){1,3}[ \t]*")
+_ASSIGNMENT = re.compile(r"(?:[A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*(\S.*)")
+_WHITESPACE = re.compile(r"\s+")
+_MATRIX = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[lcr|]*\})?(.*)\\end\{\1\}")
+_TEXTLIKE = re.compile(r"[A-Za-z][A-Za-z .,'()-]*")
+_OPTION = re.compile(r"\(?([A-Za-z])\)?")
+_OR_WORDS = re.compile(r"[ \t]+(?:or|and)[ \t]+")
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+SAFE_COMMANDS = frozenset(
+    "frac dfrac tfrac sqrt pi cdot times div sin cos tan sec csc cot arcsin arccos arctan sinh cosh tanh "
+    "ln log exp infty infinity binom dbinom tbinom le leq ge geq lt gt ne neq cup cap emptyset varnothing "
+    "alpha beta gamma delta theta lambda mu sigma phi omega pm mp circ deg".split())
+_SYMPY_ONLY = re.compile(r"\\(?:[dt]?binom|le|leq|ge|geq|ne|neq|lt|gt|cup|cap|pm|mp|emptyset|varnothing|circ|deg"
+                         r"|infty)(?![A-Za-z])|[_!|<>]")
+_SAFE_CHARS = re.compile(r"[A-Za-z0-9 +\-*/^_(){}\[\]|!,.=<>\\]*")
+
+
+# ----------------------------------------------------------------------------------------- numbers
+def parse_number(s: str) -> Fraction | None:
+    """The exact rational value of ``s``, or None when ``s`` is not a plain number.
+
+    Accepts (with optional ``+``/``-``/``−`` sign, surrounding ``$``, outer braces, a trailing period or
+    ``%``): integers, ``1,234`` (groups of three), decimals (``.5``, ``5.``), scientific ``2.5e-3``,
+    ``1.5 \\times 10^{3}``, ``a/b`` and ``\\frac{a}{b}`` / ``\\dfrac`` / ``\\tfrac`` / ``\\frac34`` with
+    decimal parts. Bounded: strings over ``MAX_NUMBER_CHARS`` and exponents over ``MAX_EXPONENT`` give None,
+    so nothing can allocate a huge integer. Never evaluates anything: ``9**9`` and ``2+2`` give None.
+    """
+    if not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
+        return None
+    s = s.translate(_MINUS).replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\$", "")
+    s = s.strip().strip("$").strip()
+    if s.endswith("\\%"):
+        s = s[:-2]
+    s = s.rstrip("%").rstrip()
+    if len(s) > 1 and s.endswith("."):
+        s = s[:-1]
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    while len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _balanced(s[1:-1]):
+        s = s[1:-1].strip()
+    if not s:
+        return None
+    value = _parse_decimal(s)
+    if value is not None:
+        return value
+    m = _TIMES_TEN.fullmatch(s)
+    if m:
+        mantissa, exponent = _parse_decimal(m.group(1)), _bounded_exponent(m.group(2))
+        return None if mantissa is None or exponent is None else mantissa * Fraction(10) ** exponent
+    m = _LATEX_FRAC.fullmatch(s)
+    if m:
+        num, den = (m.group(2), m.group(3)) if m.group(2) is not None else (m.group(4), m.group(5))
+        value = _ratio(_parse_decimal(num.strip()), _parse_decimal(den.strip()))
+        return -value if value is not None and m.group(1) == "-" else value
+    if s.count("/") == 1:
+        num, den = s.split("/")
+        return _ratio(_parse_decimal(num.strip()), _parse_decimal(den.strip()))
+    return None
+
+
+def number_value(s: str) -> Fraction | None:
+    """``parse_number``, plus mixed numbers: ``2\\frac{1}{2}``, ``2\\frac12`` and ``2 1/2`` are 5/2 (the
+    fraction proper: numerator < denominator; the sign applies to the whole)."""
+    value = parse_number(s)
+    if value is not None or not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
+        return value
+    m = _MIXED.fullmatch(s.translate(_MINUS).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").strip())
+    if not m:
+        return None
+    sign, whole = m.group(1), int(m.group(2))
+    num, den = next((m.group(k), m.group(k + 1)) for k in (3, 5, 7) if m.group(k) is not None)
+    num, den = int(num), int(den)
+    if not 0 < num < den:
+        return None
+    value = whole + Fraction(num, den)
+    return -value if sign == "-" else value
+
+
+def _balanced(s: str) -> bool:
+    depth = 0
+    for c in s:
+        depth += (c == "{") - (c == "}")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _bounded_exponent(text: str) -> int | None:
+    digits = text.lstrip("+-")
+    if len(digits) > 4:
+        return None
+    k = int(text)
+    return k if abs(k) <= MAX_EXPONENT else None
+
+
+def _parse_decimal(s: str) -> Fraction | None:
+    m = _DECIMAL.fullmatch(s)
+    if not m:
+        return None
+    sign, whole, frac, bare_frac, exponent = m.groups()
+    if whole is None:
+        whole, frac = "0", bare_frac
+    frac = frac or ""
+    value = Fraction(int(whole.replace(",", "") + frac), 10 ** len(frac))
+    if exponent is not None:
+        k = _bounded_exponent(exponent)
+        if k is None:
+            return None
+        value *= Fraction(10) ** k
+    return -value if sign == "-" else value
+
+
+def _ratio(num: Fraction | None, den: Fraction | None) -> Fraction | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def _significant_digits(s: str) -> int:
+    digits = re.sub(r"[eE].*", "", s).replace(",", "")
+    if "." not in digits:
+        return 0  # an integer is exact, never "rounded"
+    return len(digits.replace(".", "").replace("-", "").replace("+", "").lstrip("0"))
+
+
+def _terminates(value: Fraction) -> bool:
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    return den == 1
+
+
+# ----------------------------------------------------------------------------------------- cleaning
+def clean(s: str) -> str | None:
+    """``s`` without LaTeX presentation: ``\\text{}``-style wrappers (content kept), ``\\left``/``\\right``,
+    ``$``, degree and percent signs, LaTeX spacing, ``\\dfrac``/``\\tfrac`` (-> ``\\frac``), a leading
+    ``x =`` / ``(x, y) =``, unit words after a number, a trailing period; whitespace collapsed to single
+    spaces (kept, so ``\\pi r`` stays two tokens). None when empty or over ``MAX_ANSWER_CHARS``."""
+    if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
+        return None
+    s = s.translate(_MINUS).replace("{,}", ",")
+    for _ in range(3):  # \text{\textbf{a}}: innermost first
+        s = _WRAPPER.sub(r" \1 ", s)
+    s = _DROP.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _WHITESPACE.sub(" ", s).strip()
+    if len(s) > 1 and s.endswith("."):
+        s = s[:-1].rstrip()
+    m = _ASSIGNMENT.fullmatch(s)
+    if m:
+        s = m.group(1).strip()
+    m = _UNITS.fullmatch(s)
+    if m:
+        s = m.group(1)
+    else:
+        m = _TRAILING_UNIT.fullmatch(s)
+        if m and not _OR_WORDS.search(s):
+            s = m.group(1).strip()
+    if len(s) > 1 and s.endswith("."):
+        s = s[:-1].rstrip()
+    return s or None
+
+
+def normalize_answer(s: str) -> str | None:
+    """A canonical string form of an answer for comparison, or None when ``s`` is empty or longer than
+    ``MAX_ANSWER_CHARS``: ``clean`` with all whitespace removed. Linear time."""
+    s = clean(s)
+    if s is None:
+        return None
+    s = _WHITESPACE.sub("", s)
+    return s or None
+
+
+# ----------------------------------------------------------------------------------------- structure
+def _split_top(s: str, seps: tuple[str, ...]) -> list[str]:
+    """``s`` split at separators outside (), [], {} (bounded by ``MAX_ELEMENTS`` pieces)."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0:
+            for sep in seps:
+                if s.startswith(sep, i):
+                    parts.append(s[start:i])
+                    i += len(sep)
+                    start = i
+                    break
+            else:
+                i += 1
+                continue
+            if len(parts) > MAX_ELEMENTS:
+                return []
+            continue
+        i += 1
+    parts.append(s[start:])
+    return [p.strip() for p in parts]
+
+
+def structure(s: str) -> tuple[str, object]:
+    """``(kind, parts)`` of a cleaned answer: ``("matrix", rows)``, ``("set", elements)``,
+    ``("seq", (open, close, elements))`` for a bracketed tuple / interval, ``("list", elements)`` for a bare
+    list separated by commas, ``\\text{ or }``/``and`` or ``;``, else ``("scalar", s)``."""
+    m = _MATRIX.fullmatch(s.strip())
+    if m:
+        rows = [r for r in (row.strip() for row in m.group(2).split("\\\\")) if r]
+        return "matrix", [[c.strip() for c in row.split("&")] for row in rows]
+    if s.startswith("\\{") and s.endswith("\\}"):
+        return "set", [e for e in _split_top(s[2:-2], (",", ";")) if e]
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _brackets_close_at_end(s):
+        inner = _split_top(s[1:-1], (","))
+        if len(inner) >= 2:
+            return "seq", (s[0], s[-1], inner)
+    parts = _split_top(s, (",", ";", " or ", " and "))
+    if len(parts) >= 2:
+        if number_value(s) is not None:  # 1,000 is a number
+            return "scalar", s
+        return "list", [_ASSIGNMENT.fullmatch(p).group(1) if _ASSIGNMENT.fullmatch(p) else p for p in parts]
+    return "scalar", s
+
+
+def _brackets_close_at_end(s: str) -> bool:
+    """The opening bracket at 0 closes at the last character (not ``(1,2)\\cup(3,4)``)."""
+    depth = 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0 and i != len(s) - 1:
+                return False
+    return depth == 0
+
+
+# ----------------------------------------------------------------------------------------- comparison
+Symbolic = Callable[[str, str], "bool | None"]
+
+
+def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> bool | None:
+    """True / False; None when only ``symbolic`` (not given here) could decide. Never evaluates text."""
+    p, g = clean(prediction), clean(gold)
+    if p is None or g is None:
+        return False
+    if _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g):
+        return True
+    g_num = number_value(g)
+    if g_num is not None:
+        return _number_matches(p, g_num)
+    kind_g, parts_g = structure(g)
+    kind_p, parts_p = structure(p)
+    if kind_g == "scalar":
+        if kind_p != "scalar":
+            return False  # several values against one: a hedge
+        return _leaf(p, g, symbolic)
+    if kind_g == "matrix":
+        if kind_p != "matrix" or [len(r) for r in parts_p] != [len(r) for r in parts_g]:
+            return False
+        return _all([_leaf(a, b, symbolic) for ra, rb in zip(parts_p, parts_g) for a, b in zip(ra, rb)])
+    if kind_g == "seq":
+        open_g, close_g, elems_g = parts_g
+        if kind_p == "seq":
+            open_p, close_p, elems_p = parts_p
+            if (open_p, close_p) != (open_g, close_g):
+                return False
+        elif kind_p == "list" and (open_g, close_g) == ("(", ")"):
+            elems_p = parts_p
+        else:
+            return False
+        if len(elems_p) != len(elems_g):
+            return False
+        return _all([_leaf(a, b, symbolic) for a, b in zip(elems_p, elems_g)])
+    # gold set or bare list: order-free
+    if kind_p in ("set", "list"):
+        elems_p = parts_p
+    elif kind_p == "seq" and parts_p[:2] == ("(", ")"):
+        elems_p = parts_p[2]
+    else:
+        return False
+    return _multiset_equal(elems_p, parts_g, symbolic)
+
+
+def _all(verdicts: list[bool | None]) -> bool | None:
+    if any(v is False for v in verdicts):
+        return False
+    return None if any(v is None for v in verdicts) else True
+
+
+def _multiset_equal(a: list[str], b: list[str], symbolic: Symbolic | None) -> bool | None:
+    if len(a) != len(b):
+        return False
+    unmatched = list(range(len(b)))
+    undecided = False
+    for x in a:
+        hit = None
+        for j in unmatched:
+            v = _leaf(x, b[j], symbolic)
+            if v:
+                hit = j
+                break
+            undecided |= v is None
+        if hit is None:
+            return None if undecided else False
+        unmatched.remove(hit)
+    return True
+
+
+def _number_matches(p: str, g_num: Fraction) -> bool:
+    p_num = number_value(p)
+    if p_num is None:
+        return False
+    if p_num == g_num:
+        return True
+    if not _terminates(g_num) and _significant_digits(p) >= TOL_MIN_DIGITS:
+        return abs(p_num - g_num) <= NUMERIC_REL_TOL * abs(g_num)
+    return False
+
+
+def _leaf(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
+    """One value against one value."""
+    p, g = p.strip(), g.strip()
+    if _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g):
+        return True
+    g_num, p_num = number_value(g), number_value(p)
+    if g_num is not None:
+        return _number_matches(p, g_num)
+    if _is_text(g) or _is_text(p):
+        return _text_key(p) == _text_key(g)
+    if "=" in p or "=" in g:
+        return _equation(p, g, symbolic)
+    if "\\infty" in p or "\\infty" in g:
+        return _WHITESPACE.sub("", p).replace("+", "") == _WHITESPACE.sub("", g).replace("+", "")
+    tree_g, tree_p = _tree(g), _tree(p)
+    if tree_g is not None and tree_p is not None:
+        if p_num is not None:  # a decimal against an irrational constant: the documented tolerance
+            value = math_parse.constant_value(tree_g)
+            if value is not None and value.imag == 0 and _significant_digits(p) >= TOL_MIN_DIGITS:
+                return abs(float(p_num) - value.real) <= NUMERIC_REL_TOL * abs(value.real)
+        verdict = math_parse.same_value(tree_p, tree_g)
+        if verdict is not None:
+            return verdict
+    elif not (_needs_sympy(p) or _needs_sympy(g)):
+        return False  # outside the grammar for a reason sympy would not fix either (``9**9``, ``2+``)
+    if not (safe_for_symbolic(p) and safe_for_symbolic(g)):
+        return False
+    return symbolic(p, g) if symbolic is not None else None
+
+
+def _needs_sympy(s: str) -> bool:
+    """Whether ``s`` uses notation outside ``math_parse``'s grammar that the sympy tier reads (``\\binom``,
+    subscripts, factorials, absolute values, inequalities, set operations, ``\\pm``)."""
+    return bool(_SYMPY_ONLY.search(s))
+
+
+def _tree(s: str) -> tuple | None:
+    try:
+        return math_parse.parse(s)
+    except (math_parse.ParseError, RecursionError):
+        return None
+
+
+def _equation(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
+    sides_p, sides_g = _split_top(p, ("=",)), _split_top(g, ("=",))
+    if len(sides_p) != 2 or len(sides_g) != 2:
+        return False
+    diff_p = f"({sides_p[0]})-({sides_p[1]})"
+    diff_g, neg_g = f"({sides_g[0]})-({sides_g[1]})", f"({sides_g[1]})-({sides_g[0]})"
+    first = _leaf(diff_p, diff_g, symbolic)
+    if first:
+        return True
+    second = _leaf(diff_p, neg_g, symbolic)
+    if second:
+        return True
+    return None if first is None or second is None else False
+
+
+def _is_text(s: str) -> bool:
+    """A word answer (``Monday``, ``(A)``, ``no solution``): letters only, with a run of >= 3 letters, or
+    a single option letter in parentheses."""
+    if _OPTION.fullmatch(s) and s.startswith("("):
+        return True
+    if not _TEXTLIKE.fullmatch(s) or "\\" in s:
+        return False
+    return re.search(r"[A-Za-z]{3}", s) is not None
+
+
+def _text_key(s: str) -> str:
+    s = _WHITESPACE.sub(" ", s).strip().strip(".").lower()
+    m = _OPTION.fullmatch(s)
+    return m.group(1) if m else s
+
+
+def safe_for_symbolic(s: str) -> bool:
+    """Whether ``s`` may go to the sympy worker: short, only math characters, only known commands, no
+    ``__`` (nothing that reads like code)."""
+    if len(s) > math_parse.MAX_EXPR_CHARS or "__" in s or not _SAFE_CHARS.fullmatch(s):
+        return False
+    return all(c[1:] in SAFE_COMMANDS or c in ("\\begin", "\\end") for c in _COMMAND.findall(s))

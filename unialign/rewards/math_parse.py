@@ -1,0 +1,382 @@
+"""A small, bounded LaTeX-math reader for the math reward: tokenise, parse by a fixed grammar into a tuple
+tree, check the tree, evaluate it numerically in floating point. Nothing is ever executed or handed to
+``eval`` / ``sympify``; this module does not import sympy.
+
+Grammar (recursive descent, one token of look-ahead)::
+
+    expr    := term (("+" | "-") term)*
+    term    := unary (("*" | "\\cdot" | "\\times" | "/" | "\\div" | <juxtaposition>) unary)*
+    unary   := ("-" | "+") unary | power
+    power   := postfix ("^" exponent)?          exponent := "{" expr "}" | digit | letter | "(" expr ")"
+    postfix := atom "!"?                        (factorial of an integer <= MAX_FACTORIAL only)
+    atom    := number | letter | "\\pi" | "(" expr ")" | "{" expr "}" | "[" expr "]" | "|" expr "|"
+             | "\\frac" group group | "\\sqrt" ("[" expr "]")? group | function argument
+
+``2\\frac{1}{2}`` (an integer directly followed by a fraction of integers) is the mixed number 5/2, as in
+school notation; ``\\sin^2 x`` is ``(sin x)^2``. Caps (``ParseError`` beyond them): ``MAX_EXPR_CHARS``
+characters, ``MAX_TOKENS`` tokens, ``MAX_DEPTH`` nesting, ``MAX_NODES`` tree nodes, integer exponents
+``|k| <= MAX_EXPONENT``, factorials of integers ``<= MAX_FACTORIAL``. Evaluation is complex floating point
+(``cmath``), so no value can grow into a huge integer; an overflow or a domain error is "no value".
+
+Equality (``same_value``): both trees are evaluated at ``len(POINTS)`` fixed assignments of their free
+variables (letters); equal when every pair agrees to a relative ``REL_TOL`` (1e-9), an identity test that
+is exact for constants up to double rounding (``\\frac{1}{\\sqrt2}`` vs ``\\frac{\\sqrt2}{2}``) and, for
+polynomials / rational functions, wrong only on a measure-zero set of coincidences.
+"""
+
+from __future__ import annotations
+
+import cmath
+import math
+import re
+
+MAX_EXPR_CHARS = 400
+MAX_TOKENS = 200
+MAX_DEPTH = 40
+MAX_NODES = 300
+MAX_EXPONENT = 1000
+MAX_FACTORIAL = 100
+REL_TOL = 1e-9
+
+Node = tuple
+
+
+class ParseError(ValueError):
+    """The text is outside the grammar or over a cap."""
+
+
+_TOKEN = re.compile(
+    r"\s+|(?P<num>[0-9]+(?:\.[0-9]+)?|\.[0-9]+)|(?P<cmd>\\[A-Za-z]+|\\[{}|])|(?P<letter>[A-Za-z])"
+    r"|(?P<op>[-+*/^(){}\[\]|!_])"
+)
+_SKIP_COMMANDS = {"\\left", "\\right", "\\displaystyle", "\\mathrm", "\\mathit", "\\big", "\\Big", "\\bigl",
+                  "\\bigr", "\\Bigl", "\\Bigr"}
+_MUL_COMMANDS = {"\\cdot", "\\times", "\\ast"}
+_FUNCTIONS = {
+    "\\sin": cmath.sin, "\\cos": cmath.cos, "\\tan": cmath.tan, "\\arcsin": cmath.asin,
+    "\\arccos": cmath.acos, "\\arctan": cmath.atan, "\\sinh": cmath.sinh, "\\cosh": cmath.cosh,
+    "\\tanh": cmath.tanh, "\\ln": cmath.log, "\\log": cmath.log, "\\exp": cmath.exp,
+    "\\sec": lambda z: 1 / cmath.cos(z), "\\csc": lambda z: 1 / cmath.sin(z), "\\cot": lambda z: 1 / cmath.tan(z),
+}
+_GREEK = {"\\alpha", "\\beta", "\\gamma", "\\delta", "\\theta", "\\lambda", "\\mu", "\\sigma", "\\phi",
+          "\\omega"}
+_ATOM_START = {"num", "letter", "(", "{", "[", "\\pi", "\\frac", "\\dfrac", "\\tfrac", "\\sqrt", "\\{"}
+
+
+def tokenize(text: str) -> list[tuple[str, str]]:
+    """``text`` as ``(kind, value)`` tokens: kind ``num`` / ``letter`` / the operator or command itself.
+    ParseError on any character outside the grammar or over the caps."""
+    if len(text) > MAX_EXPR_CHARS:
+        raise ParseError("too long")
+    out: list[tuple[str, str]] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise ParseError(f"unexpected {text[pos]!r}")
+        pos = m.end()
+        if m.group("num") is not None:
+            out.append(("num", m.group("num")))
+        elif m.group("letter") is not None:
+            out.append(("letter", m.group("letter")))
+        elif m.group("cmd") is not None:
+            cmd = m.group("cmd")
+            if cmd in ("\\dfrac", "\\tfrac"):
+                cmd = "\\frac"
+            if cmd in _SKIP_COMMANDS:
+                continue
+            out.append(("letter", cmd) if cmd in _GREEK else (cmd, cmd))
+        elif m.group("op") is not None:
+            out.append((m.group("op"), m.group("op")))
+        if len(out) > MAX_TOKENS:
+            raise ParseError("too many tokens")
+    return out
+
+
+class _Parser:
+    def __init__(self, tokens: list[tuple[str, str]]):
+        self.tokens, self.i, self.depth, self.nodes = tokens, 0, 0, 0
+
+    def peek(self, k: int = 0) -> str | None:
+        j = self.i + k
+        return self.tokens[j][0] if j < len(self.tokens) else None
+
+    def take(self, kind: str | None = None) -> tuple[str, str]:
+        if self.i >= len(self.tokens) or (kind is not None and self.tokens[self.i][0] != kind):
+            raise ParseError(f"expected {kind}")
+        tok = self.tokens[self.i]
+        self.i += 1
+        return tok
+
+    def node(self, *parts) -> Node:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise ParseError("too many nodes")
+        return parts
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise ParseError("too deep")
+
+    def expr(self) -> Node:
+        self.enter()
+        left = self.term()
+        while self.peek() in ("+", "-"):
+            op = self.take()[0]
+            right = self.term()
+            left = self.node("add", left, right if op == "+" else self.node("neg", right))
+        self.depth -= 1
+        return left
+
+    def term(self) -> Node:
+        left = self.unary()
+        while True:
+            kind = self.peek()
+            if kind in _MUL_COMMANDS or kind == "*":
+                self.take()
+                left = self.node("mul", left, self.unary())
+            elif kind in ("/", "\\div"):
+                self.take()
+                left = self.node("div", left, self.unary())
+            elif kind in _ATOM_START or kind in _FUNCTIONS:
+                right = self.unary()
+                if _is_integer_literal(left) and _is_proper_fraction(right):  # 2\frac{1}{2} = 5/2
+                    left = self.node("add", left, right)
+                else:
+                    left = self.node("mul", left, right)
+            else:
+                return left
+
+    def unary(self) -> Node:
+        if self.peek() in ("-", "+"):
+            op = self.take()[0]
+            self.enter()
+            inner = self.unary()
+            self.depth -= 1
+            return self.node("neg", inner) if op == "-" else inner
+        return self.power()
+
+    def power(self) -> Node:
+        base = self.postfix()
+        if self.peek() == "^":
+            self.take()
+            return self.node("pow", base, self.exponent())
+        return base
+
+    def exponent(self) -> Node:
+        kind = self.peek()
+        if kind == "{":
+            return self.group()
+        if kind == "num":
+            digits = self.take()[1]
+            # ^23 means ^{2}3 in LaTeX
+            if len(digits) > 1 and "." not in digits:
+                self.i -= 1
+                self.tokens[self.i] = ("num", digits[1:])
+                return self.node("num", float(digits[0]))
+            return self.node("num", float(digits))
+        if kind == "letter":
+            return self.node("var", self.take()[1])
+        if kind == "(":
+            return self.atom()
+        if kind == "-":
+            self.take()
+            return self.node("neg", self.exponent())
+        raise ParseError("bad exponent")
+
+    def postfix(self) -> Node:
+        base = self.atom()
+        if self.peek() == "!":
+            self.take()
+            if not (base[0] == "num" and float(base[1]).is_integer() and 0 <= base[1] <= MAX_FACTORIAL):
+                raise ParseError("factorial of a non-integer or too large")
+            return self.node("num", float(math.factorial(int(base[1]))))
+        return base
+
+    def group(self) -> Node:
+        self.take("{")
+        inner = self.expr()
+        self.take("}")
+        return inner
+
+    def atom(self) -> Node:
+        kind = self.peek()
+        if kind == "num":
+            return self.node("num", float(self.take()[1]))
+        if kind == "letter":
+            return self.node("var", self.take()[1])
+        if kind == "\\pi":
+            self.take()
+            return self.node("num", math.pi)
+        if kind in ("(", "[", "{", "|"):
+            close = {"(": ")", "[": "]", "{": "}", "|": "|"}[kind]
+            self.take()
+            inner = self.expr()
+            self.take(close)
+            return self.node("abs", inner) if kind == "|" else inner
+        if kind == "\\frac":
+            self.take()
+            num, den = self.frac_arg(), self.frac_arg()
+            return self.node("div", num, den)
+        if kind == "\\sqrt":
+            self.take()
+            index = None
+            if self.peek() == "[":
+                self.take()
+                index = self.expr()
+                self.take("]")
+            radicand = self.frac_arg()
+            return self.node("root", radicand, index if index is not None else self.node("num", 2.0))
+        if kind in _FUNCTIONS:
+            name = self.take()[0]
+            base = None
+            if name == "\\log" and self.peek() == "_":
+                self.take()
+                base = self.frac_arg()
+            power = None
+            if self.peek() == "^":
+                self.take()
+                power = self.exponent()
+            if self.peek() in ("(", "{", "["):
+                arg = self.atom()
+            else:
+                arg = self.unary_power_chain()
+            out = self.node("fn", name, arg)
+            if base is not None:
+                out = self.node("div", out, self.node("fn", "\\ln", base))
+            return self.node("pow", out, power) if power is not None else out
+        raise ParseError(f"unexpected {kind}")
+
+    def frac_arg(self) -> Node:
+        """``{expr}`` or a single digit / letter (``\\frac12``, ``\\sqrt2``)."""
+        kind = self.peek()
+        if kind == "{":
+            return self.group()
+        if kind == "num":
+            digits = self.take()[1]
+            if len(digits) > 1 and "." not in digits:
+                self.i -= 1
+                self.tokens[self.i] = ("num", digits[1:])
+            return self.node("num", float(digits[0]))
+        if kind == "letter":
+            return self.node("var", self.take()[1])
+        raise ParseError("bad argument")
+
+    def unary_power_chain(self) -> Node:
+        """The argument of ``\\sin 2x``: juxtaposed factors up to the next operator."""
+        left = self.power()
+        while self.peek() in ("num", "letter", "\\pi"):
+            left = self.node("mul", left, self.power())
+        return left
+
+
+def _is_integer_literal(node: Node) -> bool:
+    return node[0] == "num" and float(node[1]).is_integer() and node[1] >= 0
+
+
+def _is_proper_fraction(node: Node) -> bool:
+    return (node[0] == "div" and _is_integer_literal(node[1]) and _is_integer_literal(node[2])
+            and 0 < node[1][1] < node[2][1])
+
+
+def parse(text: str) -> Node:
+    """The tuple tree of one LaTeX expression (``ParseError`` when outside the grammar or caps)."""
+    parser = _Parser(tokenize(text))
+    if not parser.tokens:
+        raise ParseError("empty")
+    tree = parser.expr()
+    if parser.i != len(parser.tokens):
+        raise ParseError(f"trailing {parser.tokens[parser.i][1]!r}")
+    return tree
+
+
+def free_letters(node: Node) -> set[str]:
+    if node[0] == "var":
+        return {node[1]}
+    out: set[str] = set()
+    for part in node[1:]:
+        if isinstance(part, tuple):
+            out |= free_letters(part)
+    return out
+
+
+def evaluate(node: Node, env: dict[str, complex]) -> complex:
+    """The complex value of ``node`` with letters from ``env``; ``ArithmeticError`` / ``ValueError`` on
+    overflow, division by zero or a domain error."""
+    kind = node[0]
+    if kind == "num":
+        return complex(node[1])
+    if kind == "var":
+        return env[node[1]]
+    if kind == "neg":
+        return -evaluate(node[1], env)
+    if kind == "abs":
+        return complex(abs(evaluate(node[1], env)))
+    if kind == "fn":
+        return _FUNCTIONS[node[1]](evaluate(node[2], env))
+    a, b = evaluate(node[1], env), evaluate(node[2], env)
+    if kind == "add":
+        return a + b
+    if kind == "mul":
+        return a * b
+    if kind == "div":
+        return a / b
+    if kind == "pow":
+        if abs(b) > MAX_EXPONENT:
+            raise OverflowError("exponent over the cap")
+        if b.imag == 0 and b.real.is_integer():
+            return a ** int(b.real) if b.real >= 0 else 1 / a ** int(-b.real)
+        if a.imag == 0 and a.real > 0:
+            return complex(a.real ** b.real) if b.imag == 0 else cmath.exp(b * cmath.log(a))
+        return a ** b
+    if kind == "root":
+        if b.imag == 0 and b.real.is_integer() and int(b.real) % 2 == 1 and a.imag == 0 and a.real < 0:
+            return complex(-((-a.real) ** (1 / b.real)))  # odd root of a negative real: real
+        if b.imag == 0 and b.real == 2:
+            return cmath.sqrt(a)
+        return a ** (1 / b)
+    raise ValueError(kind)
+
+
+# fixed, irregular values for free letters (3 points); the same letter gets the same value on both sides
+POINTS = (0.5772156649, 1.4142135623, 2.7182818284)
+
+
+def _env(letters: set[str], k: int) -> dict[str, complex]:
+    return {c: complex(POINTS[k] + (sum(map(ord, c)) % 29) * 0.0731 * (k + 1)) for c in letters}
+
+
+def values(node: Node, letters: set[str]) -> list[complex] | None:
+    """``node`` evaluated at the fixed points; None when any value is undefined or not finite."""
+    out = []
+    for k in range(len(POINTS)):
+        try:
+            v = evaluate(node, _env(letters, k))
+        except (ArithmeticError, ValueError, KeyError):
+            return None
+        if not (cmath.isfinite(v)):
+            return None
+        out.append(v)
+    return out
+
+
+def close(a: complex, b: complex, rel: float = REL_TOL) -> bool:
+    return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
+
+
+def same_value(a: Node, b: Node, rel: float = REL_TOL) -> bool | None:
+    """True / False when both trees have finite values at every point; None when undecidable here."""
+    letters = free_letters(a) | free_letters(b)
+    va, vb = values(a, letters), values(b, letters)
+    if va is None or vb is None:
+        return None
+    return all(close(x, y, rel) for x, y in zip(va, vb))
+
+
+def constant_value(node: Node) -> complex | None:
+    """The value of a tree without letters, else None."""
+    if free_letters(node):
+        return None
+    v = values(node, set())
+    return v[0] if v else None
