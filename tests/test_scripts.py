@@ -291,3 +291,20 @@ def test_python_api_dpo_in_ten_lines(tmp_path):
     config = PreferenceConfig(max_steps=2, batch_size=4, micro_batch_size=4, output_dir=str(tmp_path), report_to="none")
     history = PreferenceTrainer(DPOObjective(policy, beta=0.1), pairs, config).train()
     assert len(history) == 2 and abs(history[0]["loss"] - math.log(2)) < 1e-4
+
+
+def test_dpo_sdxl_on_a_folder_with_image_paths(tmp_path):
+    from PIL import Image
+
+    data = tmp_path / "pairs"
+    (data / "img").mkdir(parents=True)
+    for i, colour in enumerate([(200, 30, 30), (30, 30, 200), (30, 200, 30), (200, 200, 30)]):
+        Image.new("RGB", (32, 32), colour).save(data / "img" / f"{i}.png")
+    rows = [{"caption": "a red circle on a blue background", "jpg_0": f"img/{i % 4}.png",
+             "jpg_1": f"img/{(i + 1) % 4}.png", "label_0": i % 2} for i in range(10)]
+    write_jsonl(data / "train.jsonl", rows)
+    s = run("dpo_sdxl", ["--dataset_name", str(data), "--max_steps", "1", "--batch_size", "4", "--micro_batch_size", "4",
+                         "--eval_timestep_samples", "1", "--num_eval_images", "4", "--output_dir", str(tmp_path / "out"),
+                         "--report_to", "none"])
+    assert s["metric"] == "gold_score" and (s["train_pairs"], s["num_eval_pairs"]) == (9, 1)
+    assert s["eval_fraction"] == 0.1 and s["steps"] == 1
