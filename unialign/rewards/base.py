@@ -446,7 +446,8 @@ class CombinedReward:
             bad_B = ~finite_F_B.all(0) if self.on_nonfinite == "nan" else ~finite_F_B.any(0)
             bad_B = bad_B | errors_F_B.any(0)
             total_B = torch.where(bad_B, torch.full_like(total_B, math.nan), total_B)
-        all_errors_B = torch.stack(list(errors.values())).any(0) if errors else torch.zeros(batch_size, dtype=torch.bool)
+        all_errors_B = torch.stack(list(errors.values())).any(0) if errors \
+            else torch.zeros(batch_size, dtype=torch.bool)
         return RewardOutput(rewards_B=total_B, per_function=per_function,
                             num_nonfinite=int((~torch.isfinite(total_B)).sum()), function_metrics=function_metrics,
                             num_errors=int(all_errors_B.sum()),

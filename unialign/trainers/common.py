@@ -22,7 +22,7 @@ LEGACY_STATE_FILE = "trainer_state.pt"  # older checkpoints; read with torch.loa
 OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
 
 
-def _help(default: Any, text: str) -> Any:
+def config_field(default: Any, text: str) -> Any:
     """A dataclass field with its ``--help`` line in the metadata (choices, bounds and the --help group
     of shared field names are in ``unialign.config.RULES``)."""
     return field(default=default, metadata={"help": text})
@@ -32,27 +32,27 @@ def _help(default: Any, text: str) -> Any:
 class TrainConfig:
     """Fields every loop shares: optimisation, schedule, seeding, logging and checkpoints."""
 
-    max_steps: int = _help(100, "optimizer steps to train (>= 1)")
-    learning_rate: float = _help(1e-5, "peak learning rate (after warmup)")
-    weight_decay: float = _help(0.0, "decoupled weight decay")
-    adam_beta1: float = _help(0.9, "Adam beta1")
-    adam_beta2: float = _help(0.999, "Adam beta2")
-    adam_epsilon: float = _help(1e-8, "Adam epsilon")
-    optim: str = _help("adamw_torch", "optimizer (TRL / transformers names); adamw_8bit needs bitsandbytes")
-    lr_scheduler_type: str = _help("constant", "learning-rate schedule after warmup")
-    warmup_steps: int = _help(0, "linear warmup steps")
-    max_grad_norm: float = _help(1.0, "clip the gradient norm to this")
-    seed: int = _help(0, "seed of sampling, data order and initialisation")
-    num_threads: int | None = _help(None, "torch intra-op CPU threads (tiny models run fastest on 1; <= 0: torch's "
-                                          "choice)")
-    output_dir: str = _help("outputs/run", "folder for checkpoints, logs, curves, summary.json and final/")
-    logging_steps: int = _help(1, "log metrics to the trackers every N steps")
-    save_steps: int = _help(0, "save a checkpoint every N steps (0: only at the end)")
-    save_total_limit: int = _help(2, "keep at most this many checkpoints")
-    report_to: str = _help("tensorboard", "experiment tracker ('none': no tracker)")
-    resume_from_checkpoint: str | None = _help(None, "a checkpoint folder, or 'latest' (the newest under "
+    max_steps: int = config_field(100, "optimizer steps to train (>= 1)")
+    learning_rate: float = config_field(1e-5, "peak learning rate (after warmup)")
+    weight_decay: float = config_field(0.0, "decoupled weight decay")
+    adam_beta1: float = config_field(0.9, "Adam beta1")
+    adam_beta2: float = config_field(0.999, "Adam beta2")
+    adam_epsilon: float = config_field(1e-8, "Adam epsilon")
+    optim: str = config_field("adamw_torch", "optimizer (TRL / transformers names); adamw_8bit needs bitsandbytes")
+    lr_scheduler_type: str = config_field("constant", "learning-rate schedule after warmup")
+    warmup_steps: int = config_field(0, "linear warmup steps")
+    max_grad_norm: float = config_field(1.0, "clip the gradient norm to this")
+    seed: int = config_field(0, "seed of sampling, data order and initialisation")
+    num_threads: int | None = config_field(
+        None, "torch intra-op CPU threads (tiny models run fastest on 1; <= 0: torch's choice)")
+    output_dir: str = config_field("outputs/run", "folder for checkpoints, logs, curves, summary.json and final/")
+    logging_steps: int = config_field(1, "log metrics to the trackers every N steps")
+    save_steps: int = config_field(0, "save a checkpoint every N steps (0: only at the end)")
+    save_total_limit: int = config_field(2, "keep at most this many checkpoints")
+    report_to: str = config_field("tensorboard", "experiment tracker ('none': no tracker)")
+    resume_from_checkpoint: str | None = config_field(None, "a checkpoint folder, or 'latest' (the newest under "
                                                      "output_dir; an error when there is none)")
-    allow_config_change: bool = _help(False, "resume even when the learning rate / schedule, algorithm, batch "
+    allow_config_change: bool = config_field(False, "resume even when the learning rate / schedule, algorithm, batch "
                                              "shape, model or data differ from the checkpoint's; the new values "
                                              "apply and summary.json records both")
 

@@ -48,6 +48,7 @@ from unialign.rewards.base import ON_ERROR, CombinedReward, RewardError
 from unialign.trainers.common import (
     ResumePoint,
     TrainConfig,
+    config_field,
     epoch_order,
     load_checkpoint,
     log_images,
@@ -64,39 +65,45 @@ from unialign.types import Trajectory
 class OnlineConfig(TrainConfig):
     """Knobs of the on-policy loop. Algorithm fields left at ``None`` take the preset's value."""
 
-    algorithm: str = "grpo"
-    num_generations: int = 8
-    prompts_per_step: int = 16
-    micro_batch_size: int = 32
-    num_mini_batches: int = 1
-    max_steps: int = 50
-    max_completion_length: int | None = None
-    max_generation_rounds: int = 3
-    ratio_check_tol: float | None = None
-    eval_steps: int = 0  # run the trainer's evaluator every N steps (0: only when a script asks)
+    algorithm: str = config_field(
+        "grpo", "algorithm preset (unialign.registry.ALGORITHMS); the fields below left unset take its values")
+    num_generations: int = config_field(8, "samples per prompt (the group size G)")
+    prompts_per_step: int = config_field(16, "prompts per optimizer batch (all processes together)")
+    micro_batch_size: int = config_field(32, "samples per forward/backward pass (memory only; the update is the same)")
+    num_mini_batches: int = config_field(1, "optimizer steps per batch of samples, per epoch")
+    max_steps: int = config_field(50, "training iterations (sample, score, update) to run (>= 1)")
+    max_completion_length: int | None = config_field(
+        None, "completion limit in tokens for the loss normaliser and DAPO's overlong buffer (scripts set it to "
+        "max_new_tokens)")
+    max_generation_rounds: int = config_field(3, "DAPO dynamic sampling: sampling rounds per step at most")
+    ratio_check_tol: float | None = config_field(
+        None, "tolerance of the first step's sampling vs training log-prob check (default 1e-3 in float32, 5e-2 "
+        "in half precision)")
+    eval_steps: int = config_field(0, "run the held-out evaluator every N steps (0: before and after only)")
     reward_errors: str = field(default="raise", metadata={"help": (
         "a reward function that raises or returns non-numbers: 'raise' (stop, naming the function and the "
         "sample; progress so far is checkpointed) or 'skip' (count them in reward_errors and exclude those "
         "samples, like NaN rewards)"), "choices": ["raise", "skip"]})
-    # algorithm overrides (TRL names)
-    epsilon: float | None = None
-    epsilon_high: float | None = None
-    beta: float | None = None
-    loss_type: str | None = None
-    scale_rewards: str | None = None
-    importance_sampling_level: str | None = None
-    mask_truncated_completions: bool | None = None
-    num_iterations: int | None = None
-    kl_estimator: str | None = None
-    dynamic_sampling: bool | None = None
-    entropy_coef: float | None = None
-    kl_target: float | None = None
-    value_coef: float | None = None
-    gamma: float | None = None
-    lam: float | None = None
-    whiten_rewards: bool | None = None
-    dual_clip: float | None = None
-    overlong_cache_len: float | None = None
+    # algorithm overrides (TRL names); None: the preset's value
+    epsilon: float | None = config_field(None, "lower clip bound of the ratio (TRL epsilon)")
+    epsilon_high: float | None = config_field(None, "upper clip bound (DAPO clip-higher); unset: epsilon")
+    beta: float | None = config_field(None, "KL coefficient to the reference policy (0: no reference model)")
+    loss_type: str | None = config_field(None, "loss aggregation (TRL names accepted: grpo, dapo, dr_grpo, bnpo, ...)")
+    scale_rewards: str | None = config_field(None, "group advantages divided by the group's std, the batch's, or none")
+    importance_sampling_level: str | None = config_field(None, "ratio per token, per sequence (GSPO) or sequence_token")
+    mask_truncated_completions: bool | None = config_field(None, "exclude completions cut at the limit from the loss")
+    num_iterations: int | None = config_field(None, "optimisation epochs over each batch of samples")
+    kl_estimator: str | None = config_field(None, "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion)")
+    dynamic_sampling: bool | None = config_field(None, "DAPO: drop groups whose rewards are all equal and sample more")
+    entropy_coef: float | None = config_field(None, "entropy bonus coefficient")
+    kl_target: float | None = config_field(None, "PPO adaptive KL controller target (unset: fixed beta)")
+    value_coef: float | None = config_field(None, "value loss coefficient (> 0 trains a critic: PPO)")
+    gamma: float | None = config_field(None, "PPO discount")
+    lam: float | None = config_field(None, "PPO GAE lambda")
+    whiten_rewards: bool | None = config_field(None, "PPO: whiten the KL-shaped token rewards (scale only)")
+    dual_clip: float | None = config_field(None, "dual-clip bound c > 1 for negative advantages (verl clip_ratio_c)")
+    overlong_cache_len: float | None = config_field(
+        None, "DAPO soft overlong buffer: tokens if >= 1, else a share of max_completion_length; 0: off")
 
     def algo_spec(self) -> AlgoSpec:
         names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
@@ -514,7 +521,8 @@ class OnlineTrainer:
                 counts = gather(torch.tensor(local, device=acc.device)).sum(0)
                 seconds = time.perf_counter() - t0
                 # trained trajectory steps: completion tokens of text, trained denoising steps of images
-                stats.update(tokens_per_second=float(counts[0]) / seconds, samples_per_second=float(counts[1]) / seconds)
+                stats.update(tokens_per_second=float(counts[0]) / seconds,
+                             samples_per_second=float(counts[1]) / seconds)
                 if self.spec.kl_in_reward and "kl_seq" in stats:
                     self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
             else:

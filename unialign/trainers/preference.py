@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from unialign import algos
 from unialign.trainers.common import (
     TrainConfig,
+    config_field,
     epoch_order,
     load_checkpoint,
     make_optimizer,
@@ -45,10 +46,13 @@ from unialign.types import PreferenceBatch
 
 @dataclass
 class PreferenceConfig(TrainConfig):
-    batch_size: int = 16
-    micro_batch_size: int = 8
-    output_dir: str = "outputs/preference"
-    eval_batch_size: int = 32
+    """Knobs of the pairwise loop."""
+
+    batch_size: int = config_field(16, "preference pairs per optimizer step (all processes together)")
+    micro_batch_size: int = config_field(8, "pairs per forward/backward pass (memory only; the update is the same)")
+    output_dir: str = config_field("outputs/preference",
+                                   "folder for checkpoints, logs, curves, summary.json and final/")
+    eval_batch_size: int = config_field(32, "pairs per batch when evaluating")
 
 
 def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch.Tensor:
