@@ -62,6 +62,17 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path, where):
     assert not marker.exists()
 
 
+def test_a_crafted_rng_state_is_not_unpickled_either(tmp_path):
+    """accelerate reads its RNG file with weights_only=True and, when that fails, goes on without it."""
+    trained(tmp_path)
+    marker = tmp_path / "pwned"
+    with open(tmp_path / "checkpoint-2" / "random_states_0.pkl", "wb") as f:
+        pickle.dump({"random_state": Payload(marker)}, f)
+    resumed = make(tmp_path, max_steps=3, resume_from_checkpoint="latest")
+    resumed.train()
+    assert resumed.step == 3 and not marker.exists()
+
+
 def test_latest_with_no_checkpoint_is_a_user_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
         make(tmp_path, resume_from_checkpoint="latest")
