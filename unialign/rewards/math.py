@@ -75,12 +75,14 @@ _BARE_TOKEN = re.compile(r"[^\s$]{1,200}")
 _MATH_REGION = re.compile(r"\$\$[^$]{0,2000}\$\$|\\\((?:[^\\]|\\[^)]){0,2000}\\\)|\\\[(?:[^\\]|\\[^\]]){0,2000}\\\]"
                           r"|\$[^$\n]{1,300}\$")
 _LATEX_IN_DOLLARS = re.compile(r"[\\^_{}]|[0-9][A-Za-z]|[A-Za-z][0-9]|^[^0-9]*$")
-_HEDGE_BEFORE = re.compile(r"[0-9][ \t]*(?:,[ \t]*)?(?:or|and/or|/)[ \t]+(?:maybe[ \t]+|possibly[ \t]+|perhaps[ \t]+)?$")
+_HEDGE_BEFORE = re.compile(r"(?i)(?:\bor|\band/or|[0-9][ \t]*/)(?:[ \t]+(?:maybe|possibly|perhaps|else))?[ \t,]*$")
+_COMPARATIVE_AFTER = re.compile(r"(?i)[ \t]*(?:[A-Za-z]+[ \t]+)?(?:more|less|fewer|greater|smaller)[ \t]+than\b")
 _PHRASE = re.compile(r"(?i)\banswer(?:[ \t]+is|[ \t]*:|[ \t]+is[ \t]*:)[ \t*:]*")
 _PHRASE_PREFIX = re.compile(r"(?i)^(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is|[ \t]*:)[ \t*:]*")
 _SENTENCE_END = re.compile(r"\.(?:[ \t]|$)|\n|!|\?")
 _EMPHASIS = re.compile(r"^[*_ \t]+|[*_ \t]+$")
 _WORD_NOTE = re.compile(r"(.*?\S)[ \t]*\([A-Za-z][A-Za-z .,'-]{0,60}\)[ \t.]*")
+_TAIL_AFTER_MATH = re.compile(r"[ \t]*(?:is|are|units?|square units|cm|m|degrees)?[ \t.,;:!)]*(?:\n|$)")
 _BOXED_OR = re.compile(r"(?i)^[ \t$.,]*(?:\\text\{)?[ \t]*or\b")
 
 
@@ -125,7 +127,7 @@ def extract_answer(text: str, *, last_number: bool = True) -> str | None:
     phrase = _after_phrase(text)
     if phrase is not None:
         return phrase
-    return _last_number(text)
+    return _last_math(text) or _last_number(text)
 
 
 def _tidy(line: str) -> str:
@@ -231,7 +233,34 @@ def _last_number(text: str) -> str | None:
         return None
     if _HEDGE_BEFORE.search(before):  # "43 or 42"
         return None
+    if _COMPARATIVE_AFTER.match(window, last.end()):  # "That's 10 more than last week": not an answer
+        return None
     return last.group(0).strip()
+
+
+def _last_math(text: str) -> str | None:
+    """The content of the last LaTeX math region (``$...$``, ``\\(...\\)``, ``\\[...\\]``, ``$$...$$``)
+    when nothing but punctuation and short words follow it in its sentence and no plain-text number comes
+    after it: ``So the probability is $\\frac{1}{2}$.`` gives ``\\frac{1}{2}``. In ``$a = b$`` the part after
+    the last ``=`` is the answer. None when hedged (``$5$ or $6$``)."""
+    window = text[-LAST_NUMBER_WINDOW:]
+    last = deque((m for m in _MATH_REGION.finditer(window) if _blank_latex(m) != m.group(0)), maxlen=1)
+    if not last:
+        return None
+    region = last[0]
+    after = window[region.end() :]
+    if _NUMBER_TOKEN.search(after) or not _TAIL_AFTER_MATH.match(after):
+        return None
+    if _HEDGE_BEFORE.search(window[max(0, region.start() - 40) : region.start()]):
+        return None
+    content = region.group(0).strip("$")
+    for opener, closer in (("\\(", "\\)"), ("\\[", "\\]")):
+        if content.startswith(opener) and content.endswith(closer):
+            content = content[2:-2]
+    content = content.strip()
+    if "=" in content:
+        content = content[content.rfind("=") + 1 :].strip()
+    return content or None
 
 
 def _blank_latex(m: re.Match) -> str:

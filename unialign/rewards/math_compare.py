@@ -53,8 +53,11 @@ _MIXED = re.compile(r"([-+]?)[ \t]*([0-9]+)[ \t]*(?:\\frac\{[ \t]*([0-9]+)[ \t]*
 _WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname|boxed)[ \t]*\{([^{}]*)\}")
 _DROP = re.compile(r"\\\\|\\left|\\right|\\[!,;: ]|\\\$|\$|\^\{?\\circ\}?|\\circ|°|\\%|%|\\\(|\\\)|\\\[|\\\]"
                    r"|\\displaystyle|~")
-_UNITS = re.compile(r"([-+]?[0-9.][0-9.,/]*)[ \t]+[A-Za-z][A-Za-z \t./^]*")
-_TRAILING_UNIT = re.compile(r"(.*[0-9}])(?:[ \t]+[A-Za-z]{2,}\.?){1,3}[ \t]*")
+_UNITS = re.compile(r"([-+]?[0-9.][0-9.,/]*)[ \t]+[A-Za-z][A-Za-z \t./^]*(?:\^\{?[23]\}?)?")
+_TRAILING_UNIT = re.compile(r"(.*?\S)((?:[ \t]+[A-Za-z]{2,}\.?){1,3})(?:\^\{?[23]\}?)?[ \t]*")
+_MATH_WORDS = frozenset("pi sqrt mod ln log sin cos tan or and not is are".split())
+_REPEATING = re.compile(r"([-+]?)([0-9]*)\.([0-9]{0,20})\\overline\{([0-9]{1,20})\}")
+_PM = "\\pm"
 _ASSIGNMENT = re.compile(r"(?:[A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*(\S.*)")
 _WHITESPACE = re.compile(r"\s+")
 _MATRIX = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[lcr|]*\})?(.*)\\end\{\1\}")
@@ -119,6 +122,12 @@ def number_value(s: str) -> Fraction | None:
     value = parse_number(s)
     if value is not None or not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
         return value
+    m = _REPEATING.fullmatch(s.strip())
+    if m:  # 0.1\overline{6} = 1/6
+        sign, whole, fixed, rep = m.groups()
+        value = int(whole or "0") + Fraction(int(fixed or "0"), 10 ** len(fixed))
+        value += Fraction(int(rep), 10 ** len(fixed) * (10 ** len(rep) - 1))
+        return -value if sign == "-" else value
     m = _MIXED.fullmatch(s.translate(_MINUS).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").strip())
     if not m:
         return None
@@ -187,7 +196,7 @@ def _terminates(value: Fraction) -> bool:
 
 
 # ----------------------------------------------------------------------------------------- cleaning
-def clean(s: str) -> str | None:
+def clean(s: str, *, keep_assignment: bool = False) -> str | None:
     """``s`` without LaTeX presentation: ``\\text{}``-style wrappers (content kept), ``\\left``/``\\right``,
     ``$``, degree and percent signs, LaTeX spacing, ``\\dfrac``/``\\tfrac`` (-> ``\\frac``), a leading
     ``x =`` / ``(x, y) =``, unit words after a number, a trailing period; whitespace collapsed to single
@@ -203,14 +212,15 @@ def clean(s: str) -> str | None:
     if len(s) > 1 and s.endswith("."):
         s = s[:-1].rstrip()
     m = _ASSIGNMENT.fullmatch(s)
-    if m:
+    if m and not keep_assignment:
         s = m.group(1).strip()
     m = _UNITS.fullmatch(s)
     if m:
         s = m.group(1)
     else:
         m = _TRAILING_UNIT.fullmatch(s)
-        if m and not _OR_WORDS.search(s):
+        if (m and re.search(r"[0-9\\]", m.group(1)) and m.group(1)[-1] not in "+-*/=^_{(,"
+                and not set(m.group(2).lower().replace(".", " ").split()) & _MATH_WORDS):
             s = m.group(1).strip()
     if len(s) > 1 and s.endswith("."):
         s = s[:-1].rstrip()
@@ -301,11 +311,21 @@ def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> boo
         return False
     if _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g):
         return True
-    g_num = number_value(g)
-    if g_num is not None:
-        return _number_matches(p, g_num)
+    if ("=" in p) != ("=" in g):  # 2x + y = 5 against y = 5 - 2x: compare the whole equations
+        p_eq, g_eq = clean(prediction, keep_assignment=True), clean(gold, keep_assignment=True)
+        if p_eq.count("=") == 1 and g_eq.count("=") == 1 and "," not in p_eq + g_eq:
+            return _equation(p_eq, g_eq, symbolic)
     kind_g, parts_g = structure(g)
     kind_p, parts_p = structure(p)
+    if kind_p == "set" and len(parts_p) == 1 and kind_g == "scalar":  # \{3\} against 3
+        kind_p, parts_p, p = "scalar", parts_p[0], parts_p[0]
+    if kind_g == "scalar" and g.count(_PM) == 1 and kind_p in ("list", "set"):  # a \pm b: two values
+        kind_g, parts_g = "list", [g.replace(_PM, "+"), g.replace(_PM, "-")]
+        if parts_g[0].startswith("+"):
+            parts_g[0] = parts_g[0][1:]
+    g_num = number_value(g)
+    if g_num is not None and kind_p == "scalar":
+        return _leaf(p, g, symbolic)
     if kind_g == "scalar":
         if kind_p != "scalar":
             return False  # several values against one: a hedge
@@ -380,7 +400,9 @@ def _leaf(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
         return True
     g_num, p_num = number_value(g), number_value(p)
     if g_num is not None:
-        return _number_matches(p, g_num)
+        if p_num is not None or not re.search(r"[\\^!]", p):
+            return _number_matches(p, g_num)  # arithmetic left in a plain answer (2+2) does not count
+        # a LaTeX expression against a number (\sqrt{16}, \binom{5}{2}): by value, below
     if _is_text(g) or _is_text(p):
         return _text_key(p) == _text_key(g)
     if "=" in p or "=" in g:
