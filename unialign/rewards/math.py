@@ -242,7 +242,8 @@ def _last_math(text: str) -> str | None:
     """The content of the last LaTeX math region (``$...$``, ``\\(...\\)``, ``\\[...\\]``, ``$$...$$``)
     when nothing but punctuation and short words follow it in its sentence and no plain-text number comes
     after it: ``So the probability is $\\frac{1}{2}$.`` gives ``\\frac{1}{2}``. In ``$a = b$`` the part after
-    the last ``=`` is the answer. None when hedged (``$5$ or $6$``)."""
+    the last ``=`` is the answer. None when hedged (``$5$ or $6$``) or when an earlier region of the same
+    sentence holds a number too (``the minimum is $-4$, attained at $x = 2$``: which one is the answer?)."""
     window = text[-LAST_NUMBER_WINDOW:]
     last = deque((m for m in _MATH_REGION.finditer(window) if _blank_latex(m) != m.group(0)), maxlen=1)
     if not last:
@@ -253,6 +254,9 @@ def _last_math(text: str) -> str | None:
         return None
     if _HEDGE_BEFORE.search(window[max(0, region.start() - 40) : region.start()]):
         return None
+    sentence = max(window.rfind(". ", 0, region.start()), window.rfind("\n", 0, region.start()), 0)
+    if any(re.search(r"[0-9]", m.group(0)) for m in _MATH_REGION.finditer(window, sentence, region.start())):
+        return None  # "the minimum is $-4$, attained at $x = 2$": two values in the last sentence
     content = region.group(0).strip("$")
     for opener, closer in (("\\(", "\\)"), ("\\[", "\\]")):
         if content.startswith(opener) and content.endswith(closer):
@@ -264,9 +268,11 @@ def _last_math(text: str) -> str | None:
 
 
 def _blank_latex(m: re.Match) -> str:
-    """A LaTeX math region becomes spaces (same length); a ``$...$`` pair that is currency stays."""
+    """A LaTeX math region becomes spaces (same length); a ``$...$`` pair that is currency (no LaTeX in it
+    and a digit right after the closing ``$``, as in ``$18 and $20``) stays."""
     region = m.group(0)
-    if region.startswith("$") and not region.startswith("$$") and not _LATEX_IN_DOLLARS.search(region[1:-1]):
+    if (region.startswith("$") and not region.startswith("$$") and not _LATEX_IN_DOLLARS.search(region[1:-1])
+            and m.string[m.end() : m.end() + 1].isdigit()):  # "$18 and $20": the closing $ is the next amount's
         return region
     return " " * len(region)
 
