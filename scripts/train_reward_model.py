@@ -18,6 +18,7 @@ from accelerate.utils import set_seed
 
 from unialign.config import arg, exit_on_user_error, parse_config
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
+from unialign.text.data import bounded_counts
 from unialign.text.embedded import preference_pairs
 from unialign.text.reward_model import RewardModel
 from unialign.trainers import finish_run
@@ -57,8 +58,9 @@ def main(cfg: RewardModelConfig) -> dict:
     rm = RewardModel.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, max_length=cfg.max_length)
     tok = rm.tokenizer
 
-    def prompt_tokens(prompts: list) -> list[int]:  # the reward model's own prompt text (template, EOS)
-        return [len(x) for x in tok([rm._text(p, "") for p in prompts], add_special_tokens=False)["input_ids"]]
+    def prompt_tokens(prompts: list, limit: int) -> list[int]:  # the reward model's own prompt text (template, EOS)
+        return bounded_counts([rm._text(p, "") for p in prompts], limit, lambda texts: [
+            len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
 
     train, held_out = fit_pairs(tok, prompt_tokens, train, held_out, cfg, data_info)
     trainer = PreferenceTrainer(BradleyTerryObjective(rm, cfg.center_coef), train, cfg)

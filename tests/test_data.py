@@ -77,6 +77,11 @@ def test_held_out_rows_never_train(tmp_path):
     assert len(held) == 5 and len(train) == 15
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     assert info["eval_fraction"] == 0.25 and info["eval_split_seed"] == 0
+    assert [ROWS[i] for i in info["row_ids"]["train"]] == train and [ROWS[i] for i in info["row_ids"]["eval"]] == held
+    # validation runs on the file's rows before any are held out: errors name rows as in the file
+    bad = write_jsonl(tmp_path / "bad.jsonl", ROWS[:7] + [{"prompt": ""}] + ROWS[7:])
+    with pytest.raises(UserError, match=r"bad.jsonl row 7: field 'prompt' must be a non-empty string"):
+        train_eval_rows(str(bad), prepare=prompt_rows)
     # fixed seed: the same held-out rows every time, whatever the training seed
     assert train_eval_rows(str(f), eval_fraction=0.25)[1] == held
     # a folder with test.jsonl uses it; one with only train.jsonl holds out a fraction
@@ -121,6 +126,9 @@ def test_limit_rows_refuses_naming_rows_or_drops_counted():
         limit_rows(rows, count, "error", "train")
     kept, dropped = limit_rows(rows, count, "drop", "train")
     assert kept == [rows[0], rows[2]] and dropped == [1, 3]
+    # rows held out of a file are named by their row in the file
+    with pytest.raises(UserError, match=r"data.jsonl: 2 of 4 rows are too long \(row 12: prompt has 50"):
+        limit_rows(rows, count, "error", "data.jsonl", row_ids=[10, 12, 14, 17])
     assert limit_rows(rows, {"prompt": (None, None)}) == (rows, [])
 
 

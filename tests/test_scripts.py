@@ -180,7 +180,9 @@ TRL_ROWS = [{"prompt": f"Ann has {a} pens and buys {b} more. How many now?", "so
             for a, b in zip(range(11, 41), range(52, 82))]
 
 
-def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys, no_model):
+def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys, no_model, monkeypatch):
+    (tmp_path / "gold_rewards.py").write_text("def needs_gold(completions, gold, **kwargs):\n    return [0.0] * len(gold)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     good = write_jsonl(tmp_path / "good.jsonl", TRL_ROWS)
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b",}\n')
@@ -191,9 +193,9 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
     cases = [
         (["--dataset_name", str(tmp_path / "empty.jsonl")], "empty.jsonl' has no rows"),
         (["--dataset_name", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not valid JSON"),
-        (["--dataset_name", str(tmp_path / "schema.jsonl")], "train row 0: no 'prompt' column"),
-        (["--dataset_name", str(good), "--reward_funcs", "math_accuracy"],
-         "reward 'math_accuracy' needs the column(s) ['answer']"),
+        (["--dataset_name", str(tmp_path / "schema.jsonl")], "schema.jsonl row 0: no 'prompt' column"),
+        (["--dataset_name", str(good), "--reward_funcs", "gold_rewards:needs_gold"],
+         "reward 'gold_rewards:needs_gold' needs the column(s) ['gold']"),
         (["--reward_funcs", "nosuch_reward"], "--reward_funcs: cannot use reward 'nosuch_reward'"),
         (["--dataset_name", str(good), "--eval_split", "test"], "is a single file without splits"),
         (["--torch_dtype", "nosuch"], "--torch_dtype: 'nosuch' is not one of"),
@@ -209,7 +211,7 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
     code, line = run_cli("grpo_math", ["--output_dir", str(tmp_path / "a_file")], capsys)
     assert code == 2 and "exists and is not a directory" in line
     code, line = run_cli("dpo_text", ["--dataset_name", str(tmp_path / "schema.jsonl")] + out, capsys)
-    assert code == 2 and "train row 0: missing field 'chosen'" in line
+    assert code == 2 and "schema.jsonl row 0: missing field 'chosen'" in line
     code, line = run_cli("grpo_image", ["--reward", "nosuch"] + out, capsys)
     assert code == 2 and "--reward: cannot use reward 'nosuch'" in line
     code, line = run_cli("dpo_sdxl", ["--dataset_name", str(tmp_path / "bad.jsonl")] + out, capsys)
@@ -229,13 +231,20 @@ def test_huge_prompt_refused_naming_the_row_before_any_forward(tmp_path, capsys,
     argv = ["--dataset_name", str(data), "--reward_funcs", "math_format", "--eval_fraction", "0.1",
             "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
     code, line = run_cli("grpo_math", argv, capsys)
-    assert code == 2 and "row 5: prompt has" in line and "--max_prompt_length" in line, line
+    assert code == 2 and "big.jsonl: 1 of 28 rows are too long (row 5: prompt has 10" in line, line  # its row in the file
+    assert "--max_prompt_length" in line
     pairs = [{"prompt": "2+2?", "chosen": "4", "rejected": "5"}] * 9 + [{"prompt": "2+2?", "chosen": "4" * 5000,
                                                                           "rejected": "5"}]
     code, line = run_cli("dpo_text", ["--dataset_name", str(write_jsonl(tmp_path / "pairs.jsonl", pairs)),
                                       "--max_completion_length", "64", "--eval_fraction", "0.1",
                                       "--output_dir", str(tmp_path / "out2")], capsys)
-    assert code == 2 and "chosen has 5001 tokens > 64" in line and "--max_completion_length" in line, line
+    assert code == 2 and "pairs.jsonl: " in line and "row 9: chosen has 5001 tokens > 64" in line, line
+    assert "--max_completion_length" in line
+    pairs[3] = {"prompt": "1+1?" * 300, "chosen": "2", "rejected": "3"}
+    code, line = run_cli("train_reward_model", ["--dataset_name", str(write_jsonl(tmp_path / "pairs.jsonl", pairs)),
+                                                "--max_prompt_length", "1000", "--eval_fraction", "0.1",
+                                                "--output_dir", str(tmp_path / "out3")], capsys)
+    assert code == 2 and "pairs.jsonl: " in line and "row 3: prompt has" in line, line
 
 
 def test_grpo_on_a_folder_of_trl_rows_with_a_custom_reward(tmp_path, monkeypatch):

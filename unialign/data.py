@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,35 +181,48 @@ def _load_hub(name: str, split: str, config_name: str | None) -> list[dict[str, 
 
 def train_eval_rows(name: str, *, config_name: str | None = None, train_split: str = "train",
                     eval_split: str | None = None, eval_name: str | None = None, eval_fraction: float = 0.1,
-                    seed: int = SPLIT_SEED) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+                    seed: int = SPLIT_SEED, prepare: Callable[[list[dict], str], list[dict]] | None = None,
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """(training rows, held-out rows, a description of where the held-out rows came from).
 
     Held-out rows are, in order: ``eval_name`` (its ``eval_split``, default ``test``, when it is a folder
     or a Hub id); else ``eval_split`` of ``name``; else, for a folder, its ``test`` or ``validation``
     split; else (a single file, or a folder with only training files) ``eval_fraction`` of the training
     rows, chosen with ``seed`` and removed from training. Hub datasets default to their ``test`` split.
+
+    ``prepare(rows, source)`` (validation / normalisation that keeps one output row per input row) runs on
+    each loaded split before any row is held out, so its errors name rows as they are in the file; when
+    rows are held out, ``info["row_ids"]`` maps positions in the two lists back to those rows.
     """
     path = Path(name).expanduser()
     single_file = not path.is_dir() and is_local(name)
     if single_file and eval_split is not None and eval_name is None:
         raise UserError(f"--eval_split {eval_split!r}: {name!r} is a single file without splits; pass the held-out "
                         "file with --eval_dataset_name, or leave --eval_split unset to hold out --eval_fraction")
-    train = load_dataset_rows(name, train_split, config_name)
+
+    def load(source: str, split: str | None) -> list[dict[str, Any]]:
+        rows = load_dataset_rows(source, split, config_name)
+        whole = is_local(source) and not Path(source).expanduser().is_dir()
+        return prepare(rows, source if whole else f"{source} [{split}]") if prepare else rows
+
+    train = load(name, train_split)
     if eval_name is not None:
-        eval_rows = load_dataset_rows(eval_name, eval_split or "test", config_name)
         whole_file = is_local(eval_name) and not Path(eval_name).expanduser().is_dir()
-        return train, eval_rows, {"eval_source": eval_name if whole_file else f"{eval_name} [{eval_split or 'test'}]"}
+        return train, load(eval_name, eval_split or "test"), {
+            "eval_source": eval_name if whole_file else f"{eval_name} [{eval_split or 'test'}]"}
     if path.is_dir():
         splits = split_files(path)
         candidates = [eval_split] if eval_split is not None else [s for s in ("test", "validation") if s in splits]
         if candidates:
-            return train, load_dataset_rows(name, candidates[0], config_name), {"eval_source": f"{name} [{candidates[0]}]"}
+            return train, load(name, candidates[0]), {"eval_source": f"{name} [{candidates[0]}]"}
     elif not single_file:  # a Hub id
         split = eval_split or "test"
-        return train, load_dataset_rows(name, split, config_name), {"eval_source": f"{name} [{split}]"}
-    train, held_out = split_off(train, eval_fraction, seed, name)
-    return train, held_out, {"eval_source": f"{eval_fraction:g} of {name} held out (seed {seed})",
-                             "eval_fraction": eval_fraction, "eval_split_seed": seed}
+        return train, load(name, split), {"eval_source": f"{name} [{split}]"}
+    ids = list(range(len(train)))
+    train_ids, eval_ids = split_off(ids, eval_fraction, seed, name)
+    return [train[i] for i in train_ids], [train[i] for i in eval_ids], {
+        "eval_source": f"{eval_fraction:g} of {name} held out (seed {seed})", "eval_fraction": eval_fraction,
+        "eval_split_seed": seed, "row_ids": {"train": train_ids, "eval": eval_ids}}
 
 
 def split_off(rows: list[Any], fraction: float, seed: int = SPLIT_SEED, source: str = "dataset") -> tuple[list, list]:

@@ -39,45 +39,43 @@ class TextDataArgs:
         "help": "rows over a token limit: 'error' (refuse, naming them) or 'drop' (skip them, counted in the summary)"})
 
 
-def _eval_cap(rows: list, cfg: Any) -> list:
-    return rows[:cfg.num_eval]
-
-
 def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
-    """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``) of ``cfg``'s data fields."""
+    """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``) of ``cfg``'s data fields;
+    rows are validated as they are in the files (errors name the file and row), then held out."""
     from unialign.text.data import load_rows, prompt_rows
 
-    if cfg.dataset_name == "embedded" and cfg.eval_dataset_name is None:
-        train, held_out, info = load_rows("embedded", "train"), load_rows("embedded", "test"), {"eval_source": "embedded [test]"}
-    else:
-        if cfg.dataset_name == "embedded":
-            train, info = load_rows("embedded", "train"), {}
-            held_out = load_rows(cfg.eval_dataset_name, cfg.eval_split or "test", cfg.dataset_config)
-            info["eval_source"] = cfg.eval_dataset_name
+    if cfg.dataset_name == "embedded":
+        train, info = prompt_rows(load_rows("embedded", "train"), "embedded [train]"), {"eval_source": "embedded [test]"}
+        if cfg.eval_dataset_name is None:
+            held_out = prompt_rows(load_rows("embedded", "test"), "embedded [test]")
         else:
-            train, held_out, info = _split(cfg)
-    train, held_out = prompt_rows(train, "train"), _eval_cap(prompt_rows(held_out, "eval"), cfg)
+            rows = load_rows(cfg.eval_dataset_name, cfg.eval_split or "test", cfg.dataset_config)
+            held_out, info["eval_source"] = prompt_rows(rows, cfg.eval_dataset_name), cfg.eval_dataset_name
+    else:
+        train, held_out, info = _split(cfg, prompt_rows)
+    held_out = held_out[:cfg.num_eval]
     return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
 
 
 def load_pair_data(cfg: Any, embedded_pairs=None) -> tuple[list[dict], list[dict], dict[str, Any]]:
-    """(train, held-out, info) preference pairs (``normalize_pairs``); ``embedded_pairs(split, n, seed)``
-    builds the embedded task's pairs."""
+    """(train, held-out, info) preference pairs (``normalize_pairs``; errors name the file and row);
+    ``embedded_pairs(split, n, seed)`` builds the embedded task's pairs."""
     from unialign.text.preference import normalize_pairs
 
     if cfg.dataset_name == "embedded":
-        train = embedded_pairs("train", None, cfg.seed)
-        held_out = embedded_pairs("test", cfg.num_eval, cfg.seed + 1)
+        train = normalize_pairs(embedded_pairs("train", None, cfg.seed), "embedded [train]")
+        held_out = normalize_pairs(embedded_pairs("test", cfg.num_eval, cfg.seed + 1), "embedded [test]")
         info = {"eval_source": "embedded [test]"}
     else:
-        train, held_out, info = _split(cfg)
-    train, held_out = normalize_pairs(train, "train"), _eval_cap(normalize_pairs(held_out, "eval"), cfg)
+        train, held_out, info = _split(cfg, normalize_pairs)
+    held_out = held_out[:cfg.num_eval]
     return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
 
 
-def _split(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
+def _split(cfg: Any, prepare) -> tuple[list[dict], list[dict], dict[str, Any]]:
     return train_eval_rows(cfg.dataset_name, config_name=cfg.dataset_config, train_split=cfg.train_split,
-                           eval_split=cfg.eval_split, eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction)
+                           eval_split=cfg.eval_split, eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction,
+                           prepare=prepare)
 
 
 def fit_prompts(policy, train: list[dict], held_out: list[dict], cfg: Any, info: dict) -> tuple[list[dict], list[dict]]:
@@ -101,8 +99,10 @@ def fit_pairs(tokenizer, prompt_counter, train: list[dict], held_out: list[dict]
 def _fit(train, held_out, limits, cfg, info):
     from unialign.text.data import limit_rows
 
-    train, dropped_train = limit_rows(train, limits, cfg.overlong_rows, "train")
-    held_out, dropped_eval = limit_rows(held_out, limits, cfg.overlong_rows, "eval")
+    row_ids = info.pop("row_ids", {})  # rows held out of one file: name them as they are in the file
+    source = cfg.dataset_name if row_ids else None
+    train, dropped_train = limit_rows(train, limits, cfg.overlong_rows, source or "train", row_ids.get("train"))
+    held_out, dropped_eval = limit_rows(held_out, limits, cfg.overlong_rows, source or "eval", row_ids.get("eval"))
     if dropped_train or dropped_eval:
         info["overlong_rows_dropped"] = {"train": len(dropped_train), "eval": len(dropped_eval),
                                          "first_train_rows": dropped_train[:10], "first_eval_rows": dropped_eval[:10]}

@@ -102,7 +102,7 @@ Counter = Callable[[list[Any], int], list[int]]
 SPECIAL_SLACK = 4
 
 
-def _bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]], list[int]]) -> list[int]:
+def bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]], list[int]]) -> list[int]:
     """Token counts of ``texts``: exact for any text whose UTF-8 length could exceed ``limit`` tokens, else
     that (never exceeded) bound, so that the short texts of a large dataset are not tokenized at all."""
     bounds = [len(t.encode("utf-8")) + SPECIAL_SLACK for t in texts]
@@ -115,7 +115,7 @@ def _bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]]
 def prompt_token_counter(policy) -> Counter:
     """``count(prompts, limit)``: token counts of prompts in ``policy`` (a ``CausalLMPolicy``) -- chat template
     and system prompt applied, with the special tokens the policy adds (BOS on raw text where the tokenizer
-    adds one) -- exact wherever a prompt could be longer than ``limit`` (``_bounded_counts``)."""
+    adds one) -- exact wherever a prompt could be longer than ``limit`` (``bounded_counts``)."""
     tokenizer = policy.tokenizer
 
     def count(prompts: list[Any], limit: int) -> list[int]:
@@ -126,7 +126,7 @@ def prompt_token_counter(policy) -> Counter:
             idx = [i for i, f in enumerate(flags) if f == templated]
             if not idx:
                 continue
-            counts = _bounded_counts([texts[i] for i in idx], limit, lambda batch, t=templated: [
+            counts = bounded_counts([texts[i] for i in idx], limit, lambda batch, t=templated: [
                 len(x) for x in tokenizer(batch, add_special_tokens=not t)["input_ids"]])
             for i, n in zip(idx, counts):
                 out[i] = n
@@ -147,7 +147,7 @@ def completion_token_counter(tokenizer) -> Counter:
     from unialign.text.preference import completion_text
 
     def count(completions: list[Any], limit: int) -> list[int]:
-        counts = _bounded_counts([completion_text(c) for c in completions], limit - 1, lambda batch: [
+        counts = bounded_counts([completion_text(c) for c in completions], limit - 1, lambda batch: [
             len(x) for x in tokenizer(batch, add_special_tokens=False)["input_ids"]])
         return [n + 1 for n in counts]
 
@@ -155,11 +155,12 @@ def completion_token_counter(tokenizer) -> Counter:
 
 
 def limit_rows(rows: list[dict[str, Any]], limits: dict[str, tuple[int | None, Counter]], action: str = "error",
-               source: str = "dataset") -> tuple[list[dict[str, Any]], list[int]]:
+               source: str = "dataset", row_ids: list[int] | None = None) -> tuple[list[dict[str, Any]], list[int]]:
     """Check rows against token limits: ``limits`` maps a field (``"prompt"``, ``"chosen"``, ...) to (limit or
-    None for none, a batch counter ``count(values, limit)``). ``action="error"``: ``UserError`` naming the rows over a limit (the
-    first three), their lengths and the flag to raise; ``"drop"``: (the rows within the limits, the
-    indices of those dropped). Rows are counted in chunks, so a huge prompt costs one tokenizer call."""
+    None for none, a batch counter ``count(values, limit)``). ``action="error"``: ``UserError`` naming the
+    rows over a limit (the first three; as ``row_ids[i]`` when given, e.g. their rows in the file), their
+    lengths and the flag to raise; ``"drop"``: (the rows within the limits, the names of those dropped).
+    Rows are counted in chunks, so a huge prompt costs one tokenizer call."""
     over: dict[int, tuple[str, int, int]] = {}
     for key, (limit, count) in limits.items():
         if limit is None:
@@ -169,11 +170,12 @@ def limit_rows(rows: list[dict[str, Any]], limits: dict[str, tuple[int | None, C
             for j, n in enumerate(count([r[key] for r in chunk], limit)):
                 if n > limit and start + j not in over:
                     over[start + j] = (key, n, limit)
+    name = (lambda i: row_ids[i]) if row_ids is not None else (lambda i: i)
     if over and (action == "error" or len(over) == len(rows)):
         ids = sorted(over)
-        first = "; ".join(f"row {i}: {over[i][0]} has {over[i][1]} tokens > {over[i][2]}" for i in ids[:3])
+        first = "; ".join(f"row {name(i)}: {over[i][0]} has {over[i][1]} tokens > {over[i][2]}" for i in ids[:3])
         flags = sorted({"--max_prompt_length" if k == "prompt" else "--max_completion_length" for k, _, _ in over.values()})
         hint = "every row is over the limit" if action == "drop" else "or pass --overlong_rows drop to skip them"
         raise UserError(f"{source}: {len(over)} of {len(rows)} rows are too long ({first}{'; ...' if len(ids) > 3 else ''}); "
                         f"raise {' / '.join(flags)} ({hint})")
-    return [r for i, r in enumerate(rows) if i not in over], sorted(over)
+    return [r for i, r in enumerate(rows) if i not in over], [name(i) for i in sorted(over)]
