@@ -124,3 +124,30 @@ def test_huge_finite_rewards_give_the_advantages_of_small_ones(tmp_path):
     small, big = advantages(1.0), advantages(1e20)
     assert big.abs().min() > 0.3
     torch.testing.assert_close(big, small, rtol=1e-3, atol=1e-4)
+
+
+def test_preference_trainer_logs_held_out_pairs_every_eval_steps(tmp_path):
+    from tests.conftest import make_tiny_lm
+    from tests.trainers.test_preference import PAIRS, config
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.trainers.preference import DPOObjective, PreferenceTrainer
+
+    def trainer(eval_steps: int):
+        model, tok = make_tiny_lm()
+        objective = DPOObjective(CausalLMPolicy(model, tok, max_new_tokens=4), beta=0.5)
+        return PreferenceTrainer(objective, PAIRS[:8], config(tmp_path / str(eval_steps), max_steps=2,
+                                                              eval_steps=eval_steps), eval_rows=PAIRS[8:])
+
+    plain, logged = trainer(0), trainer(1)
+    calls = []
+    log = logged.acc.log
+    logged.acc.log = lambda values, step=None, **kw: (calls.append((step, sorted(values))), log(values, step, **kw))
+    before = logged.evaluate()
+    history = logged.train()
+    evals = [(h["step"], h["eval/implicit_accuracy"]) for h in history if "eval/implicit_accuracy" in h]
+    assert [s for s, _ in evals] == [0, 1, 2] and evals[0][1] == before["implicit_accuracy"]
+    assert logged.evaluate() == logged._last_eval[1] and logged._last_eval[0] == 2  # cached: the final one
+    assert [s for s, keys in calls if "eval/loss" in keys] == [0, 1, 2]
+    plain.train()
+    assert [h["loss"] for h in plain.history] == [h["loss"] for h in history if "loss" in h]
+    assert (tmp_path / "1" / "loss_curve.png").exists()

@@ -53,6 +53,8 @@ class PreferenceConfig(TrainConfig):
     output_dir: str = config_field("outputs/preference",
                                    "folder for checkpoints, logs, curves, summary.json and final/")
     eval_batch_size: int = config_field(32, "pairs per batch when evaluating")
+    eval_steps: int = config_field(0, "evaluate the trainer's held-out pairs (eval_rows) every N steps, logged and "
+                                      "plotted as eval/* (0: only when a script asks)")
 
 
 def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch.Tensor:
@@ -171,8 +173,12 @@ class BradleyTerryObjective:
 
 
 class PreferenceTrainer:
+    """Trains ``objective`` on preference ``rows``. ``eval_rows`` (optional held-out pairs) are evaluated
+    by ``evaluate()`` every ``eval_steps`` and at the end; their numbers go to the trackers and the history
+    as ``eval/*`` (and so into the loss curve)."""
+
     def __init__(self, objective, rows: list[dict[str, Any]], config: PreferenceConfig,
-                 accelerator: Accelerator | None = None):
+                 accelerator: Accelerator | None = None, eval_rows: list[dict[str, Any]] | None = None):
         if not rows:
             raise ValueError("preference rows: the training set is empty")
         self.obj, self.rows, self.cfg = objective, rows, config
@@ -192,6 +198,14 @@ class PreferenceTrainer:
         _set_model(objective, prepared)
         self.step, self.cursor, self.history = 0, 0, []
         self.counters = {"skipped_steps": 0}
+        self.eval_rows = eval_rows
+        self._last_eval: tuple[int, dict[str, float]] | None = None
+        self._trackers = "new"  # new -> open -> closed
+
+    def _start_trackers(self) -> None:
+        if self._trackers == "new":
+            self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
+            self._trackers = "open"
 
     def _next_rows(self) -> list[int]:
         ids = epoch_order(self.cursor, len(self.rows), self.cfg.batch_size, self.cfg.seed)
@@ -229,9 +243,32 @@ class PreferenceTrainer:
         out.update({"loss": float(gather(torch.tensor([total], device=acc.device)).mean()), "grad_norm": grad_norm})
         return out
 
+    def evaluate(self, rows: list[dict[str, Any]] | None = None) -> dict[str, float]:
+        """Per-pair means over ``rows`` (default: the trainer's ``eval_rows``), e.g. held-out implicit
+        accuracy, no gradient. For ``eval_rows`` the numbers are also logged (``eval/<name>``) to the
+        trackers and this step's history entry, and cached per step (asking twice computes once)."""
+        if rows is None:
+            if self.eval_rows is None:
+                raise ValueError("evaluate(): no rows given and the trainer has no eval_rows")
+            rows = self.eval_rows
+        if rows is not self.eval_rows:
+            return self._evaluate(rows)
+        if self._last_eval is not None and self._last_eval[0] == self.step:
+            return self._last_eval[1]
+        out = self._evaluate(rows)
+        self._last_eval = (self.step, out)
+        metrics = {f"eval/{k}": v for k, v in out.items()}
+        if self.history and self.history[-1].get("step") == self.step:
+            self.history[-1].update(metrics)
+        else:
+            self.history.append({"step": self.step, **metrics})
+        self._start_trackers()
+        if self._trackers == "open":
+            self.acc.log(metrics, step=self.step)
+        return out
+
     @torch.no_grad()
-    def evaluate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """Per-pair means over ``rows`` (e.g. held-out implicit accuracy), no gradient."""
+    def _evaluate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
         self.obj.model.eval()
         sums: dict[str, float] = {}
         bs = self.cfg.eval_batch_size
@@ -257,7 +294,7 @@ class PreferenceTrainer:
             for c in self._resume.changes:
                 acc.print(f"  setting changed on resume: {c['field']}: {c['old']!r} -> {c['new']!r}")
             self._resume = None
-        acc.init_trackers("unialign", config={k: v for k, v in asdict(cfg).items() if v is not None})
+        self._start_trackers()
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc="pairs")
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -270,17 +307,30 @@ class PreferenceTrainer:
                 acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.4f}")
+            if cfg.eval_steps and self.eval_rows is not None and self.step % cfg.eval_steps == 0:
+                self._scheduled_eval()
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                 self.save_checkpoint()
         bar.close()
+        if self.eval_rows is not None:
+            self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
         self.save_checkpoint()
         if acc.is_main_process:
-            lr_varies = len({h["lr"] for h in self.history}) > 1
+            lr_varies = len({h["lr"] for h in self.history if "lr" in h}) > 1
+            evals = [f"eval/{k}" for k in ("loss", "implicit_accuracy", "accuracy")]
             save_curves(self.history, Path(cfg.output_dir) / "loss_curve.png",
-                        ("loss", "implicit_accuracy", "accuracy", "rewards/margin", *(("lr",) if lr_varies else ())),
+                        ("loss", "implicit_accuracy", "accuracy", *evals, "rewards/margin", *(("lr",) if lr_varies else ())),
                         smooth=("loss", "implicit_accuracy", "accuracy"))
         acc.end_training()
+        self._trackers = "closed"
         return self.history
+
+    def _scheduled_eval(self) -> None:
+        """``evaluate()`` on ``eval_rows`` without moving the training RNG (Diffusion-DPO's evaluation
+        draws timesteps and noise): a run gives the same updates with or without ``eval_steps``."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            self.evaluate()
 
 
 @torch.no_grad()
