@@ -68,12 +68,12 @@ def main(cfg: PPOConfig) -> dict:
         script = Path(__file__).with_name("train_reward_model.py")
         subprocess.run([sys.executable, str(script), "--output_dir", str(rm_path.parent), "--report_to", "none"],
                        check=True)
+    rm = get_reward("reward_model", path=str(rm_path))  # a bad reward-model path fails before the policy loads
     policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
                                             temperature=cfg.temperature, value_head=cfg.value_head,
                                             generation_cache=cfg.generation_cache)
     train, eval_rows = fit_prompts(policy, train, eval_rows, cfg, data_info)  # before any forward
-    rm = get_reward("reward_model", path=str(rm_path))
     accuracy = get_reward("math_accuracy") if "answer" in columns_of(eval_rows) else None
     trainer = OnlineTrainer(policy, rm, train, cfg)
     rm_before = evaluate.greedy_score(policy, eval_rows, rm, cfg.eval_batch_size)

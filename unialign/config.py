@@ -228,7 +228,8 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
         if rules.get("choices"):
             text += f" [one of: {', '.join(map(str, rules['choices']))}]"
         default = f.default if f.default is not dataclasses.MISSING else None
-        text += f" (default: {default})"
+        if "(default:" not in text:
+            text += f" (default: {default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
         if base is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")
