@@ -94,7 +94,7 @@ def test_a_failing_reward_is_named_and_earlier_steps_are_kept(tmp_path):
 
     picky.calls = 0
     trainer = make(tmp_path, reward=picky, max_steps=4)
-    with pytest.raises(RewardError, match=r"'picky' raised ZeroDivisionError on sample 0 \(prompt '.*'\).*"
+    with pytest.raises(RewardError, match=r"'picky' raised ZeroDivisionError at test_outputs.py:\d+ on sample 0 \(prompt '.*'\).*"
                                           r"steps 1-2 are saved in .*checkpoint-2"):
         trainer.train()
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())

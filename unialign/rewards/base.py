@@ -23,8 +23,10 @@ import logging
 import math
 import numbers
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -327,7 +329,9 @@ class RewardFunction:
             if isinstance(err, RewardError):  # already names the function and the sample
                 raise err
             where = _sample(i, prompts) if i is not None else f"a batch of {len(completions)} (no sample fails alone)"
-            raise RewardError(f"reward function {self.name!r} raised {type(err).__name__} on {where}: {err} "
+            frames = traceback.extract_tb(err.__traceback__)
+            at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+            raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}{at} on {where}: {err} "
                               "(reward_errors='skip' scores such samples NaN and counts them)") from err
         logger.warning("reward function %r raised %s on %d of %d samples (first: %s); scored as NaN",
                        self.name, type(batch_err).__name__, sum(errors), len(errors),
