@@ -35,7 +35,7 @@ Answer extraction, in order of preference (``extract_answer``):
 Comparison conventions (``answers_equal``; details in ``math_compare``): a number gold needs a plain
 number with the same exact value (``0.75 == 3/4``, ``2\\frac{1}{2} == 5/2``, ``1\\,000 == 1000``;
 ``2+2 != 4``); tolerance only for a decimal of >= 6 significant digits against a gold value with no
-finite decimal expansion (relative 1e-6: ``3.14159 == \\pi``, ``0.333 != 1/3``); percent signs are dropped
+finite decimal expansion (within one unit of its last place: ``3.14159 == \\pi``, ``0.333 != 1/3``); percent signs are dropped
 (``50\\% == 50 != 0.5``); sets and bare lists are order-free, tuples and intervals ordered with matching
 brackets, matrices cell by cell; a single-value gold never matches several values; ``x = 5 == 5``;
 ``\\text{Monday} == monday``.

@@ -11,8 +11,9 @@ Conventions (see ``unialign/rewards/math.py`` for the whole list):
   prediction must be a plain number with the same exact rational value: ``0.75 == \\frac34``,
   ``5.0 == 5``; arithmetic left in the answer (``2+2``, ``\\sqrt{16}``) does not count.
   *Tolerance*: a decimal with at least ``TOL_MIN_DIGITS`` (6) significant digits matches a gold value that
-  has no finite decimal expansion (``1/3``, ``\\sqrt2/2``, ``\\pi``) when within a relative
-  ``NUMERIC_REL_TOL`` (1e-6): ``0.333333 == 1/3``, ``3.14159 == \\pi``, but ``0.333 != 1/3``.
+  has no finite decimal expansion (``1/3``, ``\\sqrt2/2``, ``\\pi``) when within one unit of its last decimal
+  place (so rounded or truncated both count): ``0.333333 == 1/3``, ``3.14159 == \\pi``, ``0.707107 ==
+  \\frac{\\sqrt2}{2}``, but ``0.333 != 1/3`` and ``3.1416 != \\pi`` (too few digits).
   Expressions are equal when their values agree to a relative 1e-9 at three fixed points of their free
   letters (``math_parse.same_value``), else by sympy in the worker.
 * **Percent** signs are dropped: ``50\\% == 50`` (GSM8K writes percentages as bare numbers), ``!= 0.5``.
@@ -37,8 +38,7 @@ MAX_NUMBER_CHARS = 200      # parse_number refuses longer strings outright
 MAX_ANSWER_CHARS = 1000     # an extracted / reference answer longer than this is no answer
 MAX_EXPONENT = 400          # |k| in 1e<k> or \times 10^{k}
 MAX_ELEMENTS = 32           # elements of a set / tuple / matrix
-NUMERIC_REL_TOL = 1e-6      # decimal prediction vs a gold value with no finite decimal expansion
-TOL_MIN_DIGITS = 6          # significant digits a decimal needs for that tolerance
+TOL_MIN_DIGITS = 6          # significant digits a decimal needs to match a value with no finite decimal expansion
 
 _MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-", "\u2013": "-"})
 
@@ -187,6 +187,15 @@ def _significant_digits(s: str) -> int:
     return len(digits.replace(".", "").replace("-", "").replace("+", "").lstrip("0"))
 
 
+def _last_place(s: str) -> Fraction:
+    """One unit in the last decimal place of a plain decimal (``3.14159`` -> 1e-5; exponent aware)."""
+    s = s.strip().rstrip(".")
+    mantissa, _, exponent = re.sub(r"\\times10\^\{?", "e", s.replace(" ", "")).rstrip("}").partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    k = _bounded_exponent(exponent) if exponent else 0
+    return Fraction(1, 10 ** decimals) * Fraction(10) ** (k or 0)
+
+
 def _terminates(value: Fraction) -> bool:
     den = value.denominator
     for p in (2, 5):
@@ -215,7 +224,7 @@ def clean(s: str, *, keep_assignment: bool = False) -> str | None:
     if m and not keep_assignment:
         s = m.group(1).strip()
     m = _UNITS.fullmatch(s)
-    if m:
+    if m and not set(s[m.end(1) :].lower().replace(".", " ").replace("^", " ").split()) & _MATH_WORDS:
         s = m.group(1)
     else:
         m = _TRAILING_UNIT.fullmatch(s)
@@ -389,7 +398,7 @@ def _number_matches(p: str, g_num: Fraction) -> bool:
     if p_num == g_num:
         return True
     if not _terminates(g_num) and _significant_digits(p) >= TOL_MIN_DIGITS:
-        return abs(p_num - g_num) <= NUMERIC_REL_TOL * abs(g_num)
+        return abs(p_num - g_num) <= _last_place(p)
     return False
 
 
@@ -414,7 +423,7 @@ def _leaf(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
         if p_num is not None:  # a decimal against an irrational constant: the documented tolerance
             value = math_parse.constant_value(tree_g)
             if value is not None and value.imag == 0 and _significant_digits(p) >= TOL_MIN_DIGITS:
-                return abs(float(p_num) - value.real) <= NUMERIC_REL_TOL * abs(value.real)
+                return abs(float(p_num) - value.real) <= float(_last_place(p)) * (1 + 1e-9)
         verdict = math_parse.same_value(tree_p, tree_g)
         if verdict is not None:
             return verdict

@@ -18,7 +18,8 @@ characters, ``MAX_TOKENS`` tokens, ``MAX_DEPTH`` nesting, ``MAX_NODES`` tree nod
 ``|k| <= MAX_EXPONENT``, factorials of integers ``<= MAX_FACTORIAL``. Evaluation is complex floating point
 (``cmath``), so no value can grow into a huge integer; an overflow or a domain error is "no value".
 
-Equality (``same_value``): both trees are evaluated at ``len(POINTS)`` fixed assignments of their free
+Equality (``same_value``): trees of rational arithmetic compare exactly (``exact_value``); otherwise both are
+evaluated at ``len(POINTS)`` fixed assignments of their free
 variables (letters); equal when every pair agrees to a relative ``REL_TOL`` (1e-9), an identity test that
 is exact for constants up to double rounding (``\\frac{1}{\\sqrt2}`` vs ``\\frac{\\sqrt2}{2}``) and, for
 polynomials / rational functions, wrong only on a measure-zero set of coincidences.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import cmath
 import math
 import re
+from fractions import Fraction
 
 MAX_EXPR_CHARS = 400
 MAX_TOKENS = 200
@@ -174,8 +176,8 @@ class _Parser:
             if len(digits) > 1 and "." not in digits:
                 self.i -= 1
                 self.tokens[self.i] = ("num", digits[1:])
-                return self.node("num", float(digits[0]))
-            return self.node("num", float(digits))
+                return self.node("num", Fraction(digits[0]))
+            return self.node("num", Fraction(digits))
         if kind == "letter":
             return self.node("var", self.take()[1])
         if kind == "(":
@@ -191,7 +193,7 @@ class _Parser:
             self.take()
             if not (base[0] == "num" and float(base[1]).is_integer() and 0 <= base[1] <= MAX_FACTORIAL):
                 raise ParseError("factorial of a non-integer or too large")
-            return self.node("num", float(math.factorial(int(base[1]))))
+            return self.node("num", Fraction(math.factorial(int(base[1]))))
         return base
 
     def group(self) -> Node:
@@ -203,7 +205,7 @@ class _Parser:
     def atom(self) -> Node:
         kind = self.peek()
         if kind == "num":
-            return self.node("num", float(self.take()[1]))
+            return self.node("num", Fraction(self.take()[1]))
         if kind == "letter":
             return self.node("var", self.take()[1])
         if kind == "\\pi":
@@ -227,7 +229,7 @@ class _Parser:
                 index = self.expr()
                 self.take("]")
             radicand = self.frac_arg()
-            return self.node("root", radicand, index if index is not None else self.node("num", 2.0))
+            return self.node("root", radicand, index if index is not None else self.node("num", Fraction(2)))
         if kind in _FUNCTIONS:
             name = self.take()[0]
             base = None
@@ -258,7 +260,7 @@ class _Parser:
             if len(digits) > 1 and "." not in digits:
                 self.i -= 1
                 self.tokens[self.i] = ("num", digits[1:])
-            return self.node("num", float(digits[0]))
+            return self.node("num", Fraction(digits[0]))
         if kind == "letter":
             return self.node("var", self.take()[1])
         raise ParseError("bad argument")
@@ -365,8 +367,50 @@ def close(a: complex, b: complex, rel: float = REL_TOL) -> bool:
     return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
 
 
+MAX_EXACT_BITS = 40_000  # numerator / denominator size of an exact power (about 12,000 digits)
+
+
+def exact_value(node: Node) -> Fraction | None:
+    """The exact rational value of a tree of rational literals, + - * /, integer powers (bounded size)
+    and |.|; None for anything else (letters, pi, roots, functions) or over ``MAX_EXACT_BITS``."""
+    kind = node[0]
+    if kind == "num":
+        return node[1] if isinstance(node[1], Fraction) else None
+    if kind in ("var", "fn", "root"):
+        return None
+    if kind in ("neg", "abs"):
+        v = exact_value(node[1])
+        return None if v is None else (-v if kind == "neg" else abs(v))
+    a, b = exact_value(node[1]), exact_value(node[2])
+    if a is None or b is None:
+        return None
+    if kind == "add":
+        out = a + b
+    elif kind == "mul":
+        out = a * b
+    elif kind == "div":
+        if b == 0:
+            return None
+        out = a / b
+    elif kind == "pow":
+        if b.denominator != 1 or abs(b) > MAX_EXPONENT or (a == 0 and b < 0):
+            return None
+        if max(a.numerator.bit_length(), a.denominator.bit_length()) * abs(int(b)) > MAX_EXACT_BITS:
+            return None
+        out = a ** int(b)
+    else:
+        return None
+    if max(out.numerator.bit_length(), out.denominator.bit_length()) > MAX_EXACT_BITS:
+        return None
+    return out
+
+
 def same_value(a: Node, b: Node, rel: float = REL_TOL) -> bool | None:
-    """True / False when both trees have finite values at every point; None when undecidable here."""
+    """True / False when both trees have finite values at every point; None when undecidable here.
+    Two trees of rational arithmetic compare exactly (``2^{100}+1 != 2^{100}``)."""
+    exact_a, exact_b = exact_value(a), exact_value(b)
+    if exact_a is not None and exact_b is not None:
+        return exact_a == exact_b
     letters = free_letters(a) | free_letters(b)
     va, vb = values(a, letters), values(b, letters)
     if va is None or vb is None:

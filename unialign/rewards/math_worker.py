@@ -63,9 +63,8 @@ def check_tree(expr) -> None:
             continue
         if isinstance(node, sympy.Pow) or isinstance(node, sympy.exp):
             _log10_bound(node)
-        if isinstance(node, (sympy.factorial, sympy.factorial2, sympy.gamma)) and not node.args[0].free_symbols:
-            if _log10_bound(node.args[0]) > 3 or abs(float(node.args[0])) > MAX_FACTORIAL:
-                raise TreeTooLarge("factorial too large")
+        if isinstance(node, (sympy.factorial, sympy.factorial2, sympy.gamma, sympy.binomial)):
+            _log10_bound(node)
         stack.extend((a, depth + 1) for a in node.args)
 
 
@@ -138,6 +137,13 @@ def sympy_equal(p: str, g: str) -> bool | None:
             return bool(sympy.simplify(a) == sympy.simplify(b))
         except Exception:  # noqa: BLE001
             return None
+    if not (a.free_symbols or b.free_symbols):  # two rational constants compare exactly (2^100 + 1 != 2^100)
+        try:
+            exact_a, exact_b = a.doit(), b.doit()
+            if exact_a.is_Rational and exact_b.is_Rational:
+                return bool(exact_a == exact_b)
+        except Exception:  # noqa: BLE001
+            pass
     symbols = sorted(a.free_symbols | b.free_symbols, key=str)
     points = [sympy.Rational(577, 1000), sympy.Rational(1414, 1000), sympy.Rational(2718, 1000)]
     numeric = True
@@ -151,8 +157,11 @@ def sympy_equal(p: str, g: str) -> bool | None:
         if not (va.is_number and vb.is_number) or va.has(sympy.nan, sympy.zoo) or vb.has(sympy.nan, sympy.zoo):
             numeric = False
             break
-        diff = abs(complex(va) - complex(vb))
-        if diff > SYMPY_REL_TOL * max(1.0, abs(complex(va)), abs(complex(vb))):
+        if not (va.is_finite and vb.is_finite):
+            numeric = False
+            break
+        # in sympy Floats (unbounded exponent range): a huge value never overflows into inf == inf
+        if sympy.Abs(va - vb) > SYMPY_REL_TOL * sympy.Max(1, sympy.Abs(va), sympy.Abs(vb)):
             return False
     if numeric:
         return True
@@ -160,6 +169,50 @@ def sympy_equal(p: str, g: str) -> bool | None:
         return bool(sympy.simplify(a - b) == 0)
     except Exception:  # noqa: BLE001
         return None
+
+
+_DIGITS = None
+
+
+def number_from_digits(text: str):
+    """A sympy Integer / Rational from a number token (``12``, ``1,000``, ``0.25``, ``.5``) without
+    ``sympify``; ValueError for anything else or over 400 digits."""
+    import re
+
+    import sympy
+
+    global _DIGITS
+    if _DIGITS is None:
+        _DIGITS = re.compile(r"([0-9]*)(?:\.([0-9]*))?")
+    text = text.replace(",", "").replace(" ", "").strip()
+    m = _DIGITS.fullmatch(text)
+    if not m or not text.strip(".") or len(text) > 400:
+        raise ValueError(f"not a number token: {text[:40]!r}")
+    whole, frac = m.group(1) or "0", m.group(2) or ""
+    if not frac:
+        return sympy.Integer(int(whole))
+    return sympy.Rational(int(whole + frac), 10 ** len(frac))
+
+
+def forbid_text_evaluation() -> None:
+    """Defence in depth in the child: ``eval`` and sympy's text parser
+    (``parse_expr``, which ``sympify(str)`` calls) raise from here on, so no path through sympy or
+    latex2sympy2_extended can evaluate text. Called after the imports and the warm-up."""
+    import builtins
+
+    import latex2sympy2_extended.latex2sympy2 as l2s
+    import sympy.parsing.sympy_parser as parser
+
+    def forbidden(*args, **kwargs):
+        raise RuntimeError("evaluating text is disabled in the math worker")
+
+    parser.parse_expr = parser.eval_expr = l2s.parse_expr = forbidden
+    # latex2sympy2_extended builds number tokens with sympy.Number(text), i.e. sympify(text) -> parse_expr
+    # -> eval: digits only (the ANTLR lexer's NUMBER token), yet text evaluation all the same. Numbers are
+    # built from the digits here instead.
+    l2s._Latex2Sympy.parse_number = lambda self, text: number_from_digits(text)
+    l2s.convert_number = number_from_digits
+    builtins.eval = forbidden  # exec / compile stay: the import machinery runs modules with them
 
 
 def serve() -> None:
@@ -176,6 +229,7 @@ def serve() -> None:
     from unialign.rewards.math_compare import compare
 
     latex2sympy("\\frac{1}{2}", normalization_config=None)  # warm the ANTLR tables
+    forbid_text_evaluation()
     out = sys.stdout
     out.write("ready\n")
     out.flush()
@@ -194,8 +248,10 @@ class SymbolicWorker:
     """A persistent sympy child process with a hard per-request limit (see the module docstring).
     Thread-safe (one request at a time). ``restarts`` counts kills."""
 
-    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, command: list[str] | None = None):
         self.startup_timeout_s = startup_timeout_s
+        # the child's command line (tests substitute a child that hangs, to check the kill)
+        self.command = command or [sys.executable, "-I", "-c", _BOOTSTRAP, str(Path(__file__).resolve())]
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._lock = threading.Lock()
@@ -244,7 +300,7 @@ class SymbolicWorker:
         self.close()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
-            self._proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, str(Path(__file__).resolve())], env=env,
+            self._proc = subprocess.Popen(self.command, env=env,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         except OSError:
             self._proc = None
