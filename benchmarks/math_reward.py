@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     except Exception as e:  # noqa: BLE001
         rows = [error_row("P6", "math reward", e)]
     print(json.dumps(rows, indent=1, default=str))
-    if a.table and "categories_ours" in rows[0] or "categories" in rows[0]:
+    if a.table and ("categories_ours" in rows[0] or "categories" in rows[0]):
         print(category_table(rows))
 
 

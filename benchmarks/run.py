@@ -7,7 +7,8 @@
 Rows (see benchmarks/README.md): P1 token log-prob + entropy fwd+bwd vs TRL's materialised logits;
 P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sampling with log-prob
 recording vs plain diffusers; P5 Diffusion-DPO memory with the adapter-disabled reference vs a frozen
-copy. Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
+copy; P6 the math reward's agreement with labelled truth and time per 1,000 completions vs math-verify.
+Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
 "target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
 """
 
@@ -31,7 +32,7 @@ if __package__ in (None, ""):
 from benchmarks.common import error_row, machine_info, markdown_table, row  # noqa: E402
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
-           "P5": "p5_diffusion_dpo_memory"}
+           "P5": "p5_diffusion_dpo_memory", "P6": "math_reward"}
 
 
 def p1_rows(quick: bool) -> list[dict]:
