@@ -102,7 +102,7 @@ def main(cfg: DiffusionDPOConfig) -> dict:
                                                  torch_dtype=cfg.torch_dtype, **opts)
     train, held_out, ties, data_info = data or embedded_pairs(policy, cfg)
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
-    trainer = PreferenceTrainer(objective, train, cfg)
+    trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
 
     held_out_images = None
     if embedded:  # fixed held-out prompts and seed: the same draws before and after
@@ -123,7 +123,7 @@ def main(cfg: DiffusionDPOConfig) -> dict:
         return images, (k1 if k <= 1 else averaged_implicit_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
 
     before, implicit_before, implicit_before_k1 = evaluate("before")
-    history = trainer.train()
+    history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)
     after, implicit_after, implicit_after_k1 = evaluate("after")
     summary = {"metric": "gold_score" if embedded else "implicit_accuracy",
                "before": before["gold"] if embedded else implicit_before,

@@ -71,7 +71,7 @@ def main(cfg: DPOTextConfig) -> dict:
     if cfg.precompute_ref_log_probs:
         key = fingerprint(train, policy.model)
         objective.precompute(train, cfg.eval_batch_size, Path(cfg.output_dir) / f"ref_cache-{key}.pt")
-    trainer = PreferenceTrainer(objective, train, cfg)
+    trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
 
     def task_accuracy() -> float | None:
         if not embedded:
@@ -80,7 +80,7 @@ def main(cfg: DPOTextConfig) -> dict:
         return evaluate.greedy_score(policy, rows, get_reward("math_accuracy"), cfg.eval_batch_size)
 
     acc_before, implicit_before = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]
-    history = trainer.train()
+    history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)
     acc_after, implicit_after = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]
     summary = {"metric": "accuracy" if embedded else "implicit_accuracy",
                "before": acc_before if embedded else implicit_before,

@@ -63,7 +63,7 @@ def main(cfg: RewardModelConfig) -> dict:
             len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
 
     train, held_out = fit_pairs(tok, prompt_tokens, train, held_out, cfg, data_info)
-    trainer = PreferenceTrainer(BradleyTerryObjective(rm, cfg.center_coef), train, cfg)
+    trainer = PreferenceTrainer(BradleyTerryObjective(rm, cfg.center_coef), train, cfg, eval_rows=held_out)
     before = trainer.evaluate(held_out)["accuracy"]
     trainer.train()
     after = trainer.evaluate(held_out)["accuracy"]
