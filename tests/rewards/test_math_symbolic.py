@@ -184,5 +184,28 @@ def test_worker_child_cannot_evaluate_text():
 
 def test_safe_for_symbolic_gate():
     assert math_compare.safe_for_symbolic("\\binom{5}{2} + x_1")
-    for text in ("__import__('os')", "\\input{/etc/passwd}", "x" * 1000, "a; b", "\"1\""):
+    for text in ("__import__('os')", "\\input{/etc/passwd}", "x" * 1000, "a; b", "\"1\"", "x_" * 20 + "1",
+                 "2^{" * 10 + "2" + "}" * 10, "x+" * 150 + "x"):
         assert not math_compare.safe_for_symbolic(text), text
+
+
+HOSTILE_ANSWERS = {
+    "dollar_pairs": "$1$" * 100_000, "latex_openers": "\\(" * 100_000, "answer_phrases": "the answer is " * 50_000,
+    "or_chain": "1 or " * 100_000 + "2", "paren_note": "#### 5 (" + "a" * 5000, "units": "\\boxed{5" + " cm" * 300 + "}",
+    "answer_tags": "<answer>1</answer>" * 30_000, "pow_chain": "\\boxed{" + "2^{" * 60 + "2" + "}" * 60 + "}",
+    "sqrt_chain": "\\boxed{" + "\\sqrt{" * 150 + "2" + "}" * 150 + "}", "subscripts": "\\boxed{" + "x_" * 150 + "1}",
+    "long_sum": "\\boxed{" + "x+" * 190 + "x}", "matrix": "\\boxed{\\begin{pmatrix}" + "1&" * 300 + "\\end{pmatrix}}",
+    "overline": "\\boxed{0." + "1" * 100 + "\\overline{" + "3" * 100 + "}}", "factorials": "\\boxed{((3!)!)!}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_ANSWERS))
+def test_hostile_answers_against_symbolic_golds(name):
+    """New extraction paths and the symbolic gate stay fast on hostile text, as completion and as gold."""
+    text = HOSTILE_ANSWERS[name]
+    math_accuracy_reward([None], ["\\boxed{\\binom{5}{2}}"], ["10"])  # the worker is started and warm
+    t0 = time.perf_counter()
+    out = math_accuracy_reward([None] * 3, [text, text, "\\boxed{\\binom{5}{2}}"],
+                               ["\\binom{5}{2}", "x_1 + \\binom{5}{2}", text])
+    assert time.perf_counter() - t0 < 1.5, name
+    assert out == [0.0, 0.0, 0.0]

@@ -478,9 +478,29 @@ def _text_key(s: str) -> str:
     return m.group(1) if m else s
 
 
+MAX_SYMBOLIC_CHARS = 200    # answers longer than this never reach the sympy worker
+MAX_SYMBOLIC_NESTING = 8    # bracket depth
+MAX_SYMBOLIC_MARKS = 12     # ^, _ and ! together (ANTLR's prediction slows down sharply on long chains)
+
+
 def safe_for_symbolic(s: str) -> bool:
-    """Whether ``s`` may go to the sympy worker: short, only math characters, only known commands, no
-    ``__`` (nothing that reads like code)."""
-    if len(s) > math_parse.MAX_EXPR_CHARS or "__" in s or not _SAFE_CHARS.fullmatch(s):
+    """Whether ``s`` may go to the sympy worker: at most ``MAX_SYMBOLIC_CHARS`` characters, bracket depth
+    ``MAX_SYMBOLIC_NESTING``, ``MAX_SYMBOLIC_MARKS`` of ``^ _ !``, only math characters and known commands,
+    no ``__`` (nothing that reads like code). Realistic answers that need sympy are far smaller; the
+    worker's time limit is the second line of defence, not the first."""
+    if len(s) > MAX_SYMBOLIC_CHARS or "__" in s or not _SAFE_CHARS.fullmatch(s):
+        return False
+    if sum(s.count(c) for c in "^_!") > MAX_SYMBOLIC_MARKS or _nesting(s) > MAX_SYMBOLIC_NESTING:
         return False
     return all(c[1:] in SAFE_COMMANDS or c in ("\\begin", "\\end") for c in _COMMAND.findall(s))
+
+
+def _nesting(s: str) -> int:
+    depth = deepest = 0
+    for c in s:
+        if c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth -= 1
+    return deepest
