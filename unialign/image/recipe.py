@@ -7,10 +7,9 @@ own parts (``unialign.image.embedded.image_rl_parts``).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from unialign.image.evaluate import HeldOutImages
 from unialign.image.grid import save_grid
 from unialign.rewards import CombinedReward, get_reward
-from unialign.trainers import OnlineConfig, OnlineTrainer, write_json_atomic
+from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
 
 # ddpo-pytorch's "simple animals" prompt list (config/base.py -> assets/simple_animals.txt, abridged)
 ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird", "sheep", "deer", "cow", "goat",
@@ -149,12 +148,8 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
             summary[f"fidelity_{part}_after"] = after[f"eval/fidelity/{part}"]
     if gold is not None:
         summary.update(gold_before=before["eval/gold"], gold_after=after["eval/gold"])
-    summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
     if trainer.acc.is_main_process:
         out = Path(cfg.output_dir)
         for name, res, caps in (("before", before_res, before_captions), ("after", after_res, evaluator.captions())):
             save_grid(res["images"], caps, out / f"grid_{name}.png")
-        policy.save(str(out / "final"))
-        write_json_atomic(out / "summary.json", summary)
-        trainer.acc.print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
-    return summary
+    return finish_run(trainer.acc, cfg, summary, policy.save)

@@ -2,7 +2,13 @@
 Importing this package pulls in torch only; model-based rewards import their libraries when built.
 """
 
-from unialign.rewards.base import CombinedReward, RewardFunction, RewardOutput, completion_to_text
+from unialign.rewards.base import (
+    CombinedReward,
+    RewardError,
+    RewardFunction,
+    RewardOutput,
+    completion_to_text,
+)
 from unialign.rewards.registry import REWARDS, get_reward
 
-__all__ = ["REWARDS", "CombinedReward", "RewardFunction", "RewardOutput", "completion_to_text", "get_reward"]
+__all__ = ["REWARDS", "CombinedReward", "RewardError", "RewardFunction", "RewardOutput", "completion_to_text", "get_reward"]
