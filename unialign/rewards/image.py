@@ -1,4 +1,5 @@
-"""Image rewards: JPEG (in)compressibility, the LAION aesthetic predictor, and CLIP score.
+"""Image rewards: JPEG (in)compressibility, the LAION aesthetic predictor, CLIP score, and the human-preference
+models PickScore (transformers CLIP-H, its processor's preprocessing) and HPSv2 (open_clip ViT-H-14).
 
 Every reward is a class with TRL's reward signature: ``reward(prompts=..., completions=images) ->
 list[float]``, where ``completions`` are PIL images, a uint8 tensor [B,3,H,W] (0..255) or a float tensor
@@ -11,7 +12,9 @@ Preprocessing (pinned, ``clip_preprocess``): each image is turned into an 8-bit 
 resampling, **center-cropped** (top-left offset ``round((H - S) / 2)``, torchvision's rule), scaled to
 [0, 1] and normalised with the CLIP mean/std. This is open_clip's eval transform for the "openai" models
 (``resize_mode="shortest"``, ``interpolation="bicubic"``); transformers' ``CLIPProcessor`` (used by
-ddpo-pytorch / TRL) differs slightly per pixel (diffusion_anchors.md section 6).
+ddpo-pytorch / TRL) differs slightly per pixel (diffusion_anchors.md section 6). ``PickScoreReward`` uses
+that processor (its PIL backend), as PickScore was published with it; HPSv2's ``preprocess_val`` is the
+pinned transform.
 
 Hub weights are never fetched silently in a loop: each model-based reward checks the Hub once in
 ``__init__`` (``unialign.hub.require_hub``) and raises ``HubUnavailableError`` (a RuntimeError) within
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -327,4 +331,200 @@ class ClipScoreReward(_ClipReward):
     def __call__(self, prompts: list[Any] | None = None, completions: Any = None, **_: Any) -> list[float]:
         if prompts is None:
             raise TypeError("clip_score needs the prompts (the captions)")
+        return self.scores(prompts, completions).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Human-preference rewards: PickScore (transformers CLIP) and HPSv2 (open_clip)
+# ---------------------------------------------------------------------------------------------
+PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+HPS_REPO = "xswu/HPSv2"
+HPS_FILENAMES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
+
+
+class _HFClip(nn.Module):
+    """``encode_image`` / ``encode_text`` over a transformers ``CLIPModel`` (the ``_ClipReward`` interface).
+    transformers 5 returns an output object from ``get_*_features`` (the projection in ``pooler_output``),
+    4.x the tensor itself."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.clip = model
+
+    @staticmethod
+    def _tensor(out) -> Tensor:
+        return out if isinstance(out, Tensor) else out.pooler_output
+
+    def encode_image(self, pixel_values: Tensor) -> Tensor:
+        """[B, 3, S, S] -> [B, D] (unnormalised)"""
+        return self._tensor(self.clip.get_image_features(pixel_values=pixel_values))
+
+    def encode_text(self, batch) -> Tensor:
+        """tokenizer output (input_ids, attention_mask) -> [B, D] (unnormalised)"""
+        return self._tensor(self.clip.get_text_features(input_ids=batch["input_ids"],
+                                                        attention_mask=batch.get("attention_mask")))
+
+
+def _clip_image_processor_pil(path: str):
+    """The PIL ("slow") CLIP image processor of ``path``: what PickScore's published code ran (transformers 4,
+    ``AutoProcessor``); transformers 5 defaults to a torchvision backend whose resize differs per pixel."""
+    try:
+        from transformers import CLIPImageProcessorPil as processor_class  # transformers >= 5
+    except ImportError:
+        from transformers import CLIPImageProcessor as processor_class  # transformers 4: PIL-based
+    return processor_class.from_pretrained(path)
+
+
+class PickScoreReward(_ClipReward):
+    """PickScore (Kirstain et al. 2023): a CLIP-H/14 fine-tuned on Pick-a-Pic human preferences; the caption
+    is the prompt. Score = ``logit_scale.exp() * cos(text, image) / divisor`` with image i paired with
+    prompt i (≈ 18..24 for real images with the published weights; Flow-GRPO uses ``divisor=26``).
+
+    Published preprocessing, as the PickScore README: ``AutoProcessor`` of
+    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (images: shortest side to 224 with PIL bicubic, center crop
+    224, /255, CLIP mean/std -- the PIL processor is pinned, see ``_clip_image_processor_pil``; text:
+    ``padding=True, truncation=True, max_length=77``), embeddings L2-normalised, float32.
+
+    Args:
+        model: Hub id or local directory of the transformers ``CLIPModel`` (default ``PICKSCORE_MODEL``);
+            loaded with ``from_pretrained`` (safetensors, else ``weights_only`` torch loading), eval, no grad.
+        processor: Hub id or local directory of the processor (tokenizer + image processor config); default
+            ``PICKSCORE_PROCESSOR`` as in the README (the model repo's own processor files differ in nothing
+            that matters, but the published code names this one).
+        divisor: the score is divided by it (1 = the published score).  device, batch_size: as
+            ``AestheticReward``.
+    Offline without cached weights: ``HubUnavailableError`` (a RuntimeError) within seconds, before loading.
+    """
+
+    name = "pickscore"
+
+    def __init__(self, model: str = PICKSCORE_MODEL, processor: str = PICKSCORE_PROCESSOR, divisor: float = 1.0,
+                 device: str | torch.device | None = None, batch_size: int = 32) -> None:
+        from transformers import AutoTokenizer, CLIPModel
+
+        from unialign.hub import require_hub
+
+        require_hub(model)  # both checked before anything loads (fail fast)
+        require_hub(processor)
+        self.divisor = float(divisor)
+        self.image_processor = _clip_image_processor_pil(processor)
+        self.tokenizer = AutoTokenizer.from_pretrained(processor)
+        clip = CLIPModel.from_pretrained(model).eval().requires_grad_(False)
+        self.logit_scale = float(clip.logit_scale.detach().float().exp())
+        crop = self.image_processor.crop_size  # a dict (transformers 4) or a SizeDict (5); only recorded here
+        size = int(crop if isinstance(crop, int) else getattr(crop, "height", None) or crop["height"])
+        super().__init__(_HFClip(clip), self._tokenize_texts, size, self.image_processor.image_mean,
+                         self.image_processor.image_std, device, batch_size)
+
+    def _tokenize_texts(self, texts: list[str]):
+        return self.tokenizer(list(texts), padding=True, truncation=True, max_length=77, return_tensors="pt")
+
+    def preprocess(self, images: Any) -> Tensor:
+        """The processor's pixel values [B, 3, S, S] float32 on CPU (class docstring)."""
+        pixels = self.image_processor(images=to_pil_images(images), return_tensors="pt")["pixel_values"]
+        return pixels.float()
+
+    @torch.no_grad()
+    def scores(self, prompts: list[Any], images: Any) -> Tensor:
+        """float32 [B] on CPU: image i scored against prompt i."""
+        from unialign.rewards.base import completion_to_text
+
+        texts, pils = [completion_to_text(p) for p in prompts], to_pil_images(images)
+        if len(texts) != len(pils):
+            raise ValueError(f"pickscore: {len(texts)} prompts for {len(pils)} images")
+        cos = (self.image_embeddings(pils) * self.text_embeddings(texts)).sum(-1).float().cpu()
+        return self.logit_scale * cos / self.divisor
+
+    def __call__(self, prompts: list[Any] | None = None, completions: Any = None, **_: Any) -> list[float]:
+        if prompts is None:
+            raise TypeError("pickscore needs the prompts (the captions)")
+        return self.scores(prompts, completions).tolist()
+
+
+def _hps_checkpoint_file(checkpoint: str, version: str) -> str:
+    """A local HPS checkpoint file from a file, a directory holding ``HPS_FILENAMES[version]``, or a Hub id
+    (checked with ``require_hub`` first, then downloaded with ``hf_hub_download``)."""
+    if version not in HPS_FILENAMES:
+        raise ValueError(f"hps version must be one of {sorted(HPS_FILENAMES)}, got {version!r}")
+    path = Path(checkpoint).expanduser()
+    if path.is_file():
+        return str(path)
+    if path.is_dir():
+        file = path / HPS_FILENAMES[version]
+        if not file.is_file():
+            raise FileNotFoundError(f"hps: {path} holds no {HPS_FILENAMES[version]} (version {version})")
+        return str(file)
+    from unialign.hub import require_hub
+
+    require_hub(checkpoint)
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(checkpoint, HPS_FILENAMES[version])
+
+
+class HpsReward(_ClipReward):
+    """HPSv2 / HPSv2.1 (Wu et al. 2023): open_clip ViT-H-14 fine-tuned on human preference pairs; the caption
+    is the prompt. Score = ``cos(image, text)`` with image i paired with prompt i (≈ 0.2..0.35 for real
+    images), as HPSv2's ``img_score.score``: ``diag(image_features @ text_features.T)`` of the model's
+    normalised features.
+
+    Published preprocessing: HPSv2's ``preprocess_val`` (open_clip's eval transform: shortest side to 224 with
+    bicubic, center crop, CLIP mean/std) = the pinned ``clip_preprocess``; text: open_clip's tokenizer of
+    the architecture (context 77). Computed in float32 (HPSv2 runs CUDA autocast).
+
+    Args:
+        checkpoint: a Hub id (default ``HPS_REPO``), a local directory holding ``HPS_FILENAMES[version]``, or
+            a local checkpoint file (``{"state_dict": ...}`` or a bare state dict), loaded with
+            ``torch.load(..., weights_only=True)`` into the architecture, strictly.
+        version: "v2.1" (default; DanceGRPO's and Flow-GRPO's) or "v2.0" (the ``hpsv2`` package default).
+        model_name: the open_clip architecture (default ViT-H-14), or a path to an open_clip model config
+            ``.json`` (registered under its file stem). No pretrained CLIP weights are fetched: the
+            checkpoint holds every parameter.
+        device, batch_size: as ``AestheticReward``.
+    Offline without cached weights: ``HubUnavailableError`` (a RuntimeError) within seconds, before loading.
+    """
+
+    name = "hps"
+
+    def __init__(self, checkpoint: str = HPS_REPO, version: str = "v2.1", model_name: str = "ViT-H-14",
+                 device: str | torch.device | None = None, batch_size: int = 32) -> None:
+        import open_clip
+
+        file = _hps_checkpoint_file(checkpoint, version)  # fails fast offline, before building ViT-H
+        if model_name.endswith(".json"):
+            open_clip.add_model_config(model_name)
+            model_name = Path(model_name).stem
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:  # weights_only refuses anything but tensors and plain containers
+            raise ValueError(f"hps: {file} is not a plain state dict; refusing to unpickle it ({err})") from None
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+        model = open_clip.create_model(model_name, pretrained=None)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"hps: checkpoint {file} does not fit open_clip {model_name!r}: missing keys "
+                             f"{list(missing)[:5]}, unexpected keys {list(unexpected)[:5]}")
+        pre = model.visual.preprocess_cfg
+        size = pre.get("size", model.visual.image_size)
+        size = size[0] if isinstance(size, (tuple, list)) else size
+        if pre.get("resize_mode", "shortest") != "shortest" or pre.get("interpolation", "bicubic") != "bicubic":
+            raise ValueError(f"hps: {model_name} wants preprocessing {pre}; HPSv2's is shortest-side bicubic "
+                             "resize + center crop")
+        super().__init__(model.eval().requires_grad_(False), open_clip.get_tokenizer(model_name), int(size),
+                         pre["mean"], pre["std"], device, batch_size)
+
+    @torch.no_grad()
+    def scores(self, prompts: list[Any], images: Any) -> Tensor:
+        """float32 [B] on CPU: image i scored against prompt i."""
+        from unialign.rewards.base import completion_to_text
+
+        texts, pils = [completion_to_text(p) for p in prompts], to_pil_images(images)
+        if len(texts) != len(pils):
+            raise ValueError(f"hps: {len(texts)} prompts for {len(pils)} images")
+        return (self.image_embeddings(pils) * self.text_embeddings(texts)).sum(-1).float().cpu()
+
+    def __call__(self, prompts: list[Any] | None = None, completions: Any = None, **_: Any) -> list[float]:
+        if prompts is None:
+            raise TypeError("hps needs the prompts (the captions)")
         return self.scores(prompts, completions).tolist()

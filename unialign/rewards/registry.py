@@ -36,6 +36,8 @@ REWARDS: dict[str, str] = {
     "jpeg_incompressibility": "unialign.rewards.image:JpegIncompressibilityReward",
     "aesthetic": "unialign.rewards.image:AestheticReward",
     "clip_score": "unialign.rewards.image:ClipScoreReward",
+    "pickscore": "unialign.rewards.image:PickScoreReward",
+    "hps": "unialign.rewards.image:HpsReward",
     # image, verifiable (unialign/rewards/shapes.py): the embedded shapes world's prompt checker
     "shape_verifier": "unialign.rewards.shapes:ShapeVerifierReward",
     "shape_verifier_partial": "unialign.rewards.shapes:PartialShapeVerifierReward",
