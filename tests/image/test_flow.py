@@ -229,3 +229,20 @@ def test_bad_arguments_fail_with_a_clear_message():
         sde_step_with_logprob(scheduler, v, scheduler.timesteps[:2], x, sde_type="ode")
     with pytest.raises(ValueError, match="set_timesteps"):
         sde_step_with_logprob(FlowMatchEulerDiscreteScheduler(), v, torch.tensor([1000.0, 1000.0]), x)
+
+
+def test_precomputed_coefficients_give_the_same_step():
+    """A sampler computes every step's coefficients once (no timestep lookup per call): same result."""
+    from unialign.image.flow import flow_step_coefficients
+
+    scheduler = _scheduler(3.0)
+    t = scheduler.timesteps[[0, 6, 9]]
+    x, v = _inputs(3)
+    for sde_type in ("sde", "cps"):
+        coef = flow_step_coefficients(scheduler, t, 3, noise_level=0.7, sde_type=sde_type)
+        assert all(c.dtype == torch.float64 and c.shape == (3,) for c in coef.values())
+        a = sde_step_with_logprob(scheduler, v, t, x, generator=torch.Generator().manual_seed(0), sde_type=sde_type)
+        b = sde_step_with_logprob(scheduler, v, t, x, generator=torch.Generator().manual_seed(0), sde_type=sde_type,
+                                  coefficients=coef)
+        for left, right in zip(a, b):
+            torch.testing.assert_close(left, right, rtol=0, atol=0)
