@@ -53,7 +53,7 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
                            "package.module.function, module:function or path/file.py:function")
     reward_weights: str | None = arg(None, "comma-separated floats, one per reward (default: all 1)")
     eval_reward: str | None = arg(None, "reward of the held-out greedy evaluation (default: math_accuracy when "
-                                 "the rows have an 'answer' column, else the training reward)")
+                                 "the rows have an 'answer' or 'solution' column, else the training reward)")
     # embedded-default training knobs (overriding OnlineConfig's generic defaults)
     algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)")
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
@@ -80,7 +80,7 @@ PRESETS = {
 def main(cfg: GRPOMathConfig) -> dict:
     start = time.time()
     train_rows, eval_rows, data_info = load_prompt_data(cfg)
-    eval_name = cfg.eval_reward or ("math_accuracy" if "answer" in columns_of(eval_rows) else None)
+    eval_name = cfg.eval_reward or ("math_accuracy" if {"answer", "solution"} & columns_of(eval_rows) else None)
     check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows))
     check_rewards(eval_name or cfg.reward_funcs, None if eval_name else cfg.reward_weights, columns_of(eval_rows),
                   "--eval_reward" if eval_name else "--reward_funcs")  # the held-out rows' columns too

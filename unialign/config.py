@@ -312,6 +312,13 @@ def validate(cfg: Any) -> None:
         check_online(cfg)
     if getattr(cfg, "output_dir", None):
         check_output_dir(cfg.output_dir)
+        if getattr(cfg, "resume_from_checkpoint", None):  # "latest" with nothing to resume: say so now
+            from unialign.trainers.common import find_checkpoint
+
+            try:
+                find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+            except ValueError as err:
+                raise UserError(str(err)) from None
 
 
 def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
