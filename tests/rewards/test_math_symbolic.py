@@ -146,6 +146,27 @@ def test_worker_hard_time_limit_kills_a_runaway_child():
         real.close()
 
 
+def test_forked_process_gets_its_own_worker():
+    """A fork (e.g. a DataLoader worker) must not talk to the parent's child over the inherited pipes."""
+    import os
+
+    worker = math_worker.SymbolicWorker()
+    try:
+        assert worker.compare("\\binom{6}{2}", "15", timeout_s=30.0) is True
+        parent_child = worker._proc.pid
+        pid = os.fork()
+        if pid == 0:  # the forked process: a fresh worker of its own, the parent's untouched
+            ok = worker.compare("\\binom{7}{2}", "21", timeout_s=30.0) is True and worker._proc.pid != parent_child
+            worker.close()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert worker._proc.pid == parent_child and worker._proc.poll() is None
+        assert worker.compare("\\binom{8}{2}", "28", timeout_s=30.0) is True
+    finally:
+        worker.close()
+
+
 def test_huge_values_are_not_equal_by_overflow():
     """binomial(10^7, 5*10^6) once overflowed to inf on both sides of a float comparison."""
     assert math_worker.to_sympy("\\binom{10^{7}}{5\\cdot 10^{6}}") is None

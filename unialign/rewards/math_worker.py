@@ -253,6 +253,7 @@ class SymbolicWorker:
         # the child's command line (tests substitute a child that hangs, to check the kill)
         self.command = command or [sys.executable, "-I", "-c", _BOOTSTRAP, str(Path(__file__).resolve())]
         self._proc: subprocess.Popen | None = None
+        self._owner = os.getpid()  # a forked copy of this object must not share the parent's pipes
         self._buf = b""
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], bool | None] = OrderedDict()
@@ -295,6 +296,8 @@ class SymbolicWorker:
             return None
 
     def _ensure_started(self) -> bool:
+        if self._owner != os.getpid():  # inherited through fork: leave the parent's child alone
+            self._proc, self._buf, self._owner = None, b"", os.getpid()
         if self._proc is not None and self._proc.poll() is None:
             return True
         self.close()
@@ -330,7 +333,7 @@ class SymbolicWorker:
 
     def close(self) -> None:
         proc, self._proc, self._buf = self._proc, None, b""
-        if proc is not None:
+        if proc is not None and self._owner == os.getpid():
             try:
                 proc.kill()
                 proc.wait(timeout=5)
