@@ -84,7 +84,7 @@ def test_matrix_row_separator_survives_normalisation():
     ("<think>so 72</think><answer>72</answer>", "72"), ("She pays $18 and gets $2 back, so $16.", "16"),
     ("so it is $2\\pi$", "2\\pi"), ("so it is 2\\pi", None), ("the side is $\\sqrt3$", "\\sqrt3"),
     ("It is either 42 or 43.", None), ("So \\boxed{42} or \\boxed{43}", None), ("So $r = 5$ or $r = 6$.", None),
-    ("That's 10 more than last week.", None), ("the minimum is $-4$, attained at $x = 2$.", None),
+    ("That's 10 more than last week.", None), ("The total is $\\$18$.", "\\$18"), ("the minimum is $-4$, attained at $x = 2$.", None),
 ])
 def test_extraction(text, expected):
     assert extract_answer(text) == expected

@@ -73,7 +73,7 @@ _NUMBER_TOKEN = re.compile(
 )
 _BARE_TOKEN = re.compile(r"[^\s$]{1,200}")
 _MATH_REGION = re.compile(r"\$\$[^$]{0,2000}\$\$|\\\((?:[^\\]|\\[^)]){0,2000}\\\)|\\\[(?:[^\\]|\\[^\]]){0,2000}\\\]"
-                          r"|\$[^$\n]{1,300}\$")
+                          r"|\$(?:[^$\\\n]|\\[^\n]){1,300}\$")  # \$ inside $...$ is an escaped dollar
 _LATEX_IN_DOLLARS = re.compile(r"[\\^_{}]|[0-9][A-Za-z]|[A-Za-z][0-9]|^[^0-9]*$")
 _HEDGE_BEFORE = re.compile(r"(?i)(?:\bor|\band/or|[0-9][ \t]*/)(?:[ \t]+(?:maybe|possibly|perhaps|else))?[ \t,]*$")
 _COMPARATIVE_AFTER = re.compile(r"(?i)[ \t]*(?:[A-Za-z]+[ \t]+)?(?:more|less|fewer|greater|smaller)[ \t]+than\b")
