@@ -94,16 +94,17 @@ def main(cfg: GRPOMathConfig) -> dict:
     if cfg.max_completion_length is None:
         cfg.max_completion_length = cfg.max_new_tokens
 
-    trainer = OnlineTrainer(policy, reward, train_rows, cfg)
     metric = "accuracy" if eval_name == "math_accuracy" else eval_name or "reward"
-    before = evaluate.greedy_score(policy, eval_rows, scorer, cfg.eval_batch_size)
+    held_out = evaluate.GreedyHeldOut(policy, eval_rows, {metric: scorer}, cfg.eval_batch_size)
+    trainer = OnlineTrainer(policy, reward, train_rows, cfg, evaluator=held_out)  # eval/<metric> every eval_steps
+    before = trainer.evaluate()[f"eval/{metric}"]
     trainer.acc.print(f"held-out greedy {metric} before: {before:.3f}")
     history = trainer.train()
-    after = evaluate.greedy_score(policy, eval_rows, scorer, cfg.eval_batch_size)
+    after = trainer.evaluate()[f"eval/{metric}"]
     trainer.acc.print(f"held-out greedy {metric} after:  {after:.3f}")
     summary = {"metric": metric, "before": before, "after": after, "steps": trainer.step,
                "wall_seconds": time.time() - start, "num_eval": len(eval_rows), **data_info,
-               "final_train_reward": history[-1].get("reward/mean") if history else None}
+               "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
     return finish_run(trainer.acc, cfg, summary, policy.save)
 
 

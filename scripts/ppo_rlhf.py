@@ -74,13 +74,15 @@ def main(cfg: PPOConfig) -> dict:
                                             temperature=cfg.temperature, value_head=cfg.value_head,
                                             generation_cache=cfg.generation_cache)
     train, eval_rows = fit_prompts(policy, train, eval_rows, cfg, data_info)  # before any forward
-    accuracy = get_reward("math_accuracy") if "answer" in columns_of(eval_rows) else None
-    trainer = OnlineTrainer(policy, rm, train, cfg)
-    rm_before = evaluate.greedy_score(policy, eval_rows, rm, cfg.eval_batch_size)
-    acc_before = evaluate.greedy_score(policy, eval_rows, accuracy, cfg.eval_batch_size) if accuracy else None
+    accuracy = get_reward("math_accuracy") if {"answer", "solution"} & columns_of(eval_rows) else None
+    scorers = {"rm_score": rm, **({"accuracy": accuracy} if accuracy else {})}
+    held_out = evaluate.GreedyHeldOut(policy, eval_rows, scorers, cfg.eval_batch_size)
+    trainer = OnlineTrainer(policy, rm, train, cfg, evaluator=held_out)  # eval/* every eval_steps
+    before = trainer.evaluate()
     trainer.train()
-    rm_after = evaluate.greedy_score(policy, eval_rows, rm, cfg.eval_batch_size)
-    acc_after = evaluate.greedy_score(policy, eval_rows, accuracy, cfg.eval_batch_size) if accuracy else None
+    after = trainer.evaluate()
+    rm_before, rm_after = before["eval/rm_score"], after["eval/rm_score"]
+    acc_before, acc_after = before.get("eval/accuracy"), after.get("eval/accuracy")
     summary = {"metric": "accuracy" if accuracy else "rm_score", "before": acc_before if accuracy else rm_before,
                "after": acc_after if accuracy else rm_after, "rm_before": rm_before, "rm_after": rm_after,
                "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval": len(eval_rows), **data_info}

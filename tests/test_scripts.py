@@ -38,10 +38,17 @@ def check_summary(out: Path, metric: str) -> dict:
 
 
 def test_grpo_math_two_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     run("grpo_math", ["--max_steps", "2", "--num_eval", "16", "--prompts_per_step", "2", "--num_generations", "4",
-                      "--output_dir", str(tmp_path), "--report_to", "none"])
+                      "--eval_steps", "1", "--output_dir", str(tmp_path)])
     s = check_summary(tmp_path, "accuracy")
     assert s["steps"] == 2 and (tmp_path / "reward_curve.png").exists() and (tmp_path / "final" / "config.json").exists()
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent), size_guidance={"scalars": 0})
+    events.Reload()
+    accuracy = events.Scalars("eval/accuracy")  # held-out greedy accuracy: before, every eval_steps, after
+    assert [e.step for e in accuracy] == [0, 1, 2]
+    assert accuracy[0].value == pytest.approx(s["before"]) and accuracy[-1].value == pytest.approx(s["after"])
 
 
 def test_grpo_math_dapo_and_resume(tmp_path):
@@ -187,6 +194,7 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b",}\n')
     write_jsonl(tmp_path / "schema.jsonl", [{"text": "hello"}] * 5)
+    no_reference = write_jsonl(tmp_path / "no_reference.jsonl", [{"prompt": r["prompt"]} for r in TRL_ROWS])
     (tmp_path / "wrong.yaml").write_text("max_steps: ten\n")
     (tmp_path / "a_file").write_text("x")
     out = ["--output_dir", str(tmp_path / "out")]
@@ -197,6 +205,8 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
         (["--dataset_name", str(good), "--reward_funcs", "gold_rewards:needs_gold"],
          "reward 'gold_rewards:needs_gold' needs the column(s) ['gold']"),
         (["--reward_funcs", "nosuch_reward"], "--reward_funcs: cannot use reward 'nosuch_reward'"),
+        (["--dataset_name", str(no_reference)],
+         "reward 'math_accuracy' needs one of the columns ['answer', 'solution'], which the dataset does not have"),
         (["--dataset_name", str(good), "--eval_split", "test"], "is a single file without splits"),
         (["--torch_dtype", "nosuch"], "--torch_dtype: 'nosuch' is not one of"),
         (["--config", str(tmp_path / "wrong.yaml")], "wrong.yaml: --max_steps: expected an integer, got 'ten'"),

@@ -130,7 +130,8 @@ def reward_names(spec: str, weights: str | None, flag: str = "--reward_funcs") -
 def check_rewards(spec: str, weights: str | None, columns: set[str] | None = None, flag: str = "--reward_funcs") -> None:
     """Before any model loads: every name resolves (a registry name, or a function given as TRL's dotted
     ``package.module.function``, ``module:function`` or ``path/file.py:function``, as ``get_reward`` accepts),
-    and a reward function's required keyword arguments are among the dataset ``columns``."""
+    and a reward function's required keyword arguments (and, when it declares ``needs_one_of``, one of those
+    columns) are among the dataset ``columns``."""
     from unialign.rewards import REWARDS, get_reward
     from unialign.rewards.registry import resolve
 
@@ -142,6 +143,10 @@ def check_rewards(spec: str, weights: str | None, columns: set[str] | None = Non
             raise UserError(f"{flag}: cannot use reward {name!r}: {type(err).__name__}: {err}") from None
         if columns is None or inspect.isclass(target):
             continue
+        one_of = getattr(target, "needs_one_of", ())  # a reference in any one of these columns
+        if one_of and not set(one_of) & columns:
+            raise UserError(f"{flag}: reward {name!r} needs one of the columns {list(one_of)}, which the dataset "
+                            f"does not have (columns: {sorted(columns)})")
         missing = sorted(set(required_columns(target)) - columns)
         if missing:
             raise UserError(f"{flag}: reward {name!r} needs the column(s) {missing}, which the dataset does not "

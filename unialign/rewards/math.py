@@ -320,6 +320,9 @@ def math_accuracy_reward(prompts: list[Any], completions: list[Any], answer: lis
     return out
 
 
+math_accuracy_reward.needs_one_of = ("answer", "solution")  # checked against the dataset before any model loads
+
+
 def math_format_reward(prompts: list[Any], completions: list[Any], *, style: str = "gsm8k",
                        **kwargs: Any) -> list[float]:
     """1.0 where a completion has the required final-answer format, else 0.0 (TRL reward signature).
