@@ -2,14 +2,13 @@
 
 Each case is a realistic completion in GSM8K or MATH answer format with its gold answer and a label (1: the
 completion's final answer is correct) decided by reading, not by running any library. Acceptance (issue 17):
->= 93 % agreement in each format, at most 1 false positive per 500 cases, median <= 2 ms per completion.
+>= 93 % agreement in each format, at most 1 false positive per 500 cases. Speed (median <= 2 ms per completion)
+is measured by benchmarks/math_reward.py (row P6), not by a timed test.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -71,12 +70,3 @@ def test_batch_and_single_calls_agree(scored):
     """Scoring one completion at a time gives the batch's scores (no state leaks between samples)."""
     for c, s in list(zip(CASES, scored))[::7]:
         assert math_accuracy_reward([None], [c["completion"]], [c["gold"]]) == [float(s)], c["id"]
-
-
-def test_median_time_per_completion_under_2ms(scored):
-    times = []
-    for c in CASES[::2]:
-        t0 = time.perf_counter()
-        math_accuracy_reward([None], [c["completion"]], [c["gold"]])
-        times.append(time.perf_counter() - t0)
-    assert statistics.median(times) <= 0.002, statistics.median(times)
