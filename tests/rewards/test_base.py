@@ -263,7 +263,10 @@ def test_every_registered_reward_resolves_to_a_callable(tmp_path):
     lm, tok = make_tiny_lm()
     lm.config.num_labels = 1
     RewardModel(LlamaForSequenceClassification(lm.config), tok).save(str(tmp_path / "rm"))
-    kwargs = {**MODEL_REWARD_KWARGS, "reward_model": {"path": str(tmp_path / "rm")}}
+    from tests.rewards.test_pickscore_hps import tiny_hps, tiny_pickscore
+
+    kwargs = {**MODEL_REWARD_KWARGS, "reward_model": {"path": str(tmp_path / "rm")},
+              "pickscore": tiny_pickscore(tmp_path / "pickscore"), "hps": tiny_hps(tmp_path / "hps")}
     for name, path in REWARDS.items():
         assert callable(resolve(path)), name
         reward = get_reward(name, **kwargs.get(name, {}))

@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,17 +48,18 @@ def _images(n: int = len(PROMPTS)) -> list[Image.Image]:
 
 
 # ------------------------------------------------------------------------------------------ PickScore
-@pytest.fixture(scope="module")
-def pickscore_dirs(tmp_path_factory):
-    """(model dir, processor dir): a CLIPModel with PickScore's (CLIP-H) layout shrunk to width 32 and a
-    processor folder with laion/CLIP-ViT-H-14-laion2B-s32B-b79K's preprocessor settings and a tiny CLIP
-    BPE tokenizer. logit_scale = ln 100 (PickScore's value), so the scale is visible in the score."""
+def tiny_pickscore(root) -> dict[str, str]:
+    """``PickScoreReward`` kwargs (model, processor) of a CLIPModel with PickScore's (CLIP-H) layout shrunk to
+    width 32, and a processor folder with laion/CLIP-ViT-H-14-laion2B-s32B-b79K's preprocessor settings and a
+    tiny CLIP BPE tokenizer, written under ``root``. logit_scale = ln 100 (PickScore's value), so the scale
+    is visible in the score."""
     from transformers import CLIPConfig, CLIPModel
 
     from unialign.image.embedded import load_tokenizer, write_tokenizer
     from unialign.rewards.image import _clip_image_processor_pil
 
-    root = tmp_path_factory.mktemp("pickscore")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(write_tokenizer(root / "bpe"))
     tokenizer.model_max_length = 77
     processor_dir = root / "processor"
@@ -82,7 +84,14 @@ def pickscore_dirs(tmp_path_factory):
         model.logit_scale.fill_(math.log(100.0))
     model.save_pretrained(root / "model")  # safetensors
     assert (root / "model" / "model.safetensors").is_file()
-    return root / "model", processor_dir
+    return {"model": str(root / "model"), "processor": str(processor_dir)}
+
+
+@pytest.fixture(scope="module")
+def pickscore_dirs(tmp_path_factory):
+    """(model dir, processor dir) of ``tiny_pickscore``."""
+    kwargs = tiny_pickscore(tmp_path_factory.mktemp("pickscore"))
+    return kwargs["model"], kwargs["processor"]
 
 
 def _pickscore_pixels(image: Image.Image) -> torch.Tensor:
@@ -121,7 +130,7 @@ def _pickscore_reference(model_dir, processor_dir, prompts, images) -> torch.Ten
 @pytest.fixture(scope="module")
 def pickscore(pickscore_dirs):
     model_dir, processor_dir = pickscore_dirs
-    return PickScoreReward(model=str(model_dir), processor=str(processor_dir), device="cpu", batch_size=2)
+    return PickScoreReward(model=model_dir, processor=processor_dir, device="cpu", batch_size=2)
 
 
 def test_pickscore_preprocessing_is_the_published_processor(pickscore):
@@ -164,14 +173,14 @@ def test_pickscore_pairs_image_i_with_prompt_i_and_batching_changes_nothing(pick
 
 
 # ------------------------------------------------------------------------------------------ HPSv2
-@pytest.fixture(scope="module")
-def hps_files(tmp_path_factory):
-    """(open_clip config JSON, checkpoint folder): ViT-H-14's layout (ViT + 77-token text tower over open_clip's
-    49408-token BPE) shrunk to width 32, and its random weights saved as HPSv2 publishes them,
-    ``{"state_dict": ...}`` under ``HPS_v2.1_compressed.pt``."""
+def tiny_hps(root) -> dict[str, str]:
+    """``HpsReward`` kwargs (checkpoint folder, model_name = an open_clip config JSON) written under ``root``:
+    ViT-H-14's layout (ViT + 77-token text tower over open_clip's 49408-token BPE) shrunk to width 32, and
+    its random weights saved as HPSv2 publishes them, ``{"state_dict": ...}`` in ``HPS_v2.1_compressed.pt``."""
     import open_clip
 
-    root = tmp_path_factory.mktemp("hps")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     config = root / "unialign-test-tiny-hps.json"
     config.write_text(json.dumps({
         "embed_dim": 16,
@@ -185,7 +194,14 @@ def hps_files(tmp_path_factory):
     folder = root / "checkpoint"
     folder.mkdir()
     torch.save({"state_dict": model.state_dict()}, folder / HPS_FILENAMES["v2.1"])
-    return config, folder
+    return {"checkpoint": str(folder), "model_name": str(config)}
+
+
+@pytest.fixture(scope="module")
+def hps_files(tmp_path_factory):
+    """(open_clip config JSON, checkpoint folder) of ``tiny_hps``."""
+    kwargs = tiny_hps(tmp_path_factory.mktemp("hps"))
+    return Path(kwargs["model_name"]), Path(kwargs["checkpoint"])
 
 
 def _hps_reference(config, checkpoint_file, prompts, images) -> torch.Tensor:
