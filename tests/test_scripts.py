@@ -270,7 +270,8 @@ def test_grpo_on_a_folder_of_trl_rows_with_a_custom_reward(tmp_path, monkeypatch
     s = run("grpo_math", ["--dataset_name", str(data), "--reward_funcs", "my_rewards:exact", "--max_steps", "2",
                           "--prompts_per_step", "2", "--num_generations", "4", "--output_dir", str(tmp_path / "out"),
                           "--report_to", "none"])
-    assert s["metric"] == "reward" and s["steps"] == 2 and s["eval_source"].endswith("[test]")
+    # the held-out rows carry TRL's solution column: evaluated with math_accuracy, not the training reward
+    assert s["metric"] == "accuracy" and s["steps"] == 2 and s["eval_source"].endswith("[test]")
     assert (s["train_rows"], s["eval_rows"]) == (30, 6) and s["config"].get("dataset_config") is None
 
 
