@@ -101,6 +101,16 @@ def test_held_out_rows_never_train(tmp_path):
         split_off(ROWS[:1], 0.1)
 
 
+def test_copies_of_held_out_rows_never_train(tmp_path):
+    rows = ROWS[:4] * 10  # 40 rows, 4 distinct
+    train, held, info = train_eval_rows(str(write_jsonl(tmp_path / "dups.jsonl", rows)), eval_fraction=0.1)
+    assert len(held) == 4 and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert info["train_duplicates_of_held_out_dropped"] == 36 - len(train)
+    assert [rows[i] for i in info["row_ids"]["train"]] == train
+    with pytest.raises(UserError, match="every training row is a copy of a held-out row"):
+        train_eval_rows(str(write_jsonl(tmp_path / "same.jsonl", ROWS[:1] * 10)), eval_fraction=0.1)
+
+
 def test_prompt_formats_trl_standard_conversational_and_gsm8k():
     rows = prompt_rows([
         {"prompt": "2+2?", "solution": "4"},

@@ -188,7 +188,8 @@ def train_eval_rows(name: str, *, config_name: str | None = None, train_split: s
     Held-out rows are, in order: ``eval_name`` (its ``eval_split``, default ``test``, when it is a folder
     or a Hub id); else ``eval_split`` of ``name``; else, for a folder, its ``test`` or ``validation``
     split; else (a single file, or a folder with only training files) ``eval_fraction`` of the training
-    rows, chosen with ``seed`` and removed from training. Hub datasets default to their ``test`` split.
+    rows, chosen with ``seed`` and removed from training together with every copy of them (counted in
+    ``info["train_duplicates_of_held_out_dropped"]``). Hub datasets default to their ``test`` split.
 
     ``prepare(rows, source)`` (validation / normalisation that keeps one output row per input row) runs on
     each loaded split before any row is held out, so its errors name rows as they are in the file; when
@@ -220,9 +221,20 @@ def train_eval_rows(name: str, *, config_name: str | None = None, train_split: s
         return train, load(name, split), {"eval_source": f"{name} [{split}]"}
     ids = list(range(len(train)))
     train_ids, eval_ids = split_off(ids, eval_fraction, seed, name)
-    return [train[i] for i in train_ids], [train[i] for i in eval_ids], {
-        "eval_source": f"{eval_fraction:g} of {name} held out (seed {seed})", "eval_fraction": eval_fraction,
-        "eval_split_seed": seed, "row_ids": {"train": train_ids, "eval": eval_ids}}
+    held = {row_key(train[i]) for i in eval_ids}  # a duplicate of a held-out row must not train either
+    kept = [i for i in train_ids if row_key(train[i]) not in held]
+    info = {"eval_source": f"{eval_fraction:g} of {name} held out (seed {seed})", "eval_fraction": eval_fraction,
+            "eval_split_seed": seed, "row_ids": {"train": kept, "eval": eval_ids}}
+    if len(kept) < len(train_ids):
+        info["train_duplicates_of_held_out_dropped"] = len(train_ids) - len(kept)
+    if not kept:
+        raise UserError(f"{name}: every training row is a copy of a held-out row; pass --eval_dataset_name")
+    return [train[i] for i in kept], [train[i] for i in eval_ids], info
+
+
+def row_key(row: Any) -> str:
+    """A row's identity for de-duplication: its JSON with sorted keys (images and other objects by repr)."""
+    return json.dumps(row, sort_keys=True, default=repr)
 
 
 def split_off(rows: list[Any], fraction: float, seed: int = SPLIT_SEED, source: str = "dataset") -> tuple[list, list]:

@@ -33,3 +33,15 @@ def test_greedy_scores_decode_once_and_match_greedy_score_per_reward():
     for name, fn in (("exact", _exact), ("length", _length)):
         assert out[name] == evaluate.greedy_score(_Policy(), rows, fn, batch_size=2)
     assert evaluate.GreedyHeldOut(policy, rows, {"exact": _exact})() == {"exact": 2 / 3}
+
+
+def test_unscored_samples_leave_the_mean_and_none_scored_is_nan_not_zero():
+    import math
+
+    rows = [{"prompt": f"say {w}"} for w in ("a", "bb", "ccc", "dddd")]
+
+    def partial(prompts, completions, **_):
+        return [None, float("nan"), 3.0, 5.0]
+
+    out = evaluate.greedy_scores(_Policy(), rows, {"partial": partial, "none": lambda p, c, **_: [None] * len(c)})
+    assert out["partial"] == 4.0 and math.isnan(out["none"])

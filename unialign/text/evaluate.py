@@ -2,41 +2,37 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
-@torch.no_grad()
 def greedy_score(policy, rows: list[dict[str, Any]], reward_fn: Callable, batch_size: int = 64) -> float:
-    """Mean reward of greedy completions on ``rows`` (dicts with ``prompt`` + reward columns)."""
-    total, n = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
-        out = policy.generate([r["prompt"] for r in chunk], greedy=True)
-        columns = {k: [r[k] for r in chunk] for k in chunk[0] if k != "prompt"}
-        scores = reward_fn([r["prompt"] for r in chunk], out["texts"], **columns)
-        total += sum(0.0 if s is None else float(s) for s in scores)
-        n += len(chunk)
-    return total / max(1, n)
+    """Mean reward of greedy completions on ``rows`` (dicts with ``prompt`` + reward columns); see
+    ``greedy_scores``."""
+    return greedy_scores(policy, rows, {"score": reward_fn}, batch_size)["score"]
 
 
 @torch.no_grad()
 def greedy_scores(policy, rows: list[dict[str, Any]], reward_fns: dict[str, Callable],
                   batch_size: int = 64) -> dict[str, float]:
-    """``greedy_score`` for several rewards at once: one greedy decoding of ``rows``, each completion
-    scored by every function of ``reward_fns`` (name -> TRL-signature reward); returns name -> mean."""
-    totals, n = dict.fromkeys(reward_fns, 0.0), 0
+    """One greedy decoding of ``rows``, each completion scored by every function of ``reward_fns`` (name ->
+    TRL-signature reward); returns name -> the mean over the samples it scored. ``None`` and non-finite
+    scores ("no score") are left out of the mean; a reward that scored none gives NaN (``null`` in
+    summary.json), never a silent 0."""
+    totals, counts = dict.fromkeys(reward_fns, 0.0), dict.fromkeys(reward_fns, 0)
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         prompts = [r["prompt"] for r in chunk]
         texts = policy.generate(prompts, greedy=True)["texts"]
         columns = {k: [r[k] for r in chunk] for k in chunk[0] if k != "prompt"}
         for name, fn in reward_fns.items():
-            totals[name] += sum(0.0 if s is None else float(s) for s in fn(prompts, texts, **columns))
-        n += len(chunk)
-    return {name: total / max(1, n) for name, total in totals.items()}
+            valid = [float(v) for v in fn(prompts, texts, **columns) if v is not None and math.isfinite(float(v))]
+            totals[name] += sum(valid)
+            counts[name] += len(valid)
+    return {name: totals[name] / counts[name] if counts[name] else float("nan") for name in reward_fns}
 
 
 class GreedyHeldOut:
