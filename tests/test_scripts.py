@@ -205,6 +205,7 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
         (["--dataset_name", str(good), "--reward_funcs", "gold_rewards:needs_gold"],
          "reward 'gold_rewards:needs_gold' needs the column(s) ['gold']"),
         (["--reward_funcs", "nosuch_reward"], "--reward_funcs: cannot use reward 'nosuch_reward'"),
+        (["--reward_funcs", "reward_model"], "--reward_funcs: reward 'reward_model' needs path"),
         (["--dataset_name", str(no_reference)],
          "reward 'math_accuracy' needs one of the columns ['answer', 'solution'], which the dataset does not have"),
         (["--dataset_name", str(good), "--eval_split", "test"], "is a single file without splits"),

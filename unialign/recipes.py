@@ -141,7 +141,15 @@ def check_rewards(spec: str, weights: str | None, columns: set[str] | None = Non
             target = resolve(REWARDS[name]) if name in REWARDS else get_reward(name).fn
         except Exception as err:  # noqa: BLE001 - an import of user code can raise anything
             raise UserError(f"{flag}: cannot use reward {name!r}: {type(err).__name__}: {err}") from None
-        if columns is None or inspect.isclass(target):
+        if inspect.isclass(target):
+            from unialign.rewards.registry import required_init_args
+
+            needs = required_init_args(target)
+            if needs:
+                raise UserError(f"{flag}: reward {name!r} needs {', '.join(needs)}, which a reward name cannot give "
+                                "(build it in Python with get_reward(name, ...))")
+            continue
+        if columns is None:
             continue
         one_of = getattr(target, "needs_one_of", ())  # a reference in any one of these columns
         if one_of and not set(one_of) & columns:

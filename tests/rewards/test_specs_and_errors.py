@@ -119,3 +119,8 @@ def test_huge_finite_rewards_keep_their_advantages():
     assert torch.allclose(adv_big, adv_small, rtol=1e-3) and adv_big.abs().min() > 0.3
     # the same rewards in float32 are what used to happen: the variance overflows and every advantage is 0
     assert algos.group_advantages(out.rewards_B.float(), 4, "group").abs().max() == 0
+
+
+def test_a_reward_class_that_needs_arguments_says_which():
+    with pytest.raises(ValueError, match=r"reward 'reward_model' needs path \(e.g. get_reward\('reward_model', path=...\)\)"):
+        get_reward("reward_model")

@@ -137,5 +137,19 @@ def get_reward(name: str, **kwargs: Any) -> RewardFunction:
     """
     target, label = resolve_reward(name)
     if inspect.isclass(target):
+        missing = [p for p in required_init_args(target) if p not in kwargs]
+        if missing:
+            raise ValueError(f"reward {name!r} needs {', '.join(missing)} (e.g. get_reward({name!r}, "
+                             f"{missing[0]}=...)); it cannot be built from its name alone")
         return RewardFunction(target(**kwargs), name=label)
     return RewardFunction(target, name=label, kwargs=kwargs)
+
+
+def required_init_args(cls: type) -> list[str]:
+    """The arguments a reward class must be given (no default), e.g. ``["path"]`` for ``reward_model``."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
