@@ -83,6 +83,9 @@ _SENTENCE_END = re.compile(r"\.(?:[ \t]|$)|\n|!|\?")
 _EMPHASIS = re.compile(r"^[*_ \t]+|[*_ \t]+$")
 _WORD_NOTE = re.compile(r"(.*?\S)[ \t]*\([A-Za-z][A-Za-z .,'-]{0,60}\)[ \t.]*")
 _TAIL_AFTER_MATH = re.compile(r"[ \t]*(?:is|are|units?|square units|cm|m|degrees)?[ \t.,;:!)]*(?:\n|$)")
+_UNSURE = re.compile(r"(?i)\b(?:maybe|perhaps|possibly|probably|unsure|not[ \t]+sure|guess|cannot|can't|can[ \t]+not"
+                     r"|unclear|uncertain|don't[ \t]+know)\b")
+_NEGATED = re.compile(r"(?i)\b(?:not|never|isn't|wasn't|aren't|no[ \t]+longer)(?:[ \t]+[A-Za-z$]+){0,2}[ \t$]*$")
 _BOXED_OR = re.compile(r"(?i)^[ \t$.,]*(?:\\text\{)?[ \t]*or\b")
 
 
@@ -216,7 +219,8 @@ def _after_phrase(text: str) -> str | None:
 def _last_number(text: str) -> str | None:
     """The last number token of the plain text in the final ``LAST_NUMBER_WINDOW`` characters; None if
     there is none, if it runs past the window start, if it is an exponent or subscript (``10^5``), sits next
-    to LaTeX or a variable (``2\\pi``, ``\\sqrt3``, ``2x``), or is hedged ("42 or 43")."""
+    to LaTeX or a variable (``2\\pi``, ``\\sqrt3``, ``2x``), is hedged ("42 or 43"), negated ("It is not
+    42.") or in a sentence with an uncertainty word ("Maybe 42?", "I cannot tell; 42")."""
     start = max(0, len(text) - LAST_NUMBER_WINDOW)
     window = text[start:].translate(_MINUS)  # one-to-one characters: offsets unchanged
     window = _MATH_REGION.sub(_blank_latex, window)
@@ -234,6 +238,9 @@ def _last_number(text: str) -> str | None:
     if _HEDGE_BEFORE.search(before):  # "43 or 42"
         return None
     if _COMPARATIVE_AFTER.match(window, last.end()):  # "That's 10 more than last week": not an answer
+        return None
+    sentence = window[max(window.rfind(m, 0, last.start()) for m in (". ", "\n", "? ", "! ")) + 1 : last.end()]
+    if _UNSURE.search(sentence) or _NEGATED.search(before):  # "Maybe 42?", "It is not 42.": no answer
         return None
     return last.group(0).strip()
 

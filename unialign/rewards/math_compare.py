@@ -59,6 +59,11 @@ _MATH_WORDS = frozenset("pi sqrt mod ln log sin cos tan or and not is are".split
 _REPEATING = re.compile(r"([-+]?)([0-9]*)\.([0-9]{0,20})\\overline\{([0-9]{1,20})\}")
 _PM = "\\pm"
 _ASSIGNMENT = re.compile(r"(?:[A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*(\S.*)")
+_ASSIGNMENT_LHS = re.compile(r"([A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*\S")
+_WORD = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+){0,5}")
+_TEXT_WRAPPED = re.compile(r"\\(?:text|textbf|textit|textrm|mbox)[ \t]*\{[^{}]*\}")
+_FUNCTION_WORDS = frozenset(
+    "pi sqrt mod ln log exp sin cos tan sec csc cot arcsin arccos arctan sinh cosh tanh lg deg inf".split())
 _WHITESPACE = re.compile(r"\s+")
 _MATRIX = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[lcr|]*\})?(.*)\\end\{\1\}")
 _TEXTLIKE = re.compile(r"[A-Za-z][A-Za-z .,'()-]*")
@@ -318,10 +323,15 @@ def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> boo
     p, g = clean(prediction), clean(gold)
     if p is None or g is None:
         return False
+    p_eq, g_eq = clean(prediction, keep_assignment=True), clean(gold, keep_assignment=True)
+    p_var, g_var = _ASSIGNMENT_LHS.match(p_eq), _ASSIGNMENT_LHS.match(g_eq)
+    if p_var and g_var and _WHITESPACE.sub("", p_var.group(1)) != _WHITESPACE.sub("", g_var.group(1)):
+        return False  # y = 5 against x = 5: a different variable
     if _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g):
         return True
+    if _is_word_answer(gold, g):  # \text{no}, AC, Monday: text, never a product of letters (on != no)
+        return _text_key(p) == _text_key(g)
     if ("=" in p) != ("=" in g):  # 2x + y = 5 against y = 5 - 2x: compare the whole equations
-        p_eq, g_eq = clean(prediction, keep_assignment=True), clean(gold, keep_assignment=True)
         if p_eq.count("=") == 1 and g_eq.count("=") == 1 and "," not in p_eq + g_eq:
             return _equation(p_eq, g_eq, symbolic)
     kind_g, parts_g = structure(g)
@@ -470,6 +480,21 @@ def _is_text(s: str) -> bool:
     if not _TEXTLIKE.fullmatch(s) or "\\" in s:
         return False
     return re.search(r"[A-Za-z]{3}", s) is not None
+
+
+def _is_word_answer(raw: str, cleaned: str) -> bool:
+    """Whether a gold answer is a word, compared as text (case-insensitive) and never as algebra: the
+    whole answer is one ``\\text{...}``-style wrapper holding letters, or a bare run of >= 2 letters
+    that is not a function name (``pi``, ``sin``, ``ln``) and has a capital or a vowel (``AC``, ``no``,
+    ``ab``). A lowercase run without vowels (``xy``, ``mn``) stays algebra, so ``yx == xy``; ``ba != ab``
+    (ambiguous in MATH answers; read as text)."""
+    if not _WORD.fullmatch(cleaned):
+        return False
+    if _TEXT_WRAPPED.fullmatch(raw.strip().strip("$").strip()):
+        return True
+    if " " in cleaned or cleaned.lower() in _FUNCTION_WORDS:
+        return False
+    return cleaned != cleaned.lower() or any(c in "aeiou" for c in cleaned)
 
 
 def _text_key(s: str) -> str:

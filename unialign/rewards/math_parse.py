@@ -142,8 +142,11 @@ class _Parser:
                 self.take()
                 left = self.node("div", left, self.unary())
             elif kind in _ATOM_START or kind in _FUNCTIONS:
+                # 2\frac{1}{2} = 5/2 only when the \frac directly follows the integer's digits: never
+                # through brackets (2(\frac12) and 2\left(\frac12\right) are products)
+                mixed = kind == "\\frac" and self.i > 0 and self.tokens[self.i - 1][0] == "num"
                 right = self.unary()
-                if _is_integer_literal(left) and _is_proper_fraction(right):  # 2\frac{1}{2} = 5/2
+                if mixed and _is_integer_literal(left) and _is_proper_fraction(right):
                     left = self.node("add", left, right)
                 else:
                     left = self.node("mul", left, right)
@@ -327,6 +330,11 @@ def evaluate(node: Node, env: dict[str, complex]) -> complex:
     if kind == "pow":
         if abs(b) > MAX_EXPONENT:
             raise OverflowError("exponent over the cap")
+        ratio = exact_value(node[2]) if a.imag == 0 and a.real < 0 else None
+        if ratio is not None and ratio.denominator % 2 == 1 and ratio.denominator > 1:  # (-8)^{1/3} = -2
+            return complex((-1) ** (ratio.numerator % 2) * (-a.real) ** float(ratio))
+        if abs(b) > MAX_EXPONENT:
+            raise OverflowError("exponent over the cap")
         if b.imag == 0 and b.real.is_integer():
             return a ** int(b.real) if b.real >= 0 else 1 / a ** int(-b.real)
         if a.imag == 0 and a.real > 0:
@@ -341,30 +349,37 @@ def evaluate(node: Node, env: dict[str, complex]) -> complex:
     raise ValueError(kind)
 
 
-# fixed, irregular values for free letters (3 points); the same letter gets the same value on both sides
-POINTS = (0.5772156649, 1.4142135623, 2.7182818284)
+# fixed, irregular values for free letters (3 points, one negative, so |x| != x and \sqrt{x^2} != x); each
+# letter is scaled by its own factor, the same on both sides
+POINTS = (-1.3709254119, 0.6137811463, 2.4307166031)
+TIGHT_REL_TOL = 1e-13   # agreement at every point this close (relative) is equality in double precision
 
 
 def _env(letters: set[str], k: int) -> dict[str, complex]:
-    return {c: complex(POINTS[k] + (sum(map(ord, c)) % 29) * 0.0731 * (k + 1)) for c in letters}
+    return {c: complex(POINTS[k] * (1 + (sum(map(ord, c)) % 29) * 0.0373)) for c in letters}
+
+
+def _value_at(node: Node, letters: set[str], k: int) -> complex | None:
+    try:
+        v = evaluate(node, _env(letters, k))
+    except (ArithmeticError, ValueError, KeyError):
+        return None
+    return v if cmath.isfinite(v) else None
 
 
 def values(node: Node, letters: set[str]) -> list[complex] | None:
     """``node`` evaluated at the fixed points; None when any value is undefined or not finite."""
-    out = []
-    for k in range(len(POINTS)):
-        try:
-            v = evaluate(node, _env(letters, k))
-        except (ArithmeticError, ValueError, KeyError):
-            return None
-        if not (cmath.isfinite(v)):
-            return None
-        out.append(v)
-    return out
+    out = [_value_at(node, letters, k) for k in range(len(POINTS))]
+    return None if any(v is None for v in out) else out
 
 
 def close(a: complex, b: complex, rel: float = REL_TOL) -> bool:
     return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
+
+
+def tight(a: complex, b: complex) -> bool:
+    """Equal up to double rounding: relative ``TIGHT_REL_TOL`` with no absolute floor (``e^{-100} != 0``)."""
+    return abs(a - b) <= TIGHT_REL_TOL * max(abs(a), abs(b))
 
 
 MAX_EXACT_BITS = 40_000  # numerator / denominator size of an exact power (about 12,000 digits)
@@ -412,10 +427,17 @@ def same_value(a: Node, b: Node, rel: float = REL_TOL) -> bool | None:
     if exact_a is not None and exact_b is not None:
         return exact_a == exact_b
     letters = free_letters(a) | free_letters(b)
-    va, vb = values(a, letters), values(b, letters)
-    if va is None or vb is None:
+    pairs = [(_value_at(a, letters, k), _value_at(b, letters, k)) for k in range(len(POINTS))]
+    if any((x is None) != (y is None) for x, y in pairs):
+        return False  # defined on one side only (\ln x at x < 0 against \ln x^2 is not; here: complex, so rare)
+    pairs = [(x, y) for x, y in pairs if x is not None]
+    if not pairs:
         return None
-    return all(close(x, y, rel) for x, y in zip(va, vb))
+    if not all(close(x, y, rel) for x, y in pairs):
+        return False
+    if all(tight(x, y) for x, y in pairs):
+        return True
+    return None  # a near tie (\sqrt{10^{12}+1} against 10^6, \pi + 10^{-10} against \pi): sympy decides
 
 
 def constant_value(node: Node) -> complex | None:

@@ -6,8 +6,8 @@ The worker parses each side with ``latex2sympy2_extended`` (an ANTLR grammar tha
 sympy trees; never ``sympify`` / ``parse_expr`` / ``eval`` on text), checks the tree before using it
 (``check_tree``: at most ``MAX_NODES`` nodes, depth ``MAX_DEPTH``, every power's result under
 ``MAX_LOG10`` decimal digits and its exponent under ``MAX_EXPONENT``, factorials of at most
-``MAX_FACTORIAL``), then compares: values at three rational points of the free symbols, 30 digits,
-relative ``SYMPY_REL_TOL``; ``sympy.simplify(a - b) == 0`` where values are not numbers.
+``MAX_FACTORIAL``), then compares: values at three rational points of the free symbols (one negative),
+``SYMPY_DIGITS`` digits, relative ``SYMPY_REL_TOL``; ``sympy.simplify(a - b) == 0`` where values are not numbers.
 
 ``SymbolicWorker`` (client): one persistent child (``python -I`` loading this file; torch never imported) speaking
 JSON lines over pipes (no pickle). Each request has a hard wall-clock limit; a request that overruns gets
@@ -34,7 +34,8 @@ MAX_DEPTH = 60
 MAX_EXPONENT = 1000
 MAX_LOG10 = 10_000
 MAX_FACTORIAL = 100
-SYMPY_REL_TOL = 1e-12
+SYMPY_REL_TOL = 1e-30     # at SYMPY_DIGITS digits; relative only (e^{-100} != 0)
+SYMPY_DIGITS = 50
 WORKER_MEMORY_BYTES = 2 << 30
 STARTUP_TIMEOUT_S = 60.0
 CACHE_SIZE = 4096
@@ -145,12 +146,12 @@ def sympy_equal(p: str, g: str) -> bool | None:
         except Exception:  # noqa: BLE001
             pass
     symbols = sorted(a.free_symbols | b.free_symbols, key=str)
-    points = [sympy.Rational(577, 1000), sympy.Rational(1414, 1000), sympy.Rational(2718, 1000)]
+    points = [sympy.Rational(-1371, 1000), sympy.Rational(614, 1000), sympy.Rational(2431, 1000)]  # one negative
     numeric = True
     for k, base in enumerate(points):
         subs = {s: base + sympy.Rational(31 * (i + 1) * (k + 1), 1000) for i, s in enumerate(symbols)}
         try:
-            va, vb = sympy.N(a.subs(subs), 30), sympy.N(b.subs(subs), 30)
+            va, vb = sympy.N(a.subs(subs), SYMPY_DIGITS), sympy.N(b.subs(subs), SYMPY_DIGITS)
         except Exception:  # noqa: BLE001
             numeric = False
             break
@@ -161,7 +162,10 @@ def sympy_equal(p: str, g: str) -> bool | None:
             numeric = False
             break
         # in sympy Floats (unbounded exponent range): a huge value never overflows into inf == inf
-        if sympy.Abs(va - vb) > SYMPY_REL_TOL * sympy.Max(1, sympy.Abs(va), sympy.Abs(vb)):
+        if (va == 0) != (vb == 0):  # exactly zero against a tiny value: only simplify can tell
+            numeric = False
+            break
+        if sympy.Abs(va - vb) > SYMPY_REL_TOL * sympy.Max(sympy.Abs(va), sympy.Abs(vb)):
             return False
     if numeric:
         return True
