@@ -137,7 +137,7 @@ def test_every_flag_has_help_a_group_and_its_choices(name, capsys):
     (["--num_generations", "1"], "--num_generations: must be >= 2 for grpo"),
     (["--report_to", "nosuch"], "--report_to: 'nosuch' is not one of"),
     (["--optim", "sgd"], "--optim: 'sgd' is not one of adamw_torch"),
-    (["--learning_rate", "-1"], "--learning_rate: must be > 0.0"),
+    (["--learning_rate", "-1"], "--learning_rate: must be >= 0.0"),
     (["--eval_fraction", "1.5"], "--eval_fraction: must be < 1.0"),
     (["--overlong_rows", "truncate"], "--overlong_rows: 'truncate' is not one of error, drop"),
 ])
@@ -145,3 +145,14 @@ def test_script_settings_refused_at_parse_time(argv, message, tmp_path):
     _, cls = script_config("grpo_math")
     with pytest.raises(UserError, match=re.escape(message)):
         parse_config(cls, argv + ["--output_dir", str(tmp_path)])
+
+
+def test_configs_built_in_python_are_validated_by_the_trainers(tmp_path):
+    from unialign.config import UserError
+    from unialign.trainers import OnlineConfig, OnlineTrainer
+    from unialign.trainers.preference import PreferenceConfig, PreferenceTrainer
+
+    with pytest.raises(UserError, match="--prompts_per_step: must be >= 1, got 0"):
+        OnlineTrainer(None, [], [{"prompt": "a"}], OnlineConfig(prompts_per_step=0, output_dir=str(tmp_path)))
+    with pytest.raises(UserError, match="--max_steps: expected an integer"):
+        PreferenceTrainer(None, [{"prompt": "a"}], PreferenceConfig(max_steps="two", output_dir=str(tmp_path)))

@@ -109,7 +109,7 @@ RULES: dict[str, dict[str, Any]] = {
     "eta": {"group": "algorithm", "min": 0.0}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
     "min_step_std": {"group": "algorithm", "min": 0.0},
     # optimisation
-    "max_steps": {"group": "optimisation", "min": 1}, "learning_rate": {"group": "optimisation", "gt": 0.0},
+    "max_steps": {"group": "optimisation", "min": 1}, "learning_rate": {"group": "optimisation", "min": 0.0},
     "weight_decay": {"group": "optimisation", "min": 0.0}, "adam_beta1": {"group": "optimisation", "min": 0.0, "lt": 1.0},
     "adam_beta2": {"group": "optimisation", "min": 0.0, "lt": 1.0}, "adam_epsilon": {"group": "optimisation", "gt": 0.0},
     "optim": {"group": "optimisation", "choices": OPTIMIZERS},

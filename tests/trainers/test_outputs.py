@@ -110,7 +110,7 @@ def test_skipped_reward_errors_are_counted_and_excluded(tmp_path):
     assert trainer.counters["reward_errors"] == 2  # samples 0 and 4 of 8 returned a string
     assert torch.isnan(traj.rewards_B[[0, 4]]).all()
     assert (traj.advantages_B_T[[0, 4]] == 0).all()
-    with pytest.raises(ValueError, match="reward_errors must be 'raise' or 'skip'"):
+    with pytest.raises(ValueError, match="--reward_errors: 'ignore' is not one of raise, skip"):
         make(tmp_path / "bad", reward_errors="ignore")
 
 

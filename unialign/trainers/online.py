@@ -42,6 +42,7 @@ from accelerate.utils import gather, gather_object, set_seed
 from tqdm.auto import tqdm
 
 from unialign import algos
+from unialign.config import validate
 from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
 from unialign.rewards.base import ON_ERROR, CombinedReward, RewardError
@@ -83,7 +84,7 @@ class OnlineConfig(TrainConfig):
     reward_errors: str = field(default="raise", metadata={"help": (
         "a reward function that raises or returns non-numbers: 'raise' (stop, naming the function and the "
         "sample; progress so far is checkpointed) or 'skip' (count them in reward_errors and exclude those "
-        "samples, like NaN rewards)"), "choices": ["raise", "skip"]})
+        "samples, like NaN rewards)"), "choices": list(ON_ERROR)})
     # algorithm overrides (TRL names); None: the preset's value
     epsilon: float | None = config_field(None, "lower clip bound of the ratio (TRL epsilon)")
     epsilon_high: float | None = config_field(None, "upper clip bound (DAPO clip-higher); unset: epsilon")
@@ -176,11 +177,10 @@ class OnlineTrainer:
                  accelerator: Accelerator | None = None, evaluator: Callable[[], dict[str, float]] | None = None):
         if not prompts:
             raise ValueError("prompts: the training set is empty")
+        validate(config)  # the checks the scripts run at parse time, for configs built in Python
         for i, row in enumerate(prompts):
             if "prompt" not in row:
                 raise ValueError(f"prompts[{i}]: missing the 'prompt' field (keys: {sorted(row)})")
-        if config.reward_errors not in ON_ERROR:
-            raise ValueError(f"reward_errors must be 'raise' or 'skip', got {config.reward_errors!r}")
         if not isinstance(reward_fn, CombinedReward):
             reward_fn = CombinedReward(list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
         self.policy, self.reward_fn, self.rows, self.cfg = policy, reward_fn, prompts, config

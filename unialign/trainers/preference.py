@@ -30,6 +30,7 @@ from accelerate.utils import gather, set_seed
 from tqdm.auto import tqdm
 
 from unialign import algos
+from unialign.config import validate
 from unialign.trainers.common import (
     TrainConfig,
     config_field,
@@ -181,6 +182,7 @@ class PreferenceTrainer:
                  accelerator: Accelerator | None = None, eval_rows: list[dict[str, Any]] | None = None):
         if not rows:
             raise ValueError("preference rows: the training set is empty")
+        validate(config)  # the checks the scripts run at parse time, for configs built in Python
         self.obj, self.rows, self.cfg = objective, rows, config
         self.acc = accelerator or Accelerator(
             log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
