@@ -32,6 +32,12 @@ def _score(completion: str, gold: str) -> float:
     (r"\boxed{y = 5}", "x=5", 0.0), (r"\boxed{x = 5}", "x=5", 1.0),
     ("It is not 42.", "42", 0.0), ("I cannot determine the answer. Maybe 42?", "42", 0.0),
     ("She does not need more boxes. She packs 6 boxes of 7, so she has 42.", "42", 1.0),
+    # false negatives
+    (r"\boxed{\emptyset}", r"\varnothing", 1.0), (r"\boxed{|-5|}", "5", 1.0), (r"\boxed{|-5|}", "-5", 0.0),
+    (r"\boxed{\lfloor 2.5\rfloor}", "2", 1.0), (r"\boxed{\lceil 2.5\rceil}", "2", 0.0),
+    (r"\boxed{\lfloor x\rfloor}", "x", 0.0), (r"\boxed{x \in (1,2)}", "(1,2)", 1.0),
+    ("#### 12 (3 boxes of 4)", "12", 1.0), ("#### 13 (3 boxes of 4)", "12", 0.0),
+    ("The answer is 12 apples and 3 pears.", "12", 1.0), ("The answer is 12 or 13.", "12", 0.0),
 ])
 def test_review_cases(completion, gold, expected):
     assert _score(completion, gold) == expected

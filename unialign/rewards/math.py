@@ -81,7 +81,8 @@ _PHRASE = re.compile(r"(?i)\banswer(?:[ \t]+is|[ \t]*:|[ \t]+is[ \t]*:)[ \t*:]*"
 _PHRASE_PREFIX = re.compile(r"(?i)^(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is|[ \t]*:)[ \t*:]*")
 _SENTENCE_END = re.compile(r"\.(?:[ \t]|$)|\n|!|\?")
 _EMPHASIS = re.compile(r"^[*_ \t]+|[*_ \t]+$")
-_WORD_NOTE = re.compile(r"(.*?\S)[ \t]*\([A-Za-z][A-Za-z .,'-]{0,60}\)[ \t.]*")
+_WORD_NOTE = re.compile(r"(.*?\S)[ \t]*\((?=[0-9 ]{0,10}[A-Za-z])[A-Za-z0-9][A-Za-z0-9 .,'-]{0,60}\)[ \t.]*")
+_COUNTED = re.compile(r"([-+]?[0-9][0-9.,]*)[ \t]+[A-Za-z]+(?:[ \t]+[A-Za-z]+)?[ \t]+and[ \t]+[0-9][^\n]*")
 _TAIL_AFTER_MATH = re.compile(r"[ \t]*(?:is|are|units?|square units|cm|m|degrees)?[ \t.,;:!)]*(?:\n|$)")
 _UNSURE = re.compile(r"(?i)\b(?:maybe|perhaps|possibly|probably|unsure|not[ \t]+sure|guess|cannot|can't|can[ \t]+not"
                      r"|unclear|uncertain|don't[ \t]+know)\b")
@@ -213,6 +214,9 @@ def _after_phrase(text: str) -> str | None:
             return _tidy(region.group(0)) or None
     end = _SENTENCE_END.search(rest)
     value = _tidy(rest[: end.start()] if end else rest)
+    counted = _COUNTED.fullmatch(value)
+    if counted:  # "12 apples and 3 pears": the first count is the answer
+        value = counted.group(1)
     return value if value and len(value) <= 200 else None
 
 

@@ -21,7 +21,8 @@ Conventions (see ``unialign/rewards/math.py`` for the whole list):
   or interval ``(a, b]`` is ordered and its brackets must match; matrices (``pmatrix`` / ``bmatrix`` /
   ``vmatrix`` / ``array``) compare cell by cell. A single-value gold never matches a prediction with
   several values (a hedge such as ``42 \\text{ or } 43``).
-* ``x = 5`` equals ``5`` (a leading single-letter or tuple-of-letters assignment is dropped);
+* ``x = 5`` equals ``5`` (a leading single-letter or tuple-of-letters assignment, or ``x \\in``, is dropped),
+  but ``y = 5 != x = 5`` (both name a variable and they differ); ``\\varnothing == \\emptyset``;
   equations compare as ``lhs - rhs`` up to sign; text answers (``\\text{Monday}``, ``(A)``) compare
   case-insensitively with ``\\text{}`` wrappers, surrounding parentheses and whitespace removed.
 """
@@ -59,6 +60,7 @@ _MATH_WORDS = frozenset("pi sqrt mod ln log sin cos tan or and not is are".split
 _REPEATING = re.compile(r"([-+]?)([0-9]*)\.([0-9]{0,20})\\overline\{([0-9]{1,20})\}")
 _PM = "\\pm"
 _ASSIGNMENT = re.compile(r"(?:[A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*(\S.*)")
+_MEMBERSHIP = re.compile(r"[A-Za-z][ \t]*\\in[ \t]*(\S.*)")  # x \in (1, 2)
 _ASSIGNMENT_LHS = re.compile(r"([A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*\S")
 _WORD = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+){0,5}")
 _TEXT_WRAPPED = re.compile(r"\\(?:text|textbf|textit|textrm|mbox)[ \t]*\{[^{}]*\}")
@@ -225,7 +227,8 @@ def clean(s: str, *, keep_assignment: bool = False) -> str | None:
     s = _WHITESPACE.sub(" ", s).strip()
     if len(s) > 1 and s.endswith("."):
         s = s[:-1].rstrip()
-    m = _ASSIGNMENT.fullmatch(s)
+    s = s.replace("\\varnothing", "\\emptyset")
+    m = _ASSIGNMENT.fullmatch(s) or _MEMBERSHIP.fullmatch(s)
     if m and not keep_assignment:
         s = m.group(1).strip()
     m = _UNITS.fullmatch(s)
@@ -419,7 +422,7 @@ def _leaf(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
         return True
     g_num, p_num = number_value(g), number_value(p)
     if g_num is not None:
-        if p_num is not None or not re.search(r"[\\^!]", p):
+        if p_num is not None or not re.search(r"[\\^!|]", p):
             return _number_matches(p, g_num)  # arithmetic left in a plain answer (2+2) does not count
         # a LaTeX expression against a number (\sqrt{16}, \binom{5}{2}): by value, below
     if _is_text(g) or _is_text(p):

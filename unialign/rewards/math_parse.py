@@ -10,6 +10,7 @@ Grammar (recursive descent, one token of look-ahead)::
     power   := postfix ("^" exponent)?          exponent := "{" expr "}" | digit | letter | "(" expr ")"
     postfix := atom "!"?                        (factorial of an integer <= MAX_FACTORIAL only)
     atom    := number | letter | "\\pi" | "(" expr ")" | "{" expr "}" | "[" expr "]" | "|" expr "|"
+             | "\\lfloor" expr "\\rfloor" | "\\lceil" expr "\\rceil"
              | "\\frac" group group | "\\sqrt" ("[" expr "]")? group | function argument
 
 ``2\\frac{1}{2}`` (an integer directly followed by a fraction of integers) is the mixed number 5/2, as in
@@ -62,7 +63,7 @@ _FUNCTIONS = {
 }
 _GREEK = {"\\alpha", "\\beta", "\\gamma", "\\delta", "\\theta", "\\lambda", "\\mu", "\\sigma", "\\phi",
           "\\omega"}
-_ATOM_START = {"num", "letter", "(", "{", "[", "\\pi", "\\frac", "\\dfrac", "\\tfrac", "\\sqrt", "\\{"}
+_ATOM_START = {"num", "letter", "(", "{", "[", "\\pi", "\\lfloor", "\\lceil", "\\frac", "\\dfrac", "\\tfrac", "\\sqrt", "\\{"}
 
 
 def tokenize(text: str) -> list[tuple[str, str]]:
@@ -220,6 +221,11 @@ class _Parser:
             inner = self.expr()
             self.take(close)
             return self.node("abs", inner) if kind == "|" else inner
+        if kind in ("\\lfloor", "\\lceil"):
+            self.take()
+            inner = self.expr()
+            self.take("\\rfloor" if kind == "\\lfloor" else "\\rceil")
+            return self.node("floor" if kind == "\\lfloor" else "ceil", inner)
         if kind == "\\frac":
             self.take()
             num, den = self.frac_arg(), self.frac_arg()
@@ -318,6 +324,11 @@ def evaluate(node: Node, env: dict[str, complex]) -> complex:
         return -evaluate(node[1], env)
     if kind == "abs":
         return complex(abs(evaluate(node[1], env)))
+    if kind in ("floor", "ceil"):
+        v = evaluate(node[1], env)
+        if v.imag != 0:
+            raise ValueError("floor of a complex value")
+        return complex(math.floor(v.real) if kind == "floor" else math.ceil(v.real))
     if kind == "fn":
         return _FUNCTIONS[node[1]](evaluate(node[2], env))
     a, b = evaluate(node[1], env), evaluate(node[2], env)
@@ -393,9 +404,11 @@ def exact_value(node: Node) -> Fraction | None:
         return node[1] if isinstance(node[1], Fraction) else None
     if kind in ("var", "fn", "root"):
         return None
-    if kind in ("neg", "abs"):
+    if kind in ("neg", "abs", "floor", "ceil"):
         v = exact_value(node[1])
-        return None if v is None else (-v if kind == "neg" else abs(v))
+        if v is None:
+            return None
+        return {"neg": -v, "abs": abs(v), "floor": Fraction(math.floor(v)), "ceil": Fraction(math.ceil(v))}[kind]
     a, b = exact_value(node[1]), exact_value(node[2])
     if a is None or b is None:
         return None
