@@ -105,7 +105,7 @@ def main(cfg: GRPOMathConfig) -> dict:
     summary = {"metric": metric, "before": before, "after": after, "steps": trainer.step,
                "wall_seconds": time.time() - start, "num_eval": len(eval_rows), **data_info,
                "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
-    return finish_run(trainer.acc, cfg, summary, policy.save)
+    return finish_run(trainer.acc, cfg, summary, policy.save, trainer.counters)
 
 
 if __name__ == "__main__":

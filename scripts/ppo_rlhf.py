@@ -86,7 +86,7 @@ def main(cfg: PPOConfig) -> dict:
     summary = {"metric": "accuracy" if accuracy else "rm_score", "before": acc_before if accuracy else rm_before,
                "after": acc_after if accuracy else rm_after, "rm_before": rm_before, "rm_after": rm_after,
                "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval": len(eval_rows), **data_info}
-    return finish_run(trainer.acc, cfg, summary, policy.save)
+    return finish_run(trainer.acc, cfg, summary, policy.save, trainer.counters)
 
 
 if __name__ == "__main__":

@@ -329,3 +329,14 @@ def test_dpo_sdxl_on_a_folder_with_image_paths(tmp_path):
                          "--report_to", "none"])
     assert s["metric"] == "gold_score" and (s["train_pairs"], s["num_eval_pairs"]) == (9, 1)
     assert s["eval_fraction"] == 0.1 and s["steps"] == 1
+
+
+def test_skipped_reward_errors_are_counted_in_the_summary(tmp_path, monkeypatch):
+    (tmp_path / "flaky_rewards.py").write_text(
+        "def flaky(prompts, completions, **kwargs):\n"
+        "    return [1.0 if i % 2 else 'oops' for i in range(len(completions))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = run("grpo_math", ["--reward_funcs", "flaky_rewards:flaky", "--reward_errors", "skip", "--max_steps", "1",
+                          "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",
+                          "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    assert s["reward_errors"] == 4  # half of the 8 samples of the one step

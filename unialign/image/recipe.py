@@ -152,4 +152,4 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
         out = Path(cfg.output_dir)
         for name, res, caps in (("before", before_res, before_captions), ("after", after_res, evaluator.captions())):
             save_grid(res["images"], caps, out / f"grid_{name}.png")
-    return finish_run(trainer.acc, cfg, summary, policy.save)
+    return finish_run(trainer.acc, cfg, summary, policy.save, trainer.counters)

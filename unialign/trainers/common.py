@@ -137,11 +137,13 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def finish_run(acc, cfg, summary: dict, save) -> dict:
+def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = None) -> dict:
     """End of a script: on the main process, ``save(<output_dir>/final)`` (stock-loadable weights), write
-    ``summary.json`` (strict JSON) with the run's config added, and the settings a resume changed
+    ``summary.json`` (strict JSON) with the run's config added, the trainer's non-zero ``counters`` (samples
+    whose reward errored and were skipped, non-finite rewards, skipped steps), and the settings a resume changed
     (``config_changes_on_resume``, from the run's last checkpoint) when there were any; print where the
     outputs are and the summary as JSON. Returns the summary."""
+    summary.update({k: v for k, v in (counters or {}).items() if v})  # e.g. reward_errors skipped, nonfinite rewards
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
     out = Path(cfg.output_dir)
     ckpt = find_checkpoint(out, "latest", required=False)
