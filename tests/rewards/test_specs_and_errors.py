@@ -124,3 +124,15 @@ def test_huge_finite_rewards_keep_their_advantages():
 def test_a_reward_class_that_needs_arguments_says_which():
     with pytest.raises(ValueError, match=r"reward 'reward_model' needs path \(e.g. get_reward\('reward_model', path=...\)\)"):
         get_reward("reward_model")
+
+
+def test_rewards_beyond_float64_group_statistics_are_errors_not_silent_zero_advantages():
+    def huge(prompts, completions, **_):
+        return [0.0, 1e200, 10**400, 2.0]
+
+    fn = RewardFunction(huge)
+    with pytest.raises(RewardError, match=r"returned 1e\+200 for sample 1 \(prompt 'p'\): beyond \+-1e\+150"):
+        fn.score(["p"] * 4, ["c"] * 4)
+    scores, _, errors = fn.score_checked(["p"] * 4, ["c"] * 4, on_error="skip")
+    assert errors.tolist() == [False, True, True, False] and scores[0] == 0.0 and scores[3] == 2.0
+    assert math.isnan(scores[1]) and math.isnan(scores[2])

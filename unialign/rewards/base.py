@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _RESERVED = ("prompts", "completions")
 ON_ERROR = ("raise", "skip")
+MAX_ABS_REWARD = 1e150  # beyond it, float64 means / variances of a group overflow (1e155^2 > 1.8e308)
 
 
 class RewardError(ValueError):
@@ -181,20 +182,27 @@ def _to_scores(out: Any, name: str, batch_size: int, prompts: Sequence[Any] = ()
                                 "completions"), None)
     scores, errors = [], [False] * batch_size
     for i, x in enumerate(out):
+        err = None
         if x is None:
-            scores.append(math.nan)
-        elif isinstance(x, Tensor) and x.numel() == 1:
-            scores.append(float(x.item()))
-        elif isinstance(x, numbers.Real):  # int, float, bool, numpy scalars
-            scores.append(float(x))
+            value = math.nan
+        elif isinstance(x, (Tensor, numbers.Real)) and (not isinstance(x, Tensor) or x.numel() == 1):
+            try:  # int, float, bool, numpy scalars, one-element tensors
+                value, shown = float(x.item() if isinstance(x, Tensor) else x), None
+            except OverflowError:  # an int beyond float64
+                value, shown = math.nan, f"an integer of {len(str(abs(int(x))))} digits"
+            if shown or (math.isfinite(value) and abs(value) > MAX_ABS_REWARD):  # inf / NaN: non-finite, excluded later
+                err = RewardError(f"reward function {name!r} returned {shown or f'{value:.3g}'} for "
+                                  f"{_sample(i, prompts)}: beyond +-{MAX_ABS_REWARD:g}, where float64 group statistics "
+                                  "overflow; rescale it")
         else:
             err = RewardTypeError(f"reward function {name!r} returned {type(x).__name__} for {_sample(i, prompts)}; "
                                   "expected float or None")
+        if err is not None:
             if on_error == "raise":
                 raise err
             logger.warning("%s; scored as NaN (reward_errors=skip)", err)
-            scores.append(math.nan)
-            errors[i] = True
+            value, errors[i] = math.nan, True
+        scores.append(value)
     return scores, errors
 
 
