@@ -9,8 +9,8 @@ Three tiers, cheapest first (``math_accuracy_reward``):
    regex runs and every regex is linear-time; runs under ``base.map_with_time_limit``.
 2. **In-process, numeric** (``math_parse``): expressions in a small LaTeX grammar (``\\frac``, ``\\sqrt``,
    ``\\pi``, powers, trig / log, implicit products, mixed numbers) are parsed by recursive descent into a
-   capped tree and evaluated in complex floating point at three fixed points of their letters; equal
-   when all agree to a relative 1e-9. Floats cannot grow into huge integers, so this tier is bounded.
+   capped tree and evaluated in complex floating point at three fixed points of their letters (one
+   negative); equal when all agree to a relative 1e-13, a near tie (1e-13..1e-9) goes to tier 3. Floats cannot grow into huge integers, so this tier is bounded.
 3. **Worker process, symbolic** (``math_worker``): what tiers 1-2 cannot decide, when both sides pass a
    whitelist of math characters and LaTeX commands, goes to a persistent child process that parses with
    ``latex2sympy2_extended`` (ANTLR grammar), checks the tree (size, depth, exponent, factorial caps) and
@@ -38,7 +38,8 @@ number with the same exact value (``0.75 == 3/4``, ``2\\frac{1}{2} == 5/2``, ``1
 finite decimal expansion (within one unit of its last place: ``3.14159 == \\pi``, ``0.333 != 1/3``); percent signs are dropped
 (``50\\% == 50 != 0.5``); sets and bare lists are order-free, tuples and intervals ordered with matching
 brackets, matrices cell by cell; a single-value gold never matches several values; ``x = 5 == 5``;
-``\\text{Monday} == monday``.
+``\\text{Monday} == monday``; a gold word is text (``\\text{on} != no``, ``CA != AC``); ``y = 5 != x = 5``.
+A last-number fallback in a negated or uncertain sentence ("It is not 42.", "Maybe 42?") gives no answer.
 """
 
 from __future__ import annotations

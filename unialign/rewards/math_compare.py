@@ -14,8 +14,9 @@ Conventions (see ``unialign/rewards/math.py`` for the whole list):
   has no finite decimal expansion (``1/3``, ``\\sqrt2/2``, ``\\pi``) when within one unit of its last decimal
   place (so rounded or truncated both count): ``0.333333 == 1/3``, ``3.14159 == \\pi``, ``0.707107 ==
   \\frac{\\sqrt2}{2}``, but ``0.333 != 1/3`` and ``3.1416 != \\pi`` (too few digits).
-  Expressions are equal when their values agree to a relative 1e-9 at three fixed points of their free
-  letters (``math_parse.same_value``), else by sympy in the worker.
+  Expressions are equal when their values agree to a relative 1e-13 at three fixed points of their free
+  letters, one negative (``math_parse.same_value``: ``|x| != x``); a near tie (within 1e-9, not 1e-13) and
+  anything else undecided goes to sympy in the worker (50 digits, relative 1e-30: ``\\pi + 10^{-10} != \\pi``).
 * **Percent** signs are dropped: ``50\\% == 50`` (GSM8K writes percentages as bare numbers), ``!= 0.5``.
 * **Structures**: a gold set ``\\{...\\}`` or bare list ``a, b`` is order-free (a multiset); a gold tuple
   or interval ``(a, b]`` is ordered and its brackets must match; matrices (``pmatrix`` / ``bmatrix`` /
@@ -24,7 +25,8 @@ Conventions (see ``unialign/rewards/math.py`` for the whole list):
 * ``x = 5`` equals ``5`` (a leading single-letter or tuple-of-letters assignment, or ``x \\in``, is dropped),
   but ``y = 5 != x = 5`` (both name a variable and they differ); ``\\varnothing == \\emptyset``;
   equations compare as ``lhs - rhs`` up to sign; text answers (``\\text{Monday}``, ``(A)``) compare
-  case-insensitively with ``\\text{}`` wrappers, surrounding parentheses and whitespace removed.
+  case-insensitively with ``\\text{}`` wrappers, surrounding parentheses and whitespace removed; a gold
+  word (``\\text{no}``, ``AC``, ``ab``; not ``xy``, see ``_is_word_answer``) is text, never a product of letters.
 """
 
 from __future__ import annotations

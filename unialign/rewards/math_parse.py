@@ -13,17 +13,18 @@ Grammar (recursive descent, one token of look-ahead)::
              | "\\lfloor" expr "\\rfloor" | "\\lceil" expr "\\rceil"
              | "\\frac" group group | "\\sqrt" ("[" expr "]")? group | function argument
 
-``2\\frac{1}{2}`` (an integer directly followed by a fraction of integers) is the mixed number 5/2, as in
-school notation; ``\\sin^2 x`` is ``(sin x)^2``. Caps (``ParseError`` beyond them): ``MAX_EXPR_CHARS``
+``2\\frac{1}{2}`` (an integer's digits directly followed by ``\\frac`` of integers) is the mixed number 5/2, as
+in school notation (``2(\\frac12)`` is a product); ``\\sin^2 x`` is ``(sin x)^2``. Caps (``ParseError`` beyond them): ``MAX_EXPR_CHARS``
 characters, ``MAX_TOKENS`` tokens, ``MAX_DEPTH`` nesting, ``MAX_NODES`` tree nodes, integer exponents
 ``|k| <= MAX_EXPONENT``, factorials of integers ``<= MAX_FACTORIAL``. Evaluation is complex floating point
 (``cmath``), so no value can grow into a huge integer; an overflow or a domain error is "no value".
 
 Equality (``same_value``): trees of rational arithmetic compare exactly (``exact_value``); otherwise both are
-evaluated at ``len(POINTS)`` fixed assignments of their free
-variables (letters); equal when every pair agrees to a relative ``REL_TOL`` (1e-9), an identity test that
-is exact for constants up to double rounding (``\\frac{1}{\\sqrt2}`` vs ``\\frac{\\sqrt2}{2}``) and, for
-polynomials / rational functions, wrong only on a measure-zero set of coincidences.
+evaluated at ``len(POINTS)`` fixed assignments of their free variables (letters; one point negative, so
+``|x|``, ``\\sqrt{x^2}`` and ``\\ln x^2`` differ from ``x``, ``x``, ``2\\ln x``). A point where one side is
+undefined and the other is not is a difference. Equal when every pair agrees to a relative
+``TIGHT_REL_TOL`` (1e-13, no absolute floor); different when a pair differs by more than ``REL_TOL``
+(1e-9); in between (a near tie such as ``\\sqrt{10^{12}+1}`` against ``10^6``) undecided here, for sympy.
 """
 
 from __future__ import annotations
