@@ -164,7 +164,7 @@ def test_closed_form_kl_needs_a_gaussian_policy(tmp_path):
     cfg = OnlineConfig(algorithm="grpo", beta=0.1, kl_estimator="gaussian", report_to="none", output_dir=str(tmp_path))
     with pytest.raises(ValueError, match="gaussian.*k1, k2 or k3"):
         OnlineTrainer(policy, lambda prompts, completions: [0.0] * len(completions), [{"prompt": "1+1="}], cfg)
-    with pytest.raises(ValueError, match="kl_estimator: unknown 'k9'"):
+    with pytest.raises(ValueError, match="kl_estimator: 'k9' is not one of"):
         OnlineTrainer(policy, lambda prompts, completions: [0.0] * len(completions), [{"prompt": "1+1="}],
                       OnlineConfig(algorithm="grpo", beta=0.1, kl_estimator="k9", report_to="none",
                                    output_dir=str(tmp_path)))
