@@ -59,10 +59,13 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
     learning_rate: float = arg(3e-4, "peak learning rate")
     warmup_steps: int = arg(5, "linear warm-up steps")
+    # cosine over 100 steps: 0.531 -> 0.813 / 0.777 / 0.859 (seeds 0-2); constant lr: 0.707 / 0.680 / 0.688
+    # at 80 steps, and at 100 steps seed 2 collapsed to 0.402
+    lr_scheduler_type: str = arg("cosine", "learning-rate schedule after warm-up", choices=["constant", "linear", "cosine"])
     prompts_per_step: int = arg(16, "prompts per step (each sampled num_generations times)")
     num_generations: int = arg(8, "completions per prompt (the group)")
     micro_batch_size: int = arg(128, "completions per forward/backward")
-    max_steps: int = arg(80, "training steps (each: sample, score, update)")
+    max_steps: int = arg(100, "training steps (each: sample, score, update)")
     num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest; <= 0: torch's choice)")
     output_dir: str = arg("outputs/grpo_math", "where checkpoints, curves, summary.json and final/ go")
 
@@ -73,7 +76,8 @@ PRESETS = {
         model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="openai/gsm8k", dataset_config="main",
         system_prompt=SYSTEM_GSM8K, max_new_tokens=512, temperature=1.0, learning_rate=1e-6, beta=0.0,
         prompts_per_step=32, num_generations=8, micro_batch_size=16, max_steps=500, num_eval=1319,
-        torch_dtype="bfloat16", warmup_steps=10, eval_batch_size=64, output_dir="outputs/grpo_qwen_gsm8k"),
+        torch_dtype="bfloat16", warmup_steps=10, lr_scheduler_type="constant", eval_batch_size=64,
+        output_dir="outputs/grpo_qwen_gsm8k"),
 }
 
 

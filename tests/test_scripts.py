@@ -52,8 +52,10 @@ def test_grpo_math_two_steps(tmp_path):
 
 
 def test_grpo_math_dapo_and_resume(tmp_path):
+    # a constant schedule: extending max_steps then changes nothing the checkpoint recorded (under the
+    # default cosine it changes the schedule, and the resume is refused without --allow_config_change)
     common = ["--algorithm", "dapo", "--num_eval", "8", "--prompts_per_step", "2", "--num_generations", "4",
-              "--output_dir", str(tmp_path), "--report_to", "none", "--save_steps", "1"]
+              "--output_dir", str(tmp_path), "--report_to", "none", "--save_steps", "1", "--lr_scheduler_type", "constant"]
     run("grpo_math", common + ["--max_steps", "1"])
     run("grpo_math", common + ["--max_steps", "2", "--resume_from_checkpoint", "latest"])
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
