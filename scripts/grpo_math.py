@@ -48,7 +48,7 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
     system_prompt: str | None = arg(None, "system message put before every prompt (chat-template models)")
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
     torch_dtype: str = arg("float32", "model dtype")
-    generation_cache: str = arg("dynamic", "KV cache: dynamic, or static (fixed size: CUDA graphs on GPU)")
+    generation_cache: str = arg("auto", "KV cache: auto (static on CUDA), dynamic, or static (fixed size: CUDA graphs)")
     reward_funcs: str = arg("math_accuracy", "comma-separated rewards: registry names, TRL's dotted "
                            "package.module.function, module:function or path/file.py:function")
     reward_weights: str | None = arg(None, "comma-separated floats, one per reward (default: all 1)")

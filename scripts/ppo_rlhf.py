@@ -35,7 +35,7 @@ class PPOConfig(TextDataArgs, OnlineConfig):
     max_new_tokens: int = arg(24, "completion limit in tokens (sampling and evaluation)")
     temperature: float = arg(1.0, "sampling temperature (> 0)")
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
-    generation_cache: str = arg("dynamic", "KV cache: dynamic, or static (fixed size: CUDA graphs on GPU)")
+    generation_cache: str = arg("auto", "KV cache: auto (static on CUDA), dynamic, or static (fixed size: CUDA graphs)")
     value_head: str = arg("shared", "critic: 'shared' (head on the policy backbone), 'separate' (own backbone "
                           "copy) or a sequence-classification checkpoint such as the reward model")
     torch_dtype: str = arg("float32", "model dtype")

@@ -72,7 +72,7 @@ RULES: dict[str, dict[str, Any]] = {
     "model_name_or_path": {"group": "model"}, "vae_name_or_path": {"group": "model"},
     "torch_dtype": {"group": "model", "choices": DTYPES}, "lora_rank": {"group": "model", "min": 0},
     "gradient_checkpointing": {"group": "model"}, "value_head": {"group": "model"},
-    "generation_cache": {"group": "model", "choices": ("dynamic", "static")},
+    "generation_cache": {"group": "model", "choices": ("auto", "dynamic", "static")},
     "num_threads": {"group": "model"}, "system_prompt": {"group": "model"},
     "reward_model_path": {"group": "model"}, "resolution": {"group": "model", "min": 8},
     # data
