@@ -305,3 +305,29 @@ def test_sleep_discards_then_push_wakes_weights_and_generate_wakes_the_cache():
     plain.wake_up()
     assert not [c for c in llm2.calls if c[0] in ("sleep", "wake_up")]
     assert plain.generate([[4]], 2, **kw)["completion_ids"].shape == (2, 3)
+
+
+def test_weight_names_gather_fsdp2_shards():
+    """FSDP2 (``fully_shard``) turns parameters into DTensors: names stay, values are gathered whole
+    (one gloo process here; the 2-process gather is the same ``full_tensor`` call)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group already running")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        for lora in (False, True):
+            model = lora_lm()[0] if lora else make_tiny_lm()[0]
+            reference = merged_state_dict(model) if lora else {k: v.clone() for k, v in model.state_dict().items()}
+            for layer in (model.get_base_model() if lora else model).model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            assert isinstance(next(model.parameters()), torch.distributed.tensor.DTensor)
+            pushed = dict(ve.vllm_weight_names(model))
+            assert set(pushed) == set(reference)
+            for name, value in reference.items():
+                assert type(pushed[name]) is torch.Tensor
+                torch.testing.assert_close(pushed[name], value, rtol=0, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

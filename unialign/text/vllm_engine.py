@@ -341,7 +341,10 @@ class VLLMEngine:
                  top_p: float, top_k: int, greedy: bool = False, eos_token_id: int, pad_token_id: int) -> dict:
         """``n`` completions of each of the P distinct prompts (token ids, no padding), in one engine call
         (``SamplingParams(n=n)``: the prompt is prefilled once per group). Returns ``_pack_outputs``'s
-        tensors for the P * n rows, prompt-major (prompt 0's n samples first), on CPU."""
+        tensors for the P * n rows, prompt-major (prompt 0's n samples first), on CPU. ``greedy``: one
+        completion per prompt, repeated n times; its ``logp`` is whatever vLLM reports for temperature 0
+        (evaluation only: not an importance-sampling input). Build the engine after the trainer's process
+        group exists: each rank drives its own engine on its own GPU (``LOCAL_RANK``)."""
         if not prompt_ids:
             raise ValueError("generate: no prompts")
         if self._weights_stale:
