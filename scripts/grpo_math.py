@@ -49,6 +49,11 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
     torch_dtype: str = arg("float32", "model dtype")
     generation_cache: str = arg("auto", "KV cache: auto (static on CUDA), dynamic, or static (fixed size: CUDA graphs)")
+    generation_backend: str = arg("hf", "rollout engine: hf (transformers generate) or vllm (colocated; CUDA + "
+                                  "pip install 'unialign[vllm]')")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes")
+    rollout_dtype: str | None = arg(None, "sample from a copy of the policy in this dtype (a rollout/trainer mismatch, "
+                                    "corrected by --rollout_correction); unset: sample from the trained model")
     reward_funcs: str = arg("math_accuracy", "comma-separated rewards: registry names, TRL's dotted "
                            "package.module.function, module:function or path/file.py:function")
     reward_weights: str | None = arg(None, "comma-separated floats, one per reward (default: all 1)")
@@ -91,7 +96,9 @@ def main(cfg: GRPOMathConfig) -> dict:
     policy = CausalLMPolicy.from_pretrained(
         cfg.model_name_or_path, lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        system_prompt=cfg.system_prompt, generation_cache=cfg.generation_cache)
+        system_prompt=cfg.system_prompt, generation_cache=cfg.generation_cache,
+        rollout_dtype=cfg.rollout_dtype, generation_backend=cfg.generation_backend,
+        vllm_options={"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization, "seed": cfg.seed})
     train_rows, eval_rows = fit_prompts(policy, train_rows, eval_rows, cfg, data_info)  # before any forward
     reward = build_reward(cfg.reward_funcs, cfg.reward_weights)
     scorer = as_trl_reward(build_reward(eval_name, None, "--eval_reward") if eval_name else reward)

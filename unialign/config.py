@@ -73,6 +73,8 @@ RULES: dict[str, dict[str, Any]] = {
     "torch_dtype": {"group": "model", "choices": DTYPES}, "lora_rank": {"group": "model", "min": 0},
     "gradient_checkpointing": {"group": "model"}, "value_head": {"group": "model"},
     "generation_cache": {"group": "model", "choices": ("auto", "dynamic", "static")},
+    "rollout_dtype": {"group": "model", "choices": DTYPES}, "generation_backend": {"group": "model", "choices": ("hf", "vllm")},
+    "vllm_gpu_memory_utilization": {"group": "model", "gt": 0.0, "max": 1.0},
     "num_threads": {"group": "model"}, "system_prompt": {"group": "model"},
     "reward_model_path": {"group": "model"}, "resolution": {"group": "model", "min": 8},
     # data
@@ -108,6 +110,8 @@ RULES: dict[str, dict[str, Any]] = {
     "num_steps": {"group": "algorithm", "min": 1}, "guidance_scale": {"group": "algorithm", "min": 0.0},
     "eta": {"group": "algorithm", "min": 0.0}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
     "min_step_std": {"group": "algorithm", "min": 0.0},
+    "rollout_correction": {"group": "algorithm"}, "rollout_correction_level": {"group": "algorithm"},
+    "rollout_correction_cap": {"group": "algorithm", "gt": 0.0},
     # optimisation
     "max_steps": {"group": "optimisation", "min": 1}, "learning_rate": {"group": "optimisation", "min": 0.0},
     "weight_decay": {"group": "optimisation", "min": 0.0}, "adam_beta1": {"group": "optimisation", "min": 0.0, "lt": 1.0},

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class AlgoSpec:
     name: str
-    advantage: str = "group"            # group | rloo | per_prompt | gae | reward (raw, no baseline)
+    advantage: str = "group"            # a registered estimator (algos.ADVANTAGE_ESTIMATORS): group | rloo |
+                                        # per_prompt | gae | reward (raw, no baseline) | reinforce_pp
     scale_rewards: str = "group"        # TRL: group | batch | none (for advantage="group")
     importance_sampling_level: str = "token"  # TRL; token | sequence (GSPO) | sequence_token (GSPO-token)
     epsilon: float = 0.2                # TRL; lower clip bound
@@ -63,6 +64,10 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # REINFORCE with the raw sequence reward; RLOO with the leave-one-out baseline.
     "reinforce": AlgoSpec("reinforce", advantage="reward", loss_type="seq_mean_token_sum"),
     "rloo": AlgoSpec("rloo", advantage="rloo", loss_type="seq_mean_token_sum"),
+    # REINFORCE++ (Hu 2025; OpenRLHF's defaults): k1 KL in the token rewards (beta 0.01), returns with gamma 1,
+    # advantages whitened over the global batch; PPO clip 0.2, token-mean loss; no critic, no groups.
+    "reinforce_pp": AlgoSpec("reinforce_pp", advantage="reinforce_pp", loss_type="token_mean", beta=0.01,
+                             kl_estimator="k1", kl_in_reward=True, gamma=1.0),
     # PPO-RLHF (Ouyang et al. 2022): GAE on a value head, k1 KL in the reward, whitened advantages.
     "ppo": AlgoSpec("ppo", advantage="gae", loss_type="token_mean", beta=0.05, kl_estimator="k1", kl_in_reward=True,
                     whiten_advantages=True, value_coef=0.1, value_clip=0.2, num_iterations=2, gamma=1.0, lam=0.95),

@@ -75,7 +75,11 @@ class Trajectory:
         old_logp_B_T: log-probs recorded while sampling (no grad).
         group_ids_B:  long, samples with the same id share a prompt (GRPO groups, DDPO stats).
         truncated_B:  bool, the sample hit the length limit (text); always False for images.
-        ref_logp_B_T, values_B_T, rewards_B, advantages_B_T: filled in by the trainer when used.
+        ref_logp_B_T, values_B_T, rewards_B, advantages_B_T, returns_B_T (the critic's targets):
+                      filled in by the trainer when used.
+        rollout_logp_B_T: log-probs of the engine that sampled, when it is not the trained model (vLLM,
+                      a low-precision copy); the trainer re-weights the loss by old / rollout
+                      (``algos.rollout_correction``). None when sampling ran on the trained model.
         columns:      dict of per-sample dataset columns (e.g. ``answer``) passed to rewards.
         payload:      modality-specific tensors the policy needs to recompute ``log_prob``
                       (token ids and attention masks; latents, timesteps, prompt embeddings).
@@ -96,6 +100,8 @@ class Trajectory:
     values_B_T: Tensor | None = None
     rewards_B: Tensor | None = None
     advantages_B_T: Tensor | None = None
+    returns_B_T: Tensor | None = None
+    rollout_logp_B_T: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

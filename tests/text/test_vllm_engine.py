@@ -331,3 +331,39 @@ def test_weight_names_gather_fsdp2_shards():
                 torch.testing.assert_close(pushed[name], value, rtol=0, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ wired into CausalLMPolicy
+def test_policy_samples_through_the_engine_pushes_weights_and_records_rollout_logps():
+    """``generation_backend="vllm"`` (engine stand-in): groups go once with n, the trajectory holds the
+    engine's tokens and log-probs, old log-probs are the trainer's, weights are pushed before each later
+    call and the engine sleeps after each."""
+    from unialign.text.policy import CausalLMPolicy
+
+    model, tok = make_tiny_lm()
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    eos = tok.eos_token_id
+
+    def script_digits(prompt_ids, k):
+        return [digits[k], digits[(k + 3) % 10], eos], [-0.5 - k / 10, -0.25, -0.125]
+
+    policy = CausalLMPolicy(model, tok, max_new_tokens=6)
+    policy.generation_backend = "vllm"  # the constructor refuses vllm on this CPU machine
+    policy._engine, llm = build_engine(model, tok, script=script_digits)
+    policy._engine_fresh = True
+    prompts = ["1+2?"] * 3 + ["what is 33+4?"] * 3
+    traj = policy.sample(prompts)
+    generate_calls = [c for c in llm.calls if c[0] == "generate"]
+    assert len(generate_calls) == 1 and generate_calls[0][2].n == 3 and len(generate_calls[0][1]) == 2
+    assert traj.completions == ["03", "14", "25"] * 2
+    assert traj.mask_B_T.sum(-1).tolist() == [3.0] * 6 and not traj.truncated_B.any()
+    assert traj.rollout_logp_B_T[:, 0].tolist() == pytest.approx([-0.5, -0.6, -0.7] * 2)
+    with torch.no_grad():  # old log-probs: the trained model's own forward, not the engine's
+        assert torch.allclose(traj.old_logp_B_T, policy.log_prob(traj))
+    assert ("sleep", 2) in llm.calls and len(llm.served.loads) == 1  # the push at build only
+    policy.sample(prompts)
+    assert len(llm.served.loads) == 2  # pushed again before the second call
+    uneven = policy.sample(["1+2?", "1+2?", "7-2?"])  # runs of unequal length: one by one
+    assert [c for c in llm.calls if c[0] == "generate"][-1][2].n == 1 and len(uneven) == 3
+    with pytest.raises(RuntimeError, match="CUDA"):
+        CausalLMPolicy(model, tok, generation_backend="vllm")

@@ -268,11 +268,11 @@ def test_critic_from_a_checkpoint_with_another_vocabulary_is_refused(tmp_path):
 def test_ppo_whiten_rewards_scales_the_kl_shaped_token_rewards(tmp_path, monkeypatch):
     """TRL's whiten_rewards: the KL-shaped per-token rewards are whitened over real tokens with the mean
     kept, (r - mean) / std + mean (unbiased std), before GAE."""
-    from unialign import algos
+    from unialign.algos import estimators
 
     seen = []
-    real_gae = algos.gae
-    monkeypatch.setattr(algos, "gae", lambda r, v, m, g, lam: seen.append((r.clone(), m.clone())) or real_gae(r, v, m, g, lam))
+    real_gae = estimators.gae
+    monkeypatch.setattr(estimators, "gae", lambda r, v, m, g, lam: seen.append((r.clone(), m.clone())) or real_gae(r, v, m, g, lam))
     model, tok = make_tiny_lm()
     policy = CausalLMPolicy(model, tok, max_new_tokens=8, value_head=True)
     runs = {}

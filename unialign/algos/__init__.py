@@ -8,14 +8,33 @@ from unialign.algos.advantages import (
     whiten,
 )
 from unialign.algos.aggregate import aggregate, local_normalizer
+from unialign.algos.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageOutput,
+    discounted_returns,
+    get_estimator,
+    global_whiten,
+    register_advantage,
+)
 from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, check_kl_estimator, gaussian_kl, kl_estimate
 from unialign.algos.policy_loss import clipped_policy_loss, sequence_log_ratio
 from unialign.algos.preference import bradley_terry_loss, dpo_loss
+from unialign.algos.rollout import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, rollout_correction
 from unialign.algos.shaping import AdaptiveKLController, kl_shaped_rewards, overlong_penalty
 from unialign.algos.value import clipped_value_loss, entropy_from_logits
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageInputs",
+    "AdvantageOutput",
+    "discounted_returns",
+    "get_estimator",
+    "global_whiten",
+    "register_advantage",
     "CLOSED_FORM_ESTIMATORS",
+    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_CORRECTION_MODES",
     "AdaptiveKLController",
     "PerPromptStatTracker",
     "aggregate",
@@ -33,6 +52,7 @@ __all__ = [
     "local_normalizer",
     "overlong_penalty",
     "rloo_advantages",
+    "rollout_correction",
     "sequence_log_ratio",
     "whiten",
 ]

@@ -58,6 +58,9 @@ class CausalLMPolicy:
         value_head: bool | str = False,
         share_prompt_prefix: bool = True,
         generation_cache: str = "auto",
+        rollout_dtype: str | None = None,
+        generation_backend: str = "hf",
+        vllm_options: dict[str, Any] | None = None,
     ):
         """``value_head`` (PPO's critic): ``False``; ``True`` / ``"shared"``: a zero-initialised scalar
         head on the policy's backbone; ``"separate"``: a critic with its own copy of the backbone;
@@ -73,12 +76,38 @@ class CausalLMPolicy:
         Its size is ``max_prompt_length + max_new_tokens`` when a prompt limit is set, else the prompt
         width rounded up to 128 (it only grows, so recompilations stay rare); one is kept per batch size
         (the two most recent: training and held-out batches), which costs their memory during training.
-        Same tokens either way."""
+        Same tokens either way.
+        ``rollout_dtype`` (``"bfloat16"`` / ``"float16"``): sample from a copy of the policy in that dtype,
+        refreshed from the trained weights before every sampling call, and record its log-probs of the
+        sampled tokens in ``Trajectory.rollout_logp_B_T`` -- a real rollout/trainer mismatch, like an
+        inference engine's, for the trainer's importance-sampling correction (``algos.rollout_correction``);
+        ``old_logp_B_T`` stays the trainer's own. Held-out greedy evaluation uses the trained model.
+        ``generation_backend``: ``"hf"`` (transformers ``generate``) or ``"vllm"``: rollouts from a vLLM engine
+        colocated in this process (``unialign.text.vllm_engine.VLLMEngine``, options ``vllm_options`` such as
+        ``gpu_memory_utilization``), built on the first ``sample``; each distinct prompt of a group is sent
+        once with ``n`` = the group size; the trained weights are pushed before every sampling call and the
+        engine sleeps (frees its GPU memory) after it, through the update. Its log-probs go to
+        ``rollout_logp_B_T``. Needs CUDA and vllm: checked here, before anything is built."""
+        if generation_backend not in ("hf", "vllm"):
+            raise ValueError(f"generation_backend must be 'hf' or 'vllm', got {generation_backend!r}")
+        if generation_backend == "vllm":
+            if rollout_dtype is not None:
+                raise ValueError("rollout_dtype applies to the hf backend; vLLM samples in its own dtype")
+            from unialign.text.vllm_engine import check_vllm_available
+
+            check_vllm_available()
+        self.generation_backend, self.vllm_options = generation_backend, dict(vllm_options or {})
+        self._engine: Any = None
+        self._engine_fresh = False  # the engine holds the current weights (just built)
+        if rollout_dtype is not None and rollout_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"rollout_dtype must be bfloat16, float16 or float32, got {rollout_dtype!r}")
+        self.rollout_dtype = rollout_dtype
+        self._rollout_copy: torch.nn.Module | None = None
         if generation_cache not in ("auto", "dynamic", "static"):
             raise ValueError(f"generation_cache must be 'auto', 'dynamic' or 'static', got {generation_cache!r}")
         self.share_prompt_prefix = share_prompt_prefix
         self.generation_cache = generation_cache
-        self._held_static_caches: dict[int, tuple[int, Any]] = {}  # batch -> (length, StaticCache), newest last
+        self._held_static_caches: dict[tuple, tuple[int, Any]] = {}  # (batch, dtype) -> (length, cache), newest last
         self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
                                        else unwrap(model), chunk_size)
         self.model = model
@@ -113,6 +142,14 @@ class CausalLMPolicy:
         Fails at once with a clear message when the weights are not reachable (offline)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if kwargs.get("generation_backend") == "vllm":  # before any weights load
+            from unialign.config import UserError
+            from unialign.text.vllm_engine import check_vllm_available
+
+            try:
+                check_vllm_available()
+            except RuntimeError as err:
+                raise UserError(str(err)) from None
         if name_or_path == "embedded":  # the shipped arithmetic model (unialign/assets/arith_lm)
             from unialign.text.embedded import DEFAULT_ASSET_DIR
 
@@ -164,10 +201,12 @@ class CausalLMPolicy:
 
     # ---------------------------------------------------------------- sampling
     @torch.no_grad()
-    def generate(self, prompts: list[Any], greedy: bool = False, max_new_tokens: int | None = None) -> dict:
-        """Generate completions; returns ids, masks, truncation flags and decoded texts (no log-probs)."""
+    def generate(self, prompts: list[Any], greedy: bool = False, max_new_tokens: int | None = None,
+                 model: torch.nn.Module | None = None) -> dict:
+        """Generate completions; returns ids, masks, truncation flags and decoded texts (no log-probs).
+        ``model``: another module with the same tokenizer to sample from (the rollout copy)."""
         enc = self._encode_prompts(prompts)
-        model = unwrap(self.model)
+        model = unwrap(self.model) if model is None else model
         was_training = model.training
         model.eval()
         eos = self.tokenizer.eos_token_id
@@ -201,22 +240,66 @@ class CausalLMPolicy:
         One cache object is kept and ``reset()`` (zeroed in place) between calls, so its tensors keep their
         addresses: transformers marks them static for the compiled decoding step, and CUDA graphs replay
         only while those addresses stay put (a fresh cache per call, transformers' own
-        ``cache_implementation="static"``, re-records the graphs every batch). One cache per batch size,
-        the two most recently used kept (so held-out batches do not evict the training one); a longer
+        ``cache_implementation="static"``, re-records the graphs every batch). One cache per batch size
+        (and model dtype), the two most recently used kept (so held-out batches do not evict the training one); a longer
         length replaces that batch size's cache (the longest length seen is kept)."""
         from transformers import StaticCache
 
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        held = self._held_static_caches.pop(batch, None)
+        key = (batch, next(model.parameters()).dtype)  # a rollout copy in another dtype gets its own
+        held = self._held_static_caches.pop(key, None)
         if held is not None and held[0] >= length:
             held[1].reset()
         else:
             length = max(length, held[0]) if held is not None else length
             held = (length, StaticCache(config=lm.config.get_text_config(decoder=True), max_cache_len=length))
-        self._held_static_caches[batch] = held  # newest last
+        self._held_static_caches[key] = held  # newest last
         while len(self._held_static_caches) > 2:
             self._held_static_caches.pop(next(iter(self._held_static_caches)))
         return {_cache_kwarg(lm): held[1]}
+
+    @torch.no_grad()
+    def rollout_model(self) -> torch.nn.Module | None:
+        """The module sampling runs on when it is not the trained one (``rollout_dtype``), with the trained
+        weights pushed into it (one in-place copy per call; built on first use); None otherwise."""
+        if self.rollout_dtype is None:
+            return None
+        source = unwrap(self.model)
+        if self._rollout_copy is None:
+            self._rollout_copy = copy.deepcopy(source).to(getattr(torch, self.rollout_dtype)).eval()
+            self._rollout_copy.requires_grad_(False)
+        else:
+            for dst, src in zip(self._rollout_copy.parameters(), source.parameters()):
+                dst.copy_(src)
+        return self._rollout_copy
+
+    def _engine_generate(self, prompts: list[Any]) -> dict:
+        """``generate``'s dict (plus ``rollout_logp``) from the vLLM engine: runs of identical prompts (a
+        GRPO group) go once with ``n`` = the run length when all runs are equally long, else one by one."""
+        from unialign.text.vllm_engine import VLLMEngine
+
+        enc = self._encode_prompts(prompts)
+        ids = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"], enc["attention_mask"])]
+        starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+        runs = {b - a for a, b in zip(starts, [*starts[1:], len(ids)])}
+        n = runs.pop() if len(runs) == 1 else 1
+        distinct = [ids[i] for i in starts] if n > 1 else ids
+        if self._engine is None:
+            self._engine = VLLMEngine(unwrap(self.model), self.tokenizer, **self.vllm_options)
+        elif not self._engine_fresh:
+            self._engine.push_weights(unwrap(self.model))
+        self._engine_fresh = False
+        out = self._engine.generate(distinct, n, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                    top_p=self.top_p, top_k=self.top_k, eos_token_id=self.tokenizer.eos_token_id,
+                                    pad_token_id=self.tokenizer.pad_token_id)
+        self._engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
+        device = enc["input_ids"].device
+        completion, mask = out["completion_ids"].to(device), out["completion_mask"].long().to(device)
+        shown = completion.masked_fill((completion == self.tokenizer.eos_token_id) | (mask == 0),
+                                       self.tokenizer.pad_token_id)
+        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion,
+                "completion_mask": mask, "truncated": out["truncated"].to(device), "rollout_logp": out["logp"].to(device),
+                "texts": self.tokenizer.batch_decode(shown, skip_special_tokens=True)}
 
     def _use_static_cache(self, model: torch.nn.Module) -> bool:
         if self.generation_cache == "auto":
@@ -227,8 +310,13 @@ class CausalLMPolicy:
                record_logp: bool = True) -> Trajectory:
         """One sampled completion per prompt (repeat prompts for groups). ``generator`` is unused:
         ``generate`` draws from torch's global RNG, which the trainer seeds and checkpoints.
-        ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None)."""
-        g = self.generate(prompts)
+        ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None). With a rollout copy
+        (``rollout_dtype``) the samples come from it and its log-probs go to ``rollout_logp_B_T``."""
+        rollout = self.rollout_model()
+        if self.generation_backend == "vllm":
+            g = self._engine_generate(prompts)
+        else:
+            g = self.generate(prompts, model=rollout)
         first: dict[str, int] = {}
         traj = Trajectory(
             prompts=list(prompts),
@@ -240,6 +328,12 @@ class CausalLMPolicy:
             payload={"prompt_ids": g["prompt_ids"], "prompt_mask": g["prompt_mask"],
                      "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"]},
         )
+        if rollout is not None:
+            with torch.no_grad():
+                rollout_logp, _, _ = self._forward(rollout, traj.payload, False)
+            traj.rollout_logp_B_T = rollout_logp.float() * traj.mask_B_T
+        elif "rollout_logp" in g:
+            traj.rollout_logp_B_T = g["rollout_logp"].float() * traj.mask_B_T
         if not record_logp:
             traj.old_logp_B_T = None
             return traj

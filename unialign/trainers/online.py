@@ -105,6 +105,15 @@ class OnlineConfig(TrainConfig):
     dual_clip: float | None = config_field(None, "dual-clip bound c > 1 for negative advantages (verl clip_ratio_c)")
     overlong_cache_len: float | None = config_field(
         None, "DAPO soft overlong buffer: tokens if >= 1, else a share of max_completion_length; 0: off")
+    # rollout engine vs trainer (vLLM, --rollout_dtype): applies only when the policy records rollout log-probs
+    rollout_correction: str = field(default="truncate", metadata={"help": (
+        "importance-sampling correction when sampling ran on another engine than the trained model "
+        "(its log-probs recorded): truncate (TIS: min(ratio, cap)), mask (MIS: 0 above cap) or off; the "
+        "mismatch metrics are logged either way"), "choices": ["truncate", "mask", "off"]})
+    rollout_correction_level: str = field(default="token", metadata={
+        "help": "rollout correction ratio per token, or per sequence (product of its token ratios)",
+        "choices": list(algos.ROLLOUT_CORRECTION_LEVELS)})
+    rollout_correction_cap: float = config_field(2.0, "rollout correction: ratios above this are truncated / masked")
 
     def algo_spec(self) -> AlgoSpec:
         names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
@@ -152,7 +161,7 @@ def curve_keys(spec: AlgoSpec, history: list[dict]) -> list[str]:
     if spec.beta > 0:
         varying.append("kl_seq" if spec.kl_in_reward else "kl")
     varying += ["lr", "clip_frac"]
-    if spec.advantage in ("group", "rloo"):
+    if algos.get_estimator(spec.advantage).uses_groups:
         varying.append("frac_reward_zero_std")
     if spec.value_coef > 0:
         varying += ["value_loss", "explained_variance"]
@@ -199,8 +208,19 @@ class OnlineTrainer:
         world = self.acc.num_processes
         if config.prompts_per_step % world:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {world} processes")
-        if config.num_generations < 2 and self.spec.advantage in ("group", "rloo"):
+        self.estimator = algos.get_estimator(self.spec.advantage)
+        if config.num_generations < 2 and self.estimator.uses_groups:
             raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
+        if self.estimator.needs_critic and not callable(getattr(policy, "log_prob_and_values", None)):
+            raise ValueError(f"{self.spec.name}'s advantage estimator {self.spec.advantage!r} needs a critic: "
+                             f"{type(policy).__name__} has no log_prob_and_values() (build a text policy with "
+                             "value_head=True, or choose a critic-free algorithm: grpo, rloo, reinforce_pp, ...)")
+        if self.spec.value_coef > 0 and not self.estimator.needs_critic:
+            raise ValueError(f"value_coef={self.spec.value_coef} trains a critic, but the advantage estimator "
+                             f"{self.spec.advantage!r} uses none: set value_coef 0")
+        if self.spec.kl_in_reward and self.spec.beta > 0 and not self.estimator.needs_step_rewards:
+            raise ValueError(f"kl_in_reward puts the KL into per-step rewards, which the advantage estimator "
+                             f"{self.spec.advantage!r} does not read: use a loss KL (kl_in_reward false)")
         algos.check_kl_estimator(self.spec.kl_estimator)
         # a closed-form KL comes from the policy's own forward (it needs both step means)
         self._kl_from_policy = self.spec.beta > 0 and self.spec.kl_estimator in algos.CLOSED_FORM_ESTIMATORS
@@ -275,49 +295,45 @@ class OnlineTrainer:
         return stats
 
     def _advantages(self, traj: Trajectory) -> dict[str, float]:
-        """Fills ``traj.advantages_B_T`` (and ``ref_logp_B_T``, returns for PPO); returns stats."""
-        spec, G, device = self.spec, self.cfg.num_generations, self.acc.device
+        """Fills ``traj.advantages_B_T`` (and ``ref_logp_B_T``, ``returns_B_T`` for a critic) through the
+        preset's registered estimator (``unialign.algos.estimators``); returns stats."""
+        spec, estimator = self.spec, self.estimator
         # float64: a group's variance of rewards ~1e20 overflows float32 and would zero every advantage
         rewards = traj.rewards_B.double()
-        rewards_all = gather(rewards.to(device)).cpu() if self.acc.num_processes > 1 else rewards
+        rewards_all = gather(rewards.to(self.acc.device)).cpu() if self.acc.num_processes > 1 else rewards
         start = self.acc.process_index * len(traj)
-        local = slice(start, start + len(traj))
         if self.spec.beta > 0 and not self._kl_from_policy:
             traj.ref_logp_B_T = self._batched(self.policy.reference().log_prob, traj)
         mask = traj.mask_B_T
-        if spec.advantage == "gae":  # in float64, back to the loop's float32 at the end
-            scores = torch.nan_to_num(rewards, nan=0.0)
-            mask64, values64 = mask.double(), traj.values_B_T.double()
+        stats: dict[str, float] = {}
+        step_rewards = None
+        if estimator.needs_step_rewards:  # the score at the last step, minus beta * KL_t when the KL is in the reward
             kl = algos.kl_estimate(traj.old_logp_B_T, traj.ref_logp_B_T, spec.kl_estimator).double() \
-                if spec.beta > 0 else torch.zeros_like(mask64)
-            step_rewards = algos.kl_shaped_rewards(scores, kl, mask64, self.kl_ctl.value)
-            if spec.whiten_rewards:  # TRL's whiten_rewards: scale only, the mean is kept
-                step_rewards = algos.whiten(step_rewards, mask64, shift_mean=False)
-            adv, returns = algos.gae(step_rewards, values64, mask64, spec.gamma, spec.lam)
-            if spec.whiten_advantages:
-                adv = algos.whiten(adv, mask64)
-            traj.payload["returns_B_T"] = returns.float()
-            traj.advantages_B_T = adv.float()
-            seq_kl = (kl * mask64).sum(-1)
-            return {"kl_seq": float(seq_kl.mean()), "kl_coef": self.kl_ctl.value,
-                    "values_mean": float((values64 * mask64).sum() / mask64.sum().clamp(min=1)),
-                    "explained_variance": explained_variance(values64, returns, mask64)}
-        if spec.advantage == "group":
-            adv = algos.group_advantages(rewards_all, G, spec.scale_rewards)
-        elif spec.advantage == "rloo":
-            adv = algos.rloo_advantages(rewards_all, G)
-        elif spec.advantage == "per_prompt":
-            prompts_all = gather_object([str(p) for p in traj.prompts])
-            adv = self.stat_tracker.update(prompts_all, rewards_all)
-        elif spec.advantage == "reward":
-            adv = torch.nan_to_num(rewards_all, nan=0.0, posinf=0.0, neginf=0.0)
-        else:
-            raise ValueError(f"unknown advantage estimator {spec.advantage!r}")
-        adv = adv[local].float()
+                if spec.kl_in_reward and spec.beta > 0 else torch.zeros_like(mask, dtype=torch.float64)
+            step_rewards = algos.kl_shaped_rewards(torch.nan_to_num(rewards, nan=0.0), kl, mask.double(),
+                                                   self.kl_ctl.value if spec.kl_in_reward else 0.0)
+            if spec.kl_in_reward:
+                stats.update({"kl_seq": float((kl * mask.double()).sum(-1).mean()), "kl_coef": self.kl_ctl.value})
+        prompts_all = gather_object([str(p) for p in traj.prompts])
+        out = estimator.fn(algos.AdvantageInputs(
+            rewards_B=rewards_all, prompts=prompts_all, group_size=self.cfg.num_generations,
+            rows=slice(start, start + len(traj)), mask_B_T=mask, step_rewards_B_T=step_rewards,
+            values_B_T=traj.values_B_T, stat_tracker=self.stat_tracker, all_sum=self._all_sum), spec)
+        adv = out.advantages_B_T.float()
         if spec.advantage_clip is not None:
             adv = adv.clamp(-spec.advantage_clip, spec.advantage_clip)
-        traj.advantages_B_T = adv.unsqueeze(-1).expand_as(mask).contiguous()
-        return {}
+        traj.advantages_B_T = adv.expand_as(mask).contiguous()
+        if out.returns_B_T is not None:
+            traj.returns_B_T = out.returns_B_T.float()
+            stats["explained_variance"] = explained_variance(traj.values_B_T.double(), out.returns_B_T.double(),
+                                                             mask.double())
+        return {**stats, **out.stats}
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over processes (for estimators that normalise over the global batch)."""
+        if self.acc.num_processes == 1:
+            return t
+        return gather(t.to(self.acc.device).unsqueeze(0)).sum(0).to(t.device)
 
     def _batched(self, fn: Callable, traj: Trajectory) -> torch.Tensor:
         mb = self.cfg.micro_batch_size
@@ -361,7 +377,7 @@ class OnlineTrainer:
                       "truncated_frac": float(traj.truncated_B.float().mean())})
         if self.spec.mask_truncated_completions:
             traj.mask_B_T = traj.mask_B_T * (~traj.truncated_B).unsqueeze(-1).to(traj.mask_B_T.dtype)
-        if self.spec.value_coef > 0:
+        if self.estimator.needs_critic:
             traj.values_B_T = self._batched(lambda t: self.policy.log_prob_and_values(t)[2], traj)
         stats.update(self._advantages(traj))
         return traj, stats
@@ -387,6 +403,14 @@ class OnlineTrainer:
             self._check_ratio(logp.detach(), old_logp, mask)
         loss_B_T, m = algos.clipped_policy_loss(logp, old_logp, adv, mask, spec.epsilon, spec.epsilon_high,
                                                 spec.importance_sampling_level, spec.dual_clip)
+        if mb.rollout_logp_B_T is not None:  # sampled by another engine: pi_old / pi_rollout per token
+            cfg = self.cfg
+            weights, rc = algos.rollout_correction(
+                old_logp, mb.rollout_logp_B_T.to(logp.device), mask, cfg.rollout_correction_level,
+                "truncate" if cfg.rollout_correction == "off" else cfg.rollout_correction, cfg.rollout_correction_cap)
+            if cfg.rollout_correction != "off":
+                loss_B_T = loss_B_T * weights.to(loss_B_T.dtype)
+            m.update({f"rollout/{k}": v for k, v in rc.items()})
         if spec.beta > 0 and not spec.kl_in_reward:
             if kl is None:
                 kl = algos.kl_estimate(logp, mb.ref_logp_B_T.to(logp.device), spec.kl_estimator)
@@ -397,7 +421,7 @@ class OnlineTrainer:
         loss = algos.aggregate(loss_B_T, mask, spec.loss_type, normalizer)
         if values is not None:
             vf, vm = algos.clipped_value_loss(values, mb.values_B_T.to(values.device),
-                                              mb.payload["returns_B_T"].to(values.device), mask, spec.value_clip)
+                                              mb.returns_B_T.to(values.device), mask, spec.value_clip)
             value_loss = algos.aggregate(vf, mask, "token_mean", value_normalizer)
             loss = loss + spec.value_coef * value_loss
             m.update(vm)
@@ -450,7 +474,7 @@ class OnlineTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics.setdefault("grad_norm", []).append(grad_norm)
         self.scheduler.step()
-        return {k: sum(v) / len(v) for k, v in metrics.items()}
+        return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ phase 5
     def _start_trackers(self) -> None:
