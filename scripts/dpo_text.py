@@ -1,6 +1,7 @@
-"""DPO (sigmoid / IPO / hinge / robust-cDPO) on text preference pairs.
+"""DPO (sigmoid / IPO / hinge / robust-cDPO, RPO), SimPO or ORPO on text preference pairs.
 
     accelerate launch scripts/dpo_text.py                     # offline: embedded arithmetic model, correct vs wrong answers
+    accelerate launch scripts/dpo_text.py --algorithm simpo   # reference-free: no reference model is built
     accelerate launch scripts/dpo_text.py --preset qwen2.5-0.5b-ultrafeedback
     python scripts/dpo_text.py --dataset_name pairs.jsonl --model_name_or_path MODEL_DIR
 
@@ -16,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unialign.algos.preference import DPO_LOSS_TYPES
-from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.algos.pair_losses import check_pair_loss_params
+from unialign.algos.preference import DPO_LOSS_TYPES, REFERENCE_FREE_LOSSES
+from unialign.config import UserError, arg, exit_on_user_error, parse_config
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
@@ -34,11 +36,16 @@ class DPOTextConfig(TextDataArgs, PreferenceConfig):
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
     max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
                                             "longer pairs are refused", group="data")
-    beta: float = arg(0.1, "DPO temperature: strength of the implicit KL to the reference", min=0.0)
-    loss_type: str = arg("sigmoid", "DPO loss", choices=DPO_LOSS_TYPES)
+    algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), or the "
+                         "reference-free simpo / orpo (no reference model)", choices=("dpo", *REFERENCE_FREE_LOSSES))
+    beta: float | None = arg(None, "temperature (DPO: strength of the implicit KL to the reference; ORPO: weight "
+                             "of the odds-ratio term); default: the algorithm's, see ALGORITHM_DEFAULTS", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss (--algorithm dpo)", choices=DPO_LOSS_TYPES)
     label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO for sigmoid; robust DPO)")
-    rpo_alpha: float | None = arg(1.0, "weight of the chosen-side NLL (RPO); plain DPO lowers the embedded "
-                                  "task's accuracy, see README")
+    simpo_gamma: float | None = arg(None, "SimPO target reward margin gamma (default: ALGORITHM_DEFAULTS)", min=0.0,
+                                    group="algorithm")
+    rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO; ORPO's SFT term); default: "
+                                  "the algorithm's (plain DPO lowers the embedded task's accuracy, see README)", min=0.0)
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
     torch_dtype: str = arg("float32", "model dtype")
     precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front (cached on disk)")
@@ -51,23 +58,45 @@ class DPOTextConfig(TextDataArgs, PreferenceConfig):
     output_dir: str = arg("outputs/dpo_text", "where checkpoints, curves, summary.json and final/ go")
 
 
+# per-algorithm defaults of --beta / --simpo_gamma / --rpo_alpha (flags override them)
+ALGORITHM_DEFAULTS = {
+    "dpo": dict(beta=0.1, rpo_alpha=1.0),  # RPO on the embedded task (the preset sets plain DPO)
+    "simpo": dict(beta=2.0, simpo_gamma=0.5, rpo_alpha=0.0),  # SimPO's (and TRL's) defaults
+    "orpo": dict(beta=0.1, rpo_alpha=1.0),  # ORPO: lambda 0.1 and the chosen NLL, as the paper and TRL
+}
+
 PRESETS = {
     "qwen2.5-0.5b-ultrafeedback": dict(
         model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="trl-lib/ultrafeedback_binarized",
-        beta=0.1, rpo_alpha=None, learning_rate=5e-7, batch_size=64, micro_batch_size=4, max_steps=1000, torch_dtype="bfloat16",
+        beta=0.1, rpo_alpha=0.0, learning_rate=5e-7, batch_size=64, micro_batch_size=4, max_steps=1000, torch_dtype="bfloat16",
         warmup_steps=50, num_eval=512, output_dir="outputs/dpo_qwen_ultrafeedback"),
 }
 
 
+def pair_loss(cfg: DPOTextConfig) -> tuple[str, dict, dict]:
+    """(registered pair loss, its knobs with the algorithm's defaults filled in, the loss's own parameters),
+    checked before any model loads."""
+    knobs = {k: v if getattr(cfg, k) is None else getattr(cfg, k) for k, v in ALGORITHM_DEFAULTS[cfg.algorithm].items()}
+    if cfg.simpo_gamma is not None and "simpo_gamma" not in knobs:
+        raise UserError(f"--simpo_gamma: applies to --algorithm simpo, not {cfg.algorithm}")
+    if cfg.algorithm != "dpo" and cfg.loss_type != "sigmoid":
+        raise UserError(f"--loss_type: chooses the DPO variant of --algorithm dpo, not of {cfg.algorithm}")
+    loss = cfg.loss_type if cfg.algorithm == "dpo" else cfg.algorithm  # an entry of algos.PAIR_LOSSES
+    params = {"gamma": knobs["simpo_gamma"]} if "simpo_gamma" in knobs else {}
+    check_pair_loss_params(loss, cfg.label_smoothing, **params)
+    return loss, knobs, params
+
+
 def main(cfg: DPOTextConfig) -> dict:
     start = time.time()
+    loss, knobs, params = pair_loss(cfg)
     embedded = cfg.dataset_name == "embedded"  # correct vs wrong final answers on the embedded arithmetic task
     train, held_out, data_info = load_pair_data(cfg, lambda split, n, seed: preference_pairs(split, n=n, seed=seed))
     policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
-    objective = DPOObjective(policy, cfg.beta, cfg.loss_type, cfg.label_smoothing,
-                             cache_reference=cfg.precompute_ref_log_probs, rpo_alpha=cfg.rpo_alpha)
+    objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
+                             rpo_alpha=knobs["rpo_alpha"], loss_params=params)
     if cfg.precompute_ref_log_probs:
         key = fingerprint(train, policy.model)
         objective.precompute(train, cfg.eval_batch_size, Path(cfg.output_dir) / f"ref_cache-{key}.pt")
@@ -82,7 +111,7 @@ def main(cfg: DPOTextConfig) -> dict:
     acc_before, implicit_before = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]
     history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)
     acc_after, implicit_after = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]
-    summary = {"metric": "accuracy" if embedded else "implicit_accuracy",
+    summary = {"metric": "accuracy" if embedded else "implicit_accuracy", "pair_loss": loss, **knobs,
                "before": acc_before if embedded else implicit_before,
                "after": acc_after if embedded else implicit_after,
                "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,

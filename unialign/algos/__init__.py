@@ -18,6 +18,15 @@ from unialign.algos.estimators import (
     register_advantage,
 )
 from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, check_kl_estimator, gaussian_kl, kl_estimate
+from unialign.algos.pair_losses import (
+    PAIR_LOSSES,
+    PairLoss,
+    chosen_nll_loss,
+    get_pair_loss,
+    orpo_odds_ratio_loss,
+    register_pair_loss,
+    simpo_loss,
+)
 from unialign.algos.policy_loss import clipped_policy_loss, sequence_log_ratio
 from unialign.algos.preference import bradley_terry_loss, dpo_loss
 from unialign.algos.rollout import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, rollout_correction
@@ -33,9 +42,11 @@ __all__ = [
     "global_whiten",
     "register_advantage",
     "CLOSED_FORM_ESTIMATORS",
+    "PAIR_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
     "AdaptiveKLController",
+    "PairLoss",
     "PerPromptStatTracker",
     "aggregate",
     "bradley_terry_loss",
@@ -44,15 +55,20 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "check_kl_estimator",
+    "chosen_nll_loss",
     "gae",
     "gaussian_kl",
+    "get_pair_loss",
     "group_advantages",
     "kl_estimate",
     "kl_shaped_rewards",
     "local_normalizer",
+    "orpo_odds_ratio_loss",
     "overlong_penalty",
+    "register_pair_loss",
     "rloo_advantages",
     "rollout_correction",
     "sequence_log_ratio",
+    "simpo_loss",
     "whiten",
 ]

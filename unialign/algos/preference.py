@@ -3,7 +3,8 @@
 The same ``dpo_loss`` trains a language model and a diffusion UNet. Only what the policy returns
 as a sample's log-likelihood differs (see ``unialign.types``). With the diffusion ELBO surrogate
 logp = -1/2 * mean_CHW ||eps - eps_theta||^2 and beta = 5000 this is exactly the Diffusion-DPO
-reference loss (Wallace et al. 2023): ln 2 at initialisation, derivative beta/4 there.
+reference loss (Wallace et al. 2023): ln 2 at initialisation, derivative beta/4 there. The variants
+are registered functions (``unialign.algos.pair_losses``); ``dpo_loss`` looks them up by name.
 """
 
 from __future__ import annotations
@@ -11,21 +12,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from unialign.algos.pair_losses import PAIR_LOSSES, check_pair_loss_params
+
 Tensor = torch.Tensor
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+# the DPO family's loss functions with a reference (TRL's loss_type names); "rpo" is sigmoid plus the chosen NLL
+DPO_LOSS_TYPES = tuple(n for n, e in PAIR_LOSSES.items() if e.needs_reference and not e.nll_coef)
+# the registered losses without a reference model (SimPO, ORPO)
+REFERENCE_FREE_LOSSES = tuple(n for n, e in PAIR_LOSSES.items() if not e.needs_reference)
 
 
 def dpo_loss(
     chosen_logps: Tensor,
     rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
     beta: float,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
+    **params: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-pair DPO-family losses. All inputs [B]; returns (losses_B, chosen_rewards_B, rejected_rewards_B).
+    """Per-pair losses of the registered pair loss ``loss_type`` (``algos.pair_losses.PAIR_LOSSES``).
+    All inputs [B]; returns (losses_B, chosen_rewards_B, rejected_rewards_B).
 
     With h = (log pi(y_w) - log pi(y_l)) - (log pi_ref(y_w) - log pi_ref(y_l)) and eps = label_smoothing:
 
@@ -37,28 +45,23 @@ def dpo_loss(
       robust   [-(1-eps) log sigma(beta h) + eps log sigma(-beta h)] / (1 - 2 eps)
                robust DPO (Chowdhury et al. 2024, eq. 10), unbiased under label-flip rate eps < 1/2.
 
-    The implicit rewards are beta * (log pi - log pi_ref) of each side, detached.
+    Reference-free entries (``simpo``, ``orpo``; pass ``ref_*`` None) take the policy's length-averaged
+    log-likelihoods and their own ``params`` (SimPO's ``gamma``). The chosen-side NLL that RPO / ORPO add
+    is the caller's (``chosen_nll_loss``, weight ``PAIR_LOSSES[name].nll_coef``). The implicit rewards are
+    beta * (log pi - log pi_ref) of each side (beta * log pi without a reference), detached.
     """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if label_smoothing and loss_type not in ("sigmoid", "robust"):
-        raise ValueError(f"label_smoothing applies to 'sigmoid' (cDPO) and 'robust' only, not {loss_type!r}")
-    h = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) / (
-            1 - 2 * label_smoothing
-        )
-    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
-    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
-    return losses, chosen_rewards, rejected_rewards
+    entry = check_pair_loss_params(loss_type, label_smoothing, **params)
+    given = (ref_chosen_logps is not None, ref_rejected_logps is not None)
+    if given != (entry.needs_reference,) * 2:
+        need = "needs both" if entry.needs_reference else "is reference-free: pass None for"
+        raise ValueError(f"loss_type {loss_type!r} {need} ref_chosen_logps and ref_rejected_logps")
+    chosen, rejected = chosen_logps, rejected_logps
+    if entry.needs_reference:
+        chosen, rejected = chosen - ref_chosen_logps, rejected - ref_rejected_logps
+    if "label_smoothing" in entry.params:
+        params = {**params, "label_smoothing": label_smoothing}
+    losses = entry.fn(chosen, rejected, beta, **params)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
 def bradley_terry_loss(

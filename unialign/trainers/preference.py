@@ -9,8 +9,9 @@
     4. log/save  metrics, atomic checkpoints, resumable; loss/accuracy curves
 
 The objectives are small adapters from a model to per-pair losses; the loop never asks which
-modality it runs. ``DPOObjective`` takes the reference from ``policy.reference()`` (adapters disabled
-under LoRA, else a frozen copy) and can cache its log-likelihoods per row.
+modality it runs. ``DPOObjective`` (= ``PairObjective``) runs any registered pair loss (``algos.PAIR_LOSSES``:
+the DPO family, SimPO, ORPO); where the loss needs one it takes the reference from ``policy.reference()``
+(adapters disabled under LoRA, else a frozen copy) and can cache its log-likelihoods per row.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from accelerate.utils import gather, set_seed
 from tqdm.auto import tqdm
 
 from unialign import algos
+from unialign.algos.pair_losses import check_pair_loss_params
 from unialign.config import validate
 from unialign.trainers.common import (
     TrainConfig,
@@ -63,20 +65,30 @@ def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch
     return ((chosen_B > rejected_B).float() + 0.5 * (chosen_B == rejected_B).float()).mean()
 
 
-class DPOObjective:
-    """DPO-family losses of a policy against its reference (``algos.dpo_loss``).
+class PairObjective:
+    """Per-pair losses of a policy under a registered pair loss (``algos.PAIR_LOSSES``, through ``algos.dpo_loss``).
+
+    The entry's data decide everything variant-specific: ``needs_reference`` (the reference comes from
+    ``policy.reference()`` and may be cached per row; without it no reference is built, loaded or run),
+    ``length_normalize`` (length-averaged log-likelihoods: IPO, SimPO, ORPO) and ``nll_coef``.
+    ``loss_params`` are the entry's own keywords (SimPO's ``gamma``; its defaults otherwise).
 
     ``rpo_alpha`` (TRL's name; RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization",
-    eq. 3) adds ``rpo_alpha * NLL`` of the chosen side, NLL = −log π(y_w|x) / |y_w| (per completion
-    token for text; for diffusion the ELBO surrogate, i.e. the plain denoising loss of the chosen image).
-    Plain DPO lowers the likelihood of *both* sides; the NLL term keeps the chosen one up.
+    eq. 3) is the weight of ``algos.chosen_nll_loss``, NLL = −log π(y_w|x) / |y_w| (per completion token
+    for text; for diffusion the ELBO surrogate, i.e. the plain denoising loss of the chosen image); None:
+    the entry's ``nll_coef`` (1 for ``rpo`` and ``orpo``, whose loss includes it, else 0). Plain DPO lowers
+    the likelihood of *both* sides; the NLL term keeps the chosen one up.
     """
 
     def __init__(self, policy, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 cache_reference: bool = False, rpo_alpha: float | None = None):
+                 cache_reference: bool = False, rpo_alpha: float | None = None,
+                 loss_params: dict[str, float] | None = None):
+        self.entry = check_pair_loss_params(loss_type, label_smoothing, **(loss_params or {}))
         self.policy, self.beta, self.loss_type, self.label_smoothing = policy, beta, loss_type, label_smoothing
-        self.rpo_alpha = rpo_alpha
-        self.reference = policy.reference()  # before any update: a full-model reference is copied here
+        self.rpo_alpha, self.loss_params = rpo_alpha, dict(loss_params or {})
+        self.nll_coef = self.entry.nll_coef if rpo_alpha is None else rpo_alpha
+        # before any update: a full-model reference is copied here; none at all for reference-free losses
+        self.reference = policy.reference() if self.entry.needs_reference else None
         self.cache: dict[int, tuple[float, float]] | None = {} if cache_reference else None
 
     @property
@@ -86,7 +98,8 @@ class DPOObjective:
     def resume_settings(self) -> dict[str, Any]:
         """The objective's knobs a resume must not change silently."""
         return {"objective": "dpo", "beta": self.beta, "loss_type": self.loss_type,
-                "label_smoothing": self.label_smoothing, "rpo_alpha": self.rpo_alpha}
+                "label_smoothing": self.label_smoothing, "rpo_alpha": self.rpo_alpha,
+                **({"loss_params": self.loss_params} if self.loss_params else {})}
 
     def parameters(self):
         return self.policy.trainable_parameters()
@@ -97,7 +110,10 @@ class DPOObjective:
     def precompute(self, rows: list[dict[str, Any]], batch_size: int, path: str | Path | None = None) -> None:
         """Fill the reference cache for every row (loading it from ``path`` when present, saving it there
         otherwise). Key ``path`` by ``fingerprint(rows, model)``. Valid when ``preference_batch`` is a
-        deterministic function of the rows (text; not diffusion, whose pairs draw t and noise)."""
+        deterministic function of the rows (text; not diffusion, whose pairs draw t and noise). Nothing to
+        do for a reference-free loss."""
+        if self.reference is None:
+            return
         if self.cache is None:
             self.cache = {}
         if path is not None and Path(path).exists():
@@ -112,36 +128,44 @@ class DPOObjective:
             torch.save(self.cache, path)
 
     def _reference_logps(self, batch: PreferenceBatch, row_ids: list[int] | None):
-        norm = self.loss_type == "ipo"  # IPO is defined on length-averaged log-likelihoods
         if self.cache is not None and row_ids is not None and all(i in self.cache for i in row_ids):
             pairs = torch.tensor([self.cache[i] for i in row_ids])
             return pairs[:, 0], pairs[:, 1]
-        ref_c, ref_r = self.reference.sequence_log_prob(batch, length_normalize=norm)
+        ref_c, ref_r = self.reference.sequence_log_prob(batch, length_normalize=self.entry.length_normalize)
         if self.cache is not None and row_ids is not None:
             self.cache.update({i: (float(c), float(r)) for i, c, r in zip(row_ids, ref_c, ref_r)})
         return ref_c, ref_r
 
     def sequence_logps(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
         """(chosen, rejected, ref_chosen, ref_rejected) [B] each: the policy's and the reference's (cached
-        when ``row_ids`` are in the cache) sequence log-probs, length-averaged for IPO."""
-        chosen, rejected = self.policy.sequence_log_prob(batch, length_normalize=self.loss_type == "ipo")
+        when ``row_ids`` are in the cache) sequence log-probs, length-averaged where the loss says so.
+        Without a reference (SimPO, ORPO) the last two are zeros and no reference runs."""
+        chosen, rejected = self.policy.sequence_log_prob(batch, length_normalize=self.entry.length_normalize)
+        if self.reference is None:
+            return chosen, rejected, torch.zeros_like(chosen.detach()), torch.zeros_like(rejected.detach())
         ref_c, ref_r = self._reference_logps(batch, row_ids)
         return chosen, rejected, ref_c.to(chosen.device, chosen.dtype), ref_r.to(chosen.device, chosen.dtype)
 
     def losses(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
         chosen, rejected, ref_c, ref_r = self.sequence_logps(batch, row_ids)
-        losses, rc, rr = algos.dpo_loss(chosen, rejected, ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing)
+        refs = (ref_c, ref_r) if self.reference is not None else (None, None)
+        losses, rc, rr = algos.dpo_loss(chosen, rejected, *refs, self.beta, self.loss_type, self.label_smoothing,
+                                        **self.loss_params)
         extra = {}
-        if self.rpo_alpha:
-            length = batch.chosen_length_B
-            per_unit = chosen if length is None or self.loss_type == "ipo" else chosen / length.to(chosen).clamp(min=1)
-            losses = losses - self.rpo_alpha * per_unit
-            extra["nll_loss"] = -per_unit.detach().mean()
+        if self.nll_coef:
+            length = None if self.entry.length_normalize else batch.chosen_length_B
+            nll = algos.chosen_nll_loss(chosen, length)
+            losses = losses + self.nll_coef * nll
+            extra["nll_loss"] = nll.detach().mean()
         metrics = {**extra, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margin": (rc - rr).mean(),
                    "implicit_accuracy": implicit_accuracy(rc, rr),
-                   "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
-                   "ref_logps/chosen": ref_c.mean(), "ref_logps/rejected": ref_r.mean()}
+                   "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
+        if self.reference is not None:
+            metrics.update({"ref_logps/chosen": ref_c.mean(), "ref_logps/rejected": ref_r.mean()})
         return losses, metrics
+
+
+DPOObjective = PairObjective  # the name the scripts, tests and README use
 
 
 class BradleyTerryObjective:
@@ -336,7 +360,7 @@ class PreferenceTrainer:
 
 
 @torch.no_grad()
-def averaged_implicit_accuracy(objective: DPOObjective, rows: list[dict[str, Any]], samples: int,
+def averaged_implicit_accuracy(objective: PairObjective, rows: list[dict[str, Any]], samples: int,
                                batch_size: int) -> float:
     """Implicit accuracy over ``rows`` with each pair's reward margin averaged over ``samples`` independent
     ``objective.batch`` draws: the quantity ``PreferenceTrainer.evaluate`` reports (ties count 1/2), with a
