@@ -193,11 +193,11 @@ def rows_lm(rows):
         from unialign.types import Trajectory
 
         traj = Trajectory(prompts=[""] * B, completions=[""] * B, mask_B_T=torch.ones(B, C, device=ARGS.device),
-                          old_logp_B_T=torch.zeros(B, C), group_ids_B=torch.arange(B),
+                          old_logp_B_T=torch.zeros(B, C),
                           truncated_B=torch.zeros(B, dtype=torch.bool), payload=payload)
 
         def it():
-            lp, ent = pol.log_prob(traj, with_entropy=True)
+            lp, ent = pol.log_prob_and_entropy(traj)
             (lp.mean() + 0.01 * ent.mean()).backward()
             model.zero_grad(set_to_none=True)
 

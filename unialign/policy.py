@@ -32,9 +32,14 @@ class Policy(Protocol):
         the batch gets exactly one optimizer step, where old log-probs equal the first forward's, detached."""
         ...
 
-    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
-        """Differentiable ``logp_B_T`` of the recorded steps (and ``entropy_B_T`` when asked:
-        then a tuple). On the first on-policy call it equals ``trajectory.old_logp_B_T``."""
+    def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
+        """Differentiable ``logp_B_T`` of the recorded steps (0 where masked). On the first on-policy
+        call it equals ``trajectory.old_logp_B_T``."""
+        ...
+
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp_B_T, entropy_B_T)``: ``log_prob`` and the per-step entropy of the policy's step
+        distribution (text: the next-token distribution; diffusion: the step Gaussian, a constant)."""
         ...
 
     def reference(self) -> Policy:
@@ -55,8 +60,9 @@ class Policy(Protocol):
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]: ...
 
-    # Optional, for PPO with a critic on the policy's backbone (text): ``log_prob_and_values(trajectory)
-    # -> (logp_B_T, entropy_B_T, values_B_T)``. Presets with ``value_coef > 0`` require it.
+    # Optional, the critic protocol (PPO's GAE): ``has_critic`` (True when the policy carries a value model)
+    # and ``log_prob_and_values(trajectory) -> (logp_B_T, entropy_B_T, values_B_T)``. An advantage
+    # estimator registered with ``needs_critic`` requires both (checked when the trainer starts).
     # Optional, for policies whose steps are Gaussians of a fixed variance (diffusion): ``log_prob_and_kl(
     # trajectory) -> (logp_B_T, entropy_B_T, kl_B_T)`` with the closed-form step KL to ``reference()``;
     # ``kl_estimator="gaussian"`` requires it (checked when the trainer starts).

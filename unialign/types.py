@@ -73,8 +73,8 @@ class Trajectory:
         completions:  list[B] of what a reward looks at (decoded text, or PIL images).
         mask_B_T:     float {0,1}, trained steps.
         old_logp_B_T: log-probs recorded while sampling (no grad).
-        group_ids_B:  long, samples with the same id share a prompt (GRPO groups, DDPO stats).
         truncated_B:  bool, the sample hit the length limit (text); always False for images.
+        Samples of one prompt (a GRPO group) are contiguous: the trainer lays the batch out that way.
         ref_logp_B_T, values_B_T, rewards_B, advantages_B_T, returns_B_T (the critic's targets):
                       filled in by the trainer when used.
         rollout_logp_B_T: log-probs of the engine that sampled, when it is not the trained model (vLLM,
@@ -92,7 +92,6 @@ class Trajectory:
     completions: list[Any]
     mask_B_T: Tensor
     old_logp_B_T: Tensor
-    group_ids_B: Tensor
     truncated_B: Tensor
     payload: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, list[Any]] = field(default_factory=dict)

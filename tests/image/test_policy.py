@@ -45,7 +45,6 @@ def test_sample_shapes_and_on_policy_ratio(make_policy, kind):
     assert traj.payload["timesteps"].tolist() == [[751, 501, 251, 1]] * 3  # leading spacing, steps_offset=1
     assert traj.old_logp_B_T.shape == (3, n) and traj.mask_B_T.shape == (3, n)
     assert torch.equal(traj.mask_B_T, torch.ones(3, n))
-    assert traj.group_ids_B.tolist() == [0, 1, 0]
     assert traj.truncated_B.tolist() == [False] * 3
     assert len(traj.completions) == 3
     assert all(isinstance(im, Image.Image) and im.size == (16, 16) for im in traj.completions)
@@ -134,7 +133,7 @@ def test_timestep_fraction_masks_and_skips_untrained_steps(make_policy):
     rows_seen = []
     hook = policy.unet.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[0]))
     try:
-        logp, entropy = policy.log_prob(traj, with_entropy=True)
+        logp, entropy = policy.log_prob_and_entropy(traj)
     finally:
         hook.remove()
     # ONE UNet call over every trained (sample, step) pair, nothing else (x2 for CFG)

@@ -118,8 +118,8 @@ def test_nonfinite_rewards_are_counted_and_get_zero_advantage(tmp_path):
 def test_nonfinite_loss_never_reaches_the_weights(tmp_path):
     trainer = make(tmp_path)
     traj, _ = trainer.collect()
-    log_prob = trainer.policy.log_prob
-    trainer.policy.log_prob = lambda t, with_entropy=False: tuple(x * math.nan for x in log_prob(t, True))
+    log_prob = trainer.policy.log_prob_and_entropy
+    trainer.policy.log_prob_and_entropy = lambda t: tuple(x * math.nan for x in log_prob(t))
     trainer.ratio_checked = True
     before = params(trainer)
     trainer.update(traj)

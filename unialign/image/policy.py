@@ -396,32 +396,30 @@ class DiffusionPolicy:
                                                    coefficients={k: v[i].expand(batch) for k, v in coefs.items()})
             all_latents.append(latents)
             all_logps.append(logp)
-        first_index: dict[Any, int] = {}
-        group_ids = [first_index.setdefault(p, i) for i, p in enumerate(prompts)]
         payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
         return Trajectory(
             prompts=list(prompts),
             completions=self.decode(latents),
             mask_B_T=self._trained_steps_mask(batch, generator).to(self.device),
             old_logp_B_T=torch.stack(all_logps, dim=1),
-            group_ids_B=torch.tensor(group_ids, dtype=torch.long, device=self.device),
             truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device),
             payload=payload,
         )
 
-    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
+    def log_prob(self, trajectory: Trajectory) -> Tensor:
         """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current UNet, with the
         same CFG as sampling (gradients through both CFG branches, as ddpo-pytorch). Only steps with
-        ``mask_B_T == 1`` are computed (all of them in one UNet call); the others are 0.
+        ``mask_B_T == 1`` are computed (all of them in one UNet call); the others are 0."""
+        return self._log_prob(self.model, trajectory, False)
 
-        ``with_entropy=True`` also returns ``entropy_B_T``: the entropy of the step Gaussian per element,
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
+        """``(logp_B_T, entropy_B_T)``: ``log_prob`` and the entropy of the step Gaussian per element,
         0.5 * log(2 pi e sigma_t^2) (the same for every element, so equal to its mean over C,H,W). It does
-        not depend on theta (sigma_t is fixed by the scheduler), so it carries no gradient; 0 where masked.
-        """
-        return self._log_prob(self.model, trajectory, with_entropy)
+        not depend on theta (sigma_t is fixed by the scheduler), so it carries no gradient; 0 where masked."""
+        return self._log_prob(self.model, trajectory, True)
 
     def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logp_B_T, entropy_B_T, kl_B_T)``: ``log_prob(trajectory, with_entropy=True)`` plus the closed-form
+        """``(logp_B_T, entropy_B_T, kl_B_T)``: ``log_prob_and_entropy(trajectory)`` plus the closed-form
         KL of each trained step to the reference's step at the same x_t (``algos.gaussian_kl``: both are
         Gaussians with the step's sigma_t, so KL_t = mean_CHW (mu_theta - mu_ref)^2 / (2 sigma_t^2)),
         differentiable through mu_theta; 0 where masked. The reference (``reference()``: adapters off, or
@@ -575,9 +573,13 @@ class _ReferencePolicy:
         with self._frozen():
             return self.policy._sample(self.model, prompts, generator)
 
-    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False) -> Any:
+    def log_prob(self, trajectory: Trajectory) -> Tensor:
         with self._frozen():
-            return self.policy._log_prob(self.model, trajectory, with_entropy)
+            return self.policy._log_prob(self.model, trajectory, False)
+
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
+        with self._frozen():
+            return self.policy._log_prob(self.model, trajectory, True)
 
     def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
         with self._frozen():

@@ -317,13 +317,11 @@ class CausalLMPolicy:
             g = self._engine_generate(prompts)
         else:
             g = self.generate(prompts, model=rollout)
-        first: dict[str, int] = {}
         traj = Trajectory(
             prompts=list(prompts),
             completions=g["texts"],
             mask_B_T=g["completion_mask"].float(),
             old_logp_B_T=torch.zeros(0),
-            group_ids_B=torch.tensor([first.setdefault(repr(p), i) for i, p in enumerate(prompts)]),
             truncated_B=g["truncated"],
             payload={"prompt_ids": g["prompt_ids"], "prompt_mask": g["prompt_mask"],
                      "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"]},
@@ -417,11 +415,21 @@ class CausalLMPolicy:
         cache.reorder_cache(inverse)
         return {key: cache}
 
-    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False):
-        logp, entropy, _ = self._forward(self.model, trajectory.payload, with_entropy)
+    def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
+        """Differentiable per-token log-probs of the sampled completion, ``logp_B_T`` (0 where masked)."""
+        logp, _, _ = self._forward(self.model, trajectory.payload, False)
+        return logp * trajectory.mask_B_T.to(logp.device)
+
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp_B_T, entropy_B_T)`` in one forward (the entropy of the full next-token distribution)."""
+        logp, entropy, _ = self._forward(self.model, trajectory.payload, True)
         mask = trajectory.mask_B_T.to(logp.device)
-        logp = logp * mask
-        return (logp, entropy * mask) if with_entropy else logp
+        return logp * mask, entropy * mask
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether this policy carries a value model (``value_head``): the critic protocol of ``unialign.policy``."""
+        return self.value_head is not None or self.value_model is not None
 
     def log_prob_and_values(self, trajectory: Trajectory):
         """(logp_B_T, entropy_B_T, values_B_T): one forward with a shared value head, two with a
@@ -565,11 +573,15 @@ class _ReferencePolicy:
         self.policy, self.model, self.context = policy, model, context
 
     @torch.no_grad()
-    def log_prob(self, trajectory: Trajectory, with_entropy: bool = False):
+    def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
+        return self.log_prob_and_entropy(trajectory)[0]
+
+    @torch.no_grad()
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
         with self.context():
-            logp, entropy, _ = self.policy._forward(self.model, trajectory.payload, with_entropy)
+            logp, entropy, _ = self.policy._forward(self.model, trajectory.payload, True)
         mask = trajectory.mask_B_T.to(logp.device)
-        return (logp * mask, entropy * mask) if with_entropy else logp * mask
+        return logp * mask, entropy * mask
 
     @torch.no_grad()
     def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):

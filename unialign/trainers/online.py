@@ -211,10 +211,11 @@ class OnlineTrainer:
         self.estimator = algos.get_estimator(self.spec.advantage)
         if config.num_generations < 2 and self.estimator.uses_groups:
             raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
-        if self.estimator.needs_critic and not callable(getattr(policy, "log_prob_and_values", None)):
-            raise ValueError(f"{self.spec.name}'s advantage estimator {self.spec.advantage!r} needs a critic: "
-                             f"{type(policy).__name__} has no log_prob_and_values() (build a text policy with "
-                             "value_head=True, or choose a critic-free algorithm: grpo, rloo, reinforce_pp, ...)")
+        if self.estimator.needs_critic and not (getattr(policy, "has_critic", False)
+                                                and callable(getattr(policy, "log_prob_and_values", None))):
+            raise ValueError(f"{self.spec.name}'s advantage estimator {self.spec.advantage!r} needs a critic, and "
+                             f"this {type(policy).__name__} has none (text: build it with value_head=True / "
+                             "--value_head; or choose a critic-free algorithm: grpo, rloo, reinforce_pp, ...)")
         if self.spec.value_coef > 0 and not self.estimator.needs_critic:
             raise ValueError(f"value_coef={self.spec.value_coef} trains a critic, but the advantage estimator "
                              f"{self.spec.advantage!r} uses none: set value_coef 0")
@@ -276,7 +277,6 @@ class OnlineTrainer:
                     columns.setdefault(k, []).extend([v] * G)
         traj = self.policy.sample(prompts, record_logp=not self._old_logp_from_update)
         traj.columns = columns
-        traj.group_ids_B = torch.tensor(row_ids).repeat_interleave(G)
         return traj
 
     # ------------------------------------------------------------------ phases 1-3
@@ -395,7 +395,7 @@ class OnlineTrainer:
         elif self._kl_from_policy:
             logp, entropy, kl = self.policy.log_prob_and_kl(mb)
         else:
-            logp, entropy = self.policy.log_prob(mb, with_entropy=True)
+            logp, entropy = self.policy.log_prob_and_entropy(mb)
         adv = mb.advantages_B_T.to(logp.device)
         # one optimizer step per batch: the sampling policy is the current one, as TRL / verl use
         old_logp = logp.detach() if mb.old_logp_B_T is None else mb.old_logp_B_T.to(logp.device)
