@@ -29,6 +29,18 @@ from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
 
 
+# per-algorithm defaults of --beta / --simpo_gamma / --rpo_alpha (flags override them)
+ALGORITHM_DEFAULTS = {
+    "dpo": dict(beta=0.1, rpo_alpha=1.0),  # RPO on the embedded task (the preset sets plain DPO)
+    "simpo": dict(beta=2.0, simpo_gamma=0.5, rpo_alpha=0.0),  # SimPO's (and TRL's) defaults
+    "orpo": dict(beta=0.1, rpo_alpha=1.0),  # ORPO: lambda 0.1 and the chosen NLL, as the paper and TRL
+}
+
+
+def _defaults(key: str) -> str:
+    return "default: " + ", ".join(f"{a} {d[key]}" for a, d in ALGORITHM_DEFAULTS.items() if key in d)
+
+
 @dataclass
 class DPOTextConfig(TextDataArgs, PreferenceConfig):
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
@@ -38,14 +50,14 @@ class DPOTextConfig(TextDataArgs, PreferenceConfig):
                                             "longer pairs are refused", group="data")
     algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), or the "
                          "reference-free simpo / orpo (no reference model)", choices=("dpo", *REFERENCE_FREE_LOSSES))
-    beta: float | None = arg(None, "temperature (DPO: strength of the implicit KL to the reference; ORPO: weight "
-                             "of the odds-ratio term); default: the algorithm's, see ALGORITHM_DEFAULTS", min=0.0)
+    beta: float | None = arg(None, "temperature (DPO: strength of the implicit KL to the reference; ORPO: weight of "
+                             f"the odds-ratio term); {_defaults('beta')}", min=0.0)
     loss_type: str = arg("sigmoid", "DPO loss (--algorithm dpo)", choices=DPO_LOSS_TYPES)
     label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO for sigmoid; robust DPO)")
-    simpo_gamma: float | None = arg(None, "SimPO target reward margin gamma (default: ALGORITHM_DEFAULTS)", min=0.0,
+    simpo_gamma: float | None = arg(None, f"SimPO target reward margin gamma; {_defaults('simpo_gamma')}", min=0.0,
                                     group="algorithm")
-    rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO; ORPO's SFT term); default: "
-                                  "the algorithm's (plain DPO lowers the embedded task's accuracy, see README)", min=0.0)
+    rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO; ORPO's SFT term; plain DPO / "
+                                  f"SimPO lower the embedded task's accuracy, see README); {_defaults('rpo_alpha')}", min=0.0)
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
     torch_dtype: str = arg("float32", "model dtype")
     precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front (cached on disk)")
@@ -58,17 +70,10 @@ class DPOTextConfig(TextDataArgs, PreferenceConfig):
     output_dir: str = arg("outputs/dpo_text", "where checkpoints, curves, summary.json and final/ go")
 
 
-# per-algorithm defaults of --beta / --simpo_gamma / --rpo_alpha (flags override them)
-ALGORITHM_DEFAULTS = {
-    "dpo": dict(beta=0.1, rpo_alpha=1.0),  # RPO on the embedded task (the preset sets plain DPO)
-    "simpo": dict(beta=2.0, simpo_gamma=0.5, rpo_alpha=0.0),  # SimPO's (and TRL's) defaults
-    "orpo": dict(beta=0.1, rpo_alpha=1.0),  # ORPO: lambda 0.1 and the chosen NLL, as the paper and TRL
-}
-
 PRESETS = {
     "qwen2.5-0.5b-ultrafeedback": dict(
         model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="trl-lib/ultrafeedback_binarized",
-        beta=0.1, rpo_alpha=0.0, learning_rate=5e-7, batch_size=64, micro_batch_size=4, max_steps=1000, torch_dtype="bfloat16",
+        rpo_alpha=0.0, learning_rate=5e-7, batch_size=64, micro_batch_size=4, max_steps=1000, torch_dtype="bfloat16",
         warmup_steps=50, num_eval=512, output_dir="outputs/dpo_qwen_ultrafeedback"),
 }
 

@@ -71,7 +71,8 @@ class PairObjective:
     The entry's data decide everything variant-specific: ``needs_reference`` (the reference comes from
     ``policy.reference()`` and may be cached per row; without it no reference is built, loaded or run),
     ``length_normalize`` (length-averaged log-likelihoods: IPO, SimPO, ORPO) and ``nll_coef``.
-    ``loss_params`` are the entry's own keywords (SimPO's ``gamma``; its defaults otherwise).
+    ``loss_params`` are the entry's own keywords (SimPO's ``gamma``; its defaults otherwise). On diffusion
+    the ELBO surrogate's margins are small (~1e-4): SimPO's beta belongs on Diffusion-DPO's scale (thousands).
 
     ``rpo_alpha`` (TRL's name; RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization",
     eq. 3) is the weight of ``algos.chosen_nll_loss``, NLL = −log π(y_w|x) / |y_w| (per completion token
