@@ -28,7 +28,6 @@ from unialign.text.embedded import preference_pairs
 from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
 
-
 # per-algorithm defaults of --beta / --simpo_gamma / --rpo_alpha (flags override them)
 ALGORITHM_DEFAULTS = {
     "dpo": dict(beta=0.1, rpo_alpha=1.0),  # RPO on the embedded task (the preset sets plain DPO)
