@@ -32,6 +32,7 @@ def one_update(loss_type: str) -> dict:
     traj = policy.sample(["1+2?"] * 4 + ["a longer prompt 40+2?"] * 4)
     traj.advantages_B_T = torch.linspace(-1.5, 2.0, 8).unsqueeze(-1).expand_as(traj.mask_B_T).contiguous()
     n, rank = trainer.acc.num_processes, trainer.acc.process_index
+    assert n == int(__import__("os").environ.get("WORLD_SIZE", "1")), "accelerate does not see the launched processes"
     per = len(traj) // n
     grads = {}
     named = list(unwrap(policy.model).named_parameters())

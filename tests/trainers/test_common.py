@@ -39,3 +39,24 @@ def test_8bit_adam_without_bitsandbytes_says_what_to_install():
 def test_unknown_optimizer_is_named():
     with pytest.raises(ValueError, match="optim: unknown optimizer 'sgd'"):
         make_optimizer([torch.nn.Parameter(torch.zeros(2))], TrainConfig(optim="sgd"))
+
+
+def test_check_launch_refuses_unseen_processes_and_deepspeed(monkeypatch):
+    """torchrun on a CPU machine without ACCELERATE_USE_CPU gives accelerate 1 process per rank: every
+    rank would train alone. DeepSpeed would step its optimizer inside every backward."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from unialign.trainers.common import check_launch
+
+    plain = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=None))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_launch(plain)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="ACCELERATE_USE_CPU"):
+        check_launch(plain)
+    two = SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=None))
+    check_launch(two)
+    with pytest.raises(RuntimeError, match="DeepSpeed"):
+        check_launch(SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=object())))

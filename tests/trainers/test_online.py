@@ -176,7 +176,8 @@ def test_bad_prompt_rows_are_named(tmp_path):
 @pytest.mark.slow
 def test_one_and_two_processes_give_the_same_update(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    # ACCELERATE_USE_CPU: without it accelerate runs each torchrun rank as its own 1-process job on a CPU machine
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     loss_types = "token_mean,seq_mean_token_mean,seq_mean_token_sum_norm"
     outs = []
     for n in (1, 2):

@@ -219,7 +219,8 @@ class CausalLMPolicy:
             gen_kwargs.update(self._static_cache(model, enc["input_ids"].shape[0], width + gen_kwargs["max_new_tokens"]))
         elif self.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
             gen_kwargs.update(self._prompt_cache(model, *_right_align(enc["input_ids"], enc["attention_mask"])) or {})
-        out = model.generate(**enc, **gen_kwargs)
+        with _gathered_fsdp2_root(model):  # peft's generate skips the root forward that would unshard it
+            out = model.generate(**enc, **gen_kwargs)
         model.train(was_training)
         prompt_width = enc["input_ids"].shape[1]
         completion = out[:, prompt_width:]
@@ -391,8 +392,8 @@ class CausalLMPolicy:
         under a distributed wrapper (two forwards per backward), with gradient checkpointing (no
         cache in training), when no prompt repeats, or when a prompt has fewer than two tokens.
         """
-        if model is not unwrap(model) or prompt_ids.shape[1] < 2:
-            return None
+        if model is not unwrap(model) or _fsdp2_root(model) is not None or prompt_ids.shape[1] < 2:
+            return None  # FSDP2: the gathered cache's storage is freed on reshard before the backward needs it
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         checkpointing = "is_activation_checkpointing" if hasattr(type(lm), "is_activation_checkpointing") \
             else "is_gradient_checkpointing"  # transformers < 5 name
@@ -493,6 +494,31 @@ class CausalLMPolicy:
 
 
 CRITIC_MODULES = ("value_head", "value_model")
+
+
+def _fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` when it is sharded by FSDP2 (``fully_shard``), else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    return model if isinstance(model, FSDPModule) else None
+
+
+@contextlib.contextmanager
+def _gathered_fsdp2_root(model: torch.nn.Module):
+    """Hold an FSDP2 root's own parameters unsharded for the duration (its submodules unshard themselves in
+    their forwards); no-op otherwise. The root is initialised first, as its first forward would do."""
+    root = _fsdp2_root(model)
+    if root is None:
+        yield
+        return
+    root._get_fsdp_state()._lazy_init()  # private, but what the root's first forward runs
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
 
 
 def _cache_kwarg(lm: torch.nn.Module) -> str:

@@ -445,3 +445,25 @@ def load_checkpoint(acc, resume: ResumePoint, optimizer=None, scheduler=None, cf
     if resume.changes and optimizer is not None and cfg is not None:
         apply_optimizer_settings(optimizer, scheduler, cfg)
     return resume.state
+
+
+def check_launch(acc: Any) -> None:
+    """Refuse launches that would train wrongly without an error of their own:
+
+    * launched as N processes (``WORLD_SIZE``) while accelerate sees fewer: on a machine without CUDA,
+      ``torchrun`` alone makes accelerate run every process as its own 1-process job, each training alone;
+    * DeepSpeed (``configs/accelerate/zero*.yaml``): accelerate steps a DeepSpeed optimizer inside every
+      ``backward`` at a sync point and clips by its own config, which this trainer's micro-batch
+      accumulation, loss normaliser and non-finite guard do not drive yet (found on CPU with DeepSpeed
+      0.19: the optimizer stepped after each micro-batch). Use FSDP2 (``configs/accelerate/fsdp.yaml``),
+      tested against the 1-process update in ``tests/trainers/test_fsdp.py``."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and acc.num_processes != launched:
+        raise RuntimeError(
+            f"launched as {launched} processes (WORLD_SIZE) but accelerate sees {acc.num_processes}: on a machine "
+            "without CUDA set ACCELERATE_USE_CPU=true or use `accelerate launch --cpu`; otherwise every process "
+            "would train alone on its own copy")
+    if getattr(acc.state, "deepspeed_plugin", None) is not None:
+        raise RuntimeError("DeepSpeed (ZeRO) is not supported by unialign's trainers yet: their micro-batch "
+                           "accumulation and non-finite guard would be bypassed. Use FSDP2: accelerate launch "
+                           "--config_file configs/accelerate/fsdp.yaml ...")

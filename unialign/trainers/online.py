@@ -49,6 +49,7 @@ from unialign.rewards.base import ON_ERROR, CombinedReward, RewardError
 from unialign.trainers.common import (
     ResumePoint,
     TrainConfig,
+    check_launch,
     config_field,
     epoch_order,
     load_checkpoint,
@@ -205,6 +206,7 @@ class OnlineTrainer:
         self.config_changes: list[dict] = []
         self.acc = accelerator or Accelerator(
             log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
+        check_launch(self.acc)
         world = self.acc.num_processes
         if config.prompts_per_step % world:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {world} processes")
