@@ -1,5 +1,6 @@
 """One OnlineTrainer update under FSDP2 on however many processes torchrun gives; rank 0 saves the full
-(gathered) parameters after it.
+(gathered) parameters after it, and with ``UNIALIGN_TEST_SAVE_ROOT`` set the policy saves itself there
+(``policy.save`` on every rank, as ``finish_run`` calls it).
 
 Used by test_fsdp.py: 1 process (no FSDP) and 2 CPU processes (accelerate's FSDP plugin, fsdp_version 2,
 gloo) must give the same parameters for the same global batch, for the full-parameter tiny LM with the fused
@@ -94,6 +95,10 @@ def one_update(case: str, acc) -> dict:
     n, rank = acc.num_processes, acc.process_index
     per = len(traj) // n
     metrics = trainer.update(traj.select(list(range(rank * per, (rank + 1) * per))))
+    save_root = os.environ.get("UNIALIGN_TEST_SAVE_ROOT")
+    if save_root and case in ("full", "lora"):  # policy.save on every rank: gathered, written by rank 0
+        policy.save(f"{save_root}/{case}-{n}")
+        acc.wait_for_everyone()
     return {"before": before if n == 1 else {}, "after": full_state_dict(policy.model),
             "completion_ids": traj.payload["completion_ids"], "old_logp": traj.old_logp_B_T,
             "grad_norm": torch.tensor(metrics["grad_norm"]), "head": type(policy.head).__name__,

@@ -15,7 +15,6 @@ from torch.testing import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = "full,lora,full_prefix,lora_sample"
-# what the two probe cases raise under FSDP2 today; the fixes belong in unialign/text/policy.py
 # Two FSDP2 paths that failed before their fixes in CausalLMPolicy (kept as regression cases):
 #   full_prefix: the shared prompt-prefix pass: gradients reach the prompt pass's k/v projections through the
 #     KV cache, not the layer's output, so FSDP2 never re-gathered those weights for backward -> the prefix
@@ -29,7 +28,8 @@ FIXED_CASES = ("full_prefix", "lora_sample")
 def runs(tmp_path_factory) -> tuple[dict, dict]:
     """The runner on 1 process (no launcher, no FSDP) and under torchrun on 2 (FSDP2); rank 0's results."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "UNIALIGN_TEST_SAVE_ROOT": str(tmp / "saved")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     launch = {1: [sys.executable, "-m", "tests.trainers.dist_fsdp"],
@@ -42,7 +42,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         out.append(torch.load(path, weights_only=True))
-    return out[0], out[1]
+    return out[0], out[1], tmp / "saved"
 
 
 def check_same_update(one: dict, two: dict, lora: bool) -> None:
@@ -72,10 +72,34 @@ def test_fsdp2_on_two_processes_gives_the_one_process_update(runs, case):
     """The batch is sampled with the sharded model (full) / before wrapping (LoRA: see the probe below); the
     update runs sharded with gradient accumulation over 2 micro-batches (no_sync) and norm clipping active
     (the full case's grad norm is above max_grad_norm=1)."""
-    one, two = (r[case] for r in runs)
+    one, two = (r[case] for r in runs[:2])
     check_same_update(one, two, lora=case == "lora")
     if case == "full":
         assert float(one["grad_norm"]) > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["full", "lora"])
+def test_policy_save_under_fsdp2_writes_the_gathered_weights(runs, case):
+    """finish_run calls policy.save on every rank: the shards are gathered and rank 0 writes a stock
+    checkpoint (transformers / peft) holding the 2-process update's full weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_tiny_lm
+
+    _, two, saved = runs
+    if case == "full":
+        loaded = AutoModelForCausalLM.from_pretrained(saved / "full-2").state_dict()
+    else:
+        base, _ = make_tiny_lm(seed=0)
+        loaded = PeftModel.from_pretrained(base, saved / "lora-2").state_dict()
+    after = {k.replace(".default", ""): v for k, v in two[case]["after"].items()}
+    loaded = {k.replace(".default", ""): v for k, v in loaded.items()}
+    checked = [k for k in after if k in loaded]
+    assert len(checked) >= len(after) - 1, sorted(set(after) - set(loaded))  # (a tied lm_head may be absent)
+    for k in checked:
+        assert_close(loaded[k], after[k], msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.slow
@@ -83,6 +107,6 @@ def test_fsdp2_on_two_processes_gives_the_one_process_update(runs, case):
 def test_fsdp2_prefix_pass_and_lora_sampling(runs, case):
     """full_prefix: the full model with the shared prompt-prefix pass on (the policy's default);
     lora_sample: the LoRA policy sampling with its sharded model. Both give the 1-process update."""
-    one, two = (r[case] for r in runs)
+    one, two = (r[case] for r in runs[:2])
     assert "error" not in two, two.get("error")
     check_same_update(one, two, lora=case.startswith("lora"))

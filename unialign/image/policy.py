@@ -528,7 +528,12 @@ class DiffusionPolicy:
     def save(self, path: str) -> None:
         """LoRA: ``pytorch_lora_weights.safetensors`` in ``path``, loadable with stock
         ``StableDiffusion[XL]Pipeline.load_lora_weights(path)``. Full fine-tuning: the UNet in
-        ``path/unet`` (``UNet2DConditionModel.from_pretrained(path, subfolder="unet")``)."""
+        ``path/unet`` (``UNet2DConditionModel.from_pretrained(path, subfolder="unet")``). Called on every
+        process; the main process writes."""
+        from unialign.dist import is_main_rank
+
+        if not is_main_rank():
+            return
         os.makedirs(path, exist_ok=True)
         if self.lora_rank == 0:
             self.unet.save_pretrained(os.path.join(path, "unet"))

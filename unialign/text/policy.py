@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from unialign.dist import fsdp2_root as _fsdp2_root
+from unialign.dist import gathered_fsdp2_root as _gathered_fsdp2_root
+from unialign.dist import gathered_state_dict, is_main_rank
 from unialign.hub import require_hub
 from unialign.text.head import install_fused_head
 from unialign.text.tokens import encode_prompts
@@ -481,44 +484,25 @@ class CausalLMPolicy:
     def save(self, path: str) -> None:
         """``save_pretrained`` of the model (or adapters) and tokenizer, loadable by stock transformers;
         a critic is written beside it (``value_head.safetensors`` / ``value_model.safetensors``), not
-        into the model's weights."""
+        into the model's weights. Called on every process: FSDP2 shards are gathered (a collective), the
+        main process writes."""
         from safetensors.torch import save_file
 
         model = unwrap(self.model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         with _detached_critics(base) as critics:
-            model.save_pretrained(path)
+            state = gathered_state_dict(model) if _fsdp2_root(model) is not None else None
+        critic_states = {name: gathered_state_dict(m) for name, m in critics.items()}
+        if not is_main_rank():
+            return
+        with _detached_critics(base):
+            model.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
         self.tokenizer.save_pretrained(path)
-        for name, module in critics.items():
-            save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, f"{path}/{name}.safetensors")
+        for name, sd in critic_states.items():
+            save_file({k: v.contiguous() for k, v in sd.items()}, f"{path}/{name}.safetensors")
 
 
 CRITIC_MODULES = ("value_head", "value_model")
-
-
-def _fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
-    """``model`` when it is sharded by FSDP2 (``fully_shard``), else None."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return None
-    return model if isinstance(model, FSDPModule) else None
-
-
-@contextlib.contextmanager
-def _gathered_fsdp2_root(model: torch.nn.Module):
-    """Hold an FSDP2 root's own parameters unsharded for the duration (its submodules unshard themselves in
-    their forwards); no-op otherwise. The root is initialised first, as its first forward would do."""
-    root = _fsdp2_root(model)
-    if root is None:
-        yield
-        return
-    root._get_fsdp_state()._lazy_init()  # private, but what the root's first forward runs
-    root.unshard()
-    try:
-        yield
-    finally:
-        root.reshard()
 
 
 def _cache_kwarg(lm: torch.nn.Module) -> str:

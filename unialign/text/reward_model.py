@@ -97,5 +97,12 @@ class RewardModel:
         return [p for p in unwrap(self.model).parameters() if p.requires_grad]
 
     def save(self, path: str) -> None:
-        unwrap(self.model).save_pretrained(path)
+        """Called on every process (FSDP2 shards gathered); the main process writes."""
+        from unialign.dist import fsdp2_root, gathered_state_dict, is_main_rank
+
+        model = unwrap(self.model)
+        state = gathered_state_dict(model) if fsdp2_root(model) is not None else None
+        if not is_main_rank():
+            return
+        model.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
         self.tokenizer.save_pretrained(path)

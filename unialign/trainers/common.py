@@ -138,7 +138,8 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
 
 
 def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = None) -> dict:
-    """End of a script: on the main process, ``save(<output_dir>/final)`` (stock-loadable weights), write
+    """End of a script: ``save(<output_dir>/final)`` on every process (stock-loadable weights, written by the
+    main process), then on the main process write
     ``summary.json`` (strict JSON) with the run's config added, the trainer's non-zero ``counters`` (samples
     whose reward errored and were skipped, non-finite rewards, skipped steps), and the settings a resume changed
     (``config_changes_on_resume``, from the run's last checkpoint) when there were any; print where the
@@ -150,8 +151,9 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
     changes = read_trainer_state(ckpt).get("config_changes") if ckpt is not None else None
     if changes:
         summary["config_changes_on_resume"] = changes
+    save(str(out / "final"))  # on every process: a sharded model is gathered; the main process writes
+    acc.wait_for_everyone()
     if acc.is_main_process:
-        save(str(out / "final"))
         write_json_atomic(out / "summary.json", summary)
         print_summary(acc, out, summary)
     return summary
