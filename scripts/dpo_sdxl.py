@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from unialign.algos.preference import DPO_LOSS_TYPES
-from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.config import UserError, arg, exit_on_user_error, parse_config
 from unialign.image import DiffusionPolicy
 from unialign.image.data import embedded_pairs, load_pickapic
 from unialign.image.grid import save_grid
@@ -90,6 +90,9 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     embedded = cfg.model_name_or_path == "embedded"
+    if cfg.dataset_name == "embedded" and not embedded:
+        raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
+                        "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")
     data = None if cfg.dataset_name == "embedded" else load_pickapic(cfg)  # read and checked before the model loads
     opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                 gradient_checkpointing=cfg.gradient_checkpointing)

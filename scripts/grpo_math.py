@@ -21,6 +21,7 @@ from unialign.recipes import (
     TextDataArgs,
     as_trl_reward,
     build_reward,
+    check_generation_backend,
     check_rewards,
     columns_of,
     fit_prompts,
@@ -88,6 +89,7 @@ PRESETS = {
 
 def main(cfg: GRPOMathConfig) -> dict:
     start = time.time()
+    check_generation_backend(cfg.generation_backend)
     train_rows, eval_rows, data_info = load_prompt_data(cfg)
     eval_name = cfg.eval_reward or ("math_accuracy" if {"answer", "solution"} & columns_of(eval_rows) else None)
     check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows))

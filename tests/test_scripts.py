@@ -229,6 +229,10 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
     assert code == 2 and "--reward: cannot use reward 'nosuch'" in line
     code, line = run_cli("dpo_sdxl", ["--dataset_name", str(tmp_path / "bad.jsonl")] + out, capsys)
     assert code == 2 and "bad.jsonl:2: not valid JSON" in line
+    code, line = run_cli("dpo_sdxl", ["--model_name_or_path", "runwayml/stable-diffusion-v1-5"] + out, capsys)
+    assert code == 2 and "--dataset_name embedded" in line  # before any download is tried
+    code, line = run_cli("grpo_math", ["--generation_backend", "vllm"] + out, capsys)
+    assert code == 2 and "--generation_backend vllm needs" in line
 
 
 def test_huge_prompt_refused_naming_the_row_before_any_forward(tmp_path, capsys, monkeypatch):

@@ -39,6 +39,17 @@ class TextDataArgs:
         "help": "rows over a token limit: 'error' (refuse, naming them) or 'drop' (skip them, counted in the summary)"})
 
 
+def check_generation_backend(backend: str) -> None:
+    """``--generation_backend vllm`` on a machine that cannot run it: one line, before data or model load."""
+    if backend == "vllm":
+        from unialign.text.vllm_engine import check_vllm_available
+
+        try:
+            check_vllm_available()
+        except RuntimeError as err:
+            raise UserError(str(err)) from None
+
+
 def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
     """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``) of ``cfg``'s data fields;
     rows are validated as they are in the files (errors name the file and row), then held out."""

@@ -146,13 +146,9 @@ class CausalLMPolicy:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if kwargs.get("generation_backend") == "vllm":  # before any weights load
-            from unialign.config import UserError
             from unialign.text.vllm_engine import check_vllm_available
 
-            try:
-                check_vllm_available()
-            except RuntimeError as err:
-                raise UserError(str(err)) from None
+            check_vllm_available()
         if name_or_path == "embedded":  # the shipped arithmetic model (unialign/assets/arith_lm)
             from unialign.text.embedded import DEFAULT_ASSET_DIR
 
