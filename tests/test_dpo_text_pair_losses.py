@@ -25,8 +25,9 @@ def test_reference_free_algorithms_two_steps(tmp_path, monkeypatch, algorithm):
     assert s["pair_loss"] == algorithm and math.isfinite(s["first_loss"])
     if algorithm == "orpo":  # the chosen NLL is part of ORPO's loss: L_SFT + 0.1 * L_OR, L_OR > 0
         assert s["first_loss"] > s["first_nll_loss"] > 0 and s["beta"] == 0.1 and s["rpo_alpha"] == 1.0
-    else:
-        assert s["first_nll_loss"] is None and (s["beta"], s["simpo_gamma"]) == (2.0, 0.5)
+    else:  # SimPO's beta / gamma plus the chosen NLL at weight 2 (the embedded default): L = L_SimPO + 2 NLL
+        assert (s["beta"], s["simpo_gamma"], s["rpo_alpha"]) == (2.0, 0.5, 2.0)
+        assert s["first_loss"] > 2 * s["first_nll_loss"] > 0
     assert not list(tmp_path.glob("ref_cache-*.pt"))  # nothing to precompute without a reference
 
 
