@@ -156,3 +156,29 @@ def test_configs_built_in_python_are_validated_by_the_trainers(tmp_path):
         OnlineTrainer(None, [], [{"prompt": "a"}], OnlineConfig(prompts_per_step=0, output_dir=str(tmp_path)))
     with pytest.raises(UserError, match="--max_steps: expected an integer"):
         PreferenceTrainer(None, [{"prompt": "a"}], PreferenceConfig(max_steps="two", output_dir=str(tmp_path)))
+
+
+def test_every_algorithm_knob_is_a_flag_declared_once_in_the_registry(tmp_path):
+    """OnlineConfig derives one override per AlgoSpec field (help and rules from the registry), so every knob,
+    the estimator included, is settable from the command line and checked there."""
+    import dataclasses
+
+    import pytest
+
+    from unialign.config import UserError, parse_config
+    from unialign.registry import AlgoSpec
+    from unialign.trainers import OnlineConfig
+
+    knobs = [f.name for f in dataclasses.fields(AlgoSpec) if f.name != "name"]
+    config_fields = {f.name: f for f in dataclasses.fields(OnlineConfig)}
+    assert all(k in config_fields and config_fields[k].default is None for k in knobs)
+    out = ["--output_dir", str(tmp_path)]
+    cfg = parse_config(OnlineConfig, ["--algorithm", "ddpo", "--advantage", "group", "--advantage_clip", "3",
+                                      "--whiten_advantages", "true", "--stat_buffer_size", "8"] + out)
+    spec = cfg.algo_spec()
+    assert (spec.advantage, spec.advantage_clip, spec.whiten_advantages, spec.stat_buffer_size) == ("group", 3.0, True, 8)
+    assert spec.epsilon == 1e-4  # untouched knobs keep the preset's value
+    for argv, message in [(["--epsilon", "0"], "--epsilon: must be > 0"), (["--advantage", "nosuch"], "--advantage"),
+                          (["--gamma", "1.5"], "--gamma: must be <= 1")]:
+        with pytest.raises(UserError, match=message):
+            parse_config(OnlineConfig, argv + out)

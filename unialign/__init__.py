@@ -33,6 +33,7 @@ _LAZY = {  # name -> module that defines it
     "PreferenceConfig": "unialign.trainers.preference",
     "PreferenceTrainer": "unialign.trainers.preference",
     "DPOObjective": "unialign.trainers.preference",
+    "PairObjective": "unialign.trainers.preference",
     "BradleyTerryObjective": "unialign.trainers.preference",
     "get_reward": "unialign.rewards",
     "CombinedReward": "unialign.rewards",

@@ -52,18 +52,6 @@ def _algorithms() -> tuple[str, ...]:
     return tuple(ALGORITHMS)
 
 
-def _aggregations() -> tuple[str, ...]:
-    from unialign.algos.aggregate import AGGREGATION_ALIASES
-
-    return tuple(AGGREGATION_ALIASES)
-
-
-def _kl_estimators() -> tuple[str, ...]:
-    from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, KL_ALIASES
-
-    return (*KL_ALIASES, *CLOSED_FORM_ESTIMATORS)
-
-
 # Rules, --help groups and fallback help lines of the fields shared by many configs (the trainer configs',
 # mostly), by name. A field's own metadata wins over this table. Choices given as a function are looked
 # up when used.
@@ -95,16 +83,7 @@ RULES: dict[str, dict[str, Any]] = {
     "max_new_tokens": {"group": "algorithm", "min": 1}, "temperature": {"group": "algorithm", "gt": 0.0},
     "top_p": {"group": "algorithm", "gt": 0.0, "max": 1.0}, "top_k": {"group": "algorithm", "min": 0},
     "max_generation_rounds": {"group": "algorithm", "min": 1, "help": 'DAPO dynamic sampling: sampling rounds per step to fill the batch'}, "ratio_check_tol": {"group": "algorithm", "gt": 0.0, "help": "tolerance of the first step's check that recomputed log-probs equal the sampled ones (default: by dtype)"},
-    "epsilon": {"group": "algorithm", "gt": 0.0, "help": "PPO clip range (lower bound; default: the algorithm's)"}, "epsilon_high": {"group": "algorithm", "gt": 0.0, "help": 'upper clip bound (DAPO clip-higher; default: epsilon)'},
-    "beta": {"group": "algorithm", "min": 0.0, "help": "KL coefficient to the reference model (0: none; default: the algorithm's)"}, "loss_type": {"group": "algorithm", "choices": _aggregations, "help": "loss aggregation over tokens and samples (TRL names; default: the algorithm's)"},
-    "scale_rewards": {"group": "algorithm", "choices": ("group", "batch", "none"), "help": "advantage scaling by the group's std, the batch's, or none (TRL; default: the algorithm's)"},
-    "importance_sampling_level": {"group": "algorithm", "choices": ("token", "sequence", "sequence_token"), "help": "importance ratio per token, per sequence (GSPO) or sequence_token (default: the algorithm's)"},
-    "mask_truncated_completions": {"group": "algorithm", "help": "leave completions cut at the length limit out of the loss (default: the algorithm's)"}, "num_iterations": {"group": "algorithm", "min": 1, "help": "optimisation epochs per batch of samples (default: the algorithm's)"},
-    "kl_estimator": {"group": "algorithm", "choices": _kl_estimators, "help": "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion steps) (default: the algorithm's)"}, "dynamic_sampling": {"group": "algorithm", "help": "DAPO: drop groups whose rewards are all equal and sample again (default: the algorithm's)"},
-    "entropy_coef": {"group": "algorithm", "help": "entropy bonus weight (default: the algorithm's)"}, "kl_target": {"group": "algorithm", "gt": 0.0, "help": 'PPO adaptive KL controller target (default: a fixed beta)'},
-    "value_coef": {"group": "algorithm", "min": 0.0, "help": "value-loss weight of the PPO critic (default: the algorithm's)"}, "gamma": {"group": "algorithm", "min": 0.0, "max": 1.0, "help": "GAE discount (default: the algorithm's)"},
-    "lam": {"group": "algorithm", "min": 0.0, "max": 1.0, "help": "GAE lambda (default: the algorithm's)"}, "whiten_rewards": {"group": "algorithm", "help": "PPO: whiten the KL-shaped per-token rewards (default: the algorithm's)"},
-    "dual_clip": {"group": "algorithm", "gt": 1.0, "help": 'dual-clip bound c > 1 for negative advantages (verl clip_ratio_c; default: off)'}, "overlong_cache_len": {"group": "algorithm", "min": 0.0, "help": "DAPO soft overlong buffer: tokens if >= 1, else a share of max_completion_length (default: the algorithm's)"},
+    "beta": {"group": "algorithm", "min": 0.0}, "loss_type": {"group": "algorithm"},
     "label_smoothing": {"group": "algorithm", "min": 0.0, "lt": 0.5}, "rpo_alpha": {"group": "algorithm", "min": 0.0},
     "center_coef": {"group": "algorithm", "min": 0.0}, "precompute_ref_log_probs": {"group": "algorithm"},
     "num_steps": {"group": "algorithm", "min": 1}, "guidance_scale": {"group": "algorithm", "min": 0.0},
@@ -142,9 +121,21 @@ class UserError(ValueError):
 
 
 # ------------------------------------------------------------------ field introspection
+def _algo_knob_rules(cls: type, name: str) -> dict[str, Any]:
+    """For an online config (one with ``algo_spec``), the rules of the ``AlgoSpec`` knob ``name`` (declared
+    once in ``unialign.registry``), so a script that re-declares the field with its own default keeps them."""
+    if not hasattr(cls, "algo_spec"):
+        return {}
+    from unialign.registry import AlgoSpec
+
+    knob = {f.name: f for f in dataclasses.fields(AlgoSpec)}.get(name)
+    return {**knob.metadata, "group": "algorithm"} if knob is not None and name != "name" else {}
+
+
 def field_rules(cls: type, f: dataclasses.Field) -> dict[str, Any]:
-    """The rules of one field: ``RULES[name]`` overridden by the field's metadata; callable choices resolved."""
-    rules = {**RULES.get(f.name, {}), **dict(f.metadata)}
+    """The rules of one field: an algorithm knob's own (online configs), then ``RULES[name]``, then the
+    field's metadata, each overriding the one before; callable choices resolved."""
+    rules = {**_algo_knob_rules(cls, f.name), **RULES.get(f.name, {}), **dict(f.metadata)}
     if callable(rules.get("choices")):
         rules["choices"] = tuple(rules["choices"]())
     return rules

@@ -9,40 +9,73 @@ live here and in script presets, never in the math's defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+def knob(default: Any, help: str, **rules: Any) -> Any:  # noqa: A002 - the metadata key the configs read
+    """An ``AlgoSpec`` field declared once: its default, its ``--help`` line and its rules (``choices``, ``min``,
+    ``gt``, ...; see ``unialign.config``). ``OnlineConfig`` derives its override flag from it."""
+    return field(default=default, metadata={"help": help, **rules})
+
+
+def _estimators() -> tuple[str, ...]:
+    from unialign.algos.estimators import ADVANTAGE_ESTIMATORS
+
+    return tuple(ADVANTAGE_ESTIMATORS)
+
+
+def _aggregations() -> tuple[str, ...]:
+    from unialign.algos.aggregate import AGGREGATION_ALIASES
+
+    return tuple(AGGREGATION_ALIASES)
+
+
+def _kl_estimators() -> tuple[str, ...]:
+    from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, KL_ALIASES
+
+    return (*KL_ALIASES, *CLOSED_FORM_ESTIMATORS)
 
 
 @dataclass(frozen=True)
 class AlgoSpec:
+    """One algorithm's choices. Every field but ``name`` is a knob: settable from the command line and YAML
+    as ``--<field>`` (unset: the preset's value), declared here once."""
+
     name: str
-    advantage: str = "group"            # a registered estimator (algos.ADVANTAGE_ESTIMATORS): group | rloo |
-                                        # per_prompt | gae | reward (raw, no baseline) | reinforce_pp
-    scale_rewards: str = "group"        # TRL: group | batch | none (for advantage="group")
-    importance_sampling_level: str = "token"  # TRL; token | sequence (GSPO) | sequence_token (GSPO-token)
-    epsilon: float = 0.2                # TRL; lower clip bound
-    epsilon_high: float | None = None   # TRL; upper clip bound (DAPO clip-higher); None = epsilon
-    dual_clip: float | None = None      # verl clip_ratio_c
-    loss_type: str = "seq_mean_token_mean"  # aggregation mode (TRL loss_type aliases accepted)
-    beta: float = 0.0                   # TRL; KL coefficient
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False          # False: beta*KL added to the loss; True: -beta*KL_t in the reward (PPO)
-    kl_target: float | None = None      # adaptive KL controller target (kl_in_reward only)
-    kl_horizon: int = 10000
-    dynamic_sampling: bool = False      # DAPO: drop zero-variance groups, refill up to max_generation_rounds
-    overlong_cache_len: float = 0       # DAPO soft overlong buffer L_cache: tokens if >= 1, else a fraction of
-                                        # max_completion_length (DAPO: 4096 of 20480 = 0.2); 0 = off
-    mask_truncated_completions: bool = False  # TRL
-    num_iterations: int = 1             # TRL; optimisation epochs per batch of samples
-    advantage_clip: float | None = None  # DDPO clips advantages to +-5
-    whiten_advantages: bool = False     # PPO: masked whitening of GAE advantages
-    whiten_rewards: bool = False        # PPO: masked whitening (mean kept) of the KL-shaped token rewards
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_coef: float = 0.0             # > 0 trains a value head (PPO)
-    value_clip: float | None = 0.2
-    entropy_coef: float = 0.0
-    stat_buffer_size: int = 32          # DDPO per-prompt tracker
-    stat_min_count: int = 16
+    advantage: str = knob("group", "advantage estimator (registered in unialign.algos.estimators)", choices=_estimators)
+    scale_rewards: str = knob("group", "group advantages divided by the group's std, the batch's, or none (TRL)",
+                              choices=("group", "batch", "none"))
+    importance_sampling_level: str = knob("token", "importance ratio per token, per sequence (GSPO) or sequence_token",
+                                          choices=("token", "sequence", "sequence_token"))
+    epsilon: float = knob(0.2, "lower clip bound of the ratio (TRL epsilon)", gt=0.0)
+    epsilon_high: float | None = knob(None, "upper clip bound (DAPO clip-higher); unset: epsilon", gt=0.0)
+    dual_clip: float | None = knob(None, "dual-clip bound c > 1 for negative advantages (verl clip_ratio_c)", gt=1.0)
+    loss_type: str = knob("seq_mean_token_mean", "loss aggregation over tokens and samples (TRL names accepted: grpo, "
+                          "dapo, dr_grpo, bnpo, ...)", choices=_aggregations)
+    beta: float = knob(0.0, "KL coefficient to the reference policy (0: no reference model)", min=0.0)
+    kl_estimator: str = knob("k3", "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion steps)",
+                             choices=_kl_estimators)
+    kl_in_reward: bool = knob(False, "put -beta * KL_t into the per-step rewards (PPO, REINFORCE++) instead of "
+                              "beta * KL into the loss")
+    kl_target: float | None = knob(None, "adaptive KL controller target (KL in the reward only; unset: fixed beta)",
+                                   gt=0.0)
+    kl_horizon: int = knob(10000, "adaptive KL controller horizon", min=1)
+    dynamic_sampling: bool = knob(False, "DAPO: drop groups whose rewards are all equal and sample again")
+    overlong_cache_len: float = knob(0, "DAPO soft overlong buffer: tokens if >= 1, else a share of "
+                                     "max_completion_length (DAPO: 4096 of 20480 = 0.2); 0: off", min=0.0)
+    mask_truncated_completions: bool = knob(False, "leave completions cut at the length limit out of the loss")
+    num_iterations: int = knob(1, "optimisation epochs over each batch of samples", min=1)
+    advantage_clip: float | None = knob(None, "clip advantages to +-this (DDPO: 5)", gt=0.0)
+    whiten_advantages: bool = knob(False, "PPO: masked whitening of the GAE advantages")
+    whiten_rewards: bool = knob(False, "PPO: whiten the KL-shaped token rewards (scale only, the mean kept)")
+    gamma: float = knob(1.0, "discount of the per-step returns (GAE, REINFORCE++)", min=0.0, max=1.0)
+    lam: float = knob(0.95, "GAE lambda", min=0.0, max=1.0)
+    value_coef: float = knob(0.0, "value-loss weight (> 0 trains the critic: PPO)", min=0.0)
+    value_clip: float | None = knob(0.2, "clip range of the value update around the old values", gt=0.0)
+    entropy_coef: float = knob(0.0, "entropy bonus weight")
+    stat_buffer_size: int = knob(32, "DDPO per-prompt reward tracker: rewards kept per prompt", min=1)
+    stat_min_count: int = knob(16, "DDPO tracker: below this many, the batch's statistics are used", min=1)
 
     def with_overrides(self, **kw) -> AlgoSpec:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})

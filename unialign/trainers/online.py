@@ -31,8 +31,9 @@ import contextlib
 import math
 import numbers
 import time
+import typing
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,8 @@ from unialign.types import Trajectory
 
 
 @dataclass
-class OnlineConfig(TrainConfig):
-    """Knobs of the on-policy loop. Algorithm fields left at ``None`` take the preset's value."""
+class _OnlineLoopConfig(TrainConfig):
+    """Knobs of the on-policy loop itself (``OnlineConfig`` adds one override per ``AlgoSpec`` knob)."""
 
     algorithm: str = config_field(
         "grpo", "algorithm preset (unialign.registry.ALGORITHMS); the fields below left unset take its values")
@@ -86,26 +87,6 @@ class OnlineConfig(TrainConfig):
         "a reward function that raises or returns non-numbers: 'raise' (stop, naming the function and the "
         "sample; progress so far is checkpointed) or 'skip' (count them in reward_errors and exclude those "
         "samples, like NaN rewards)"), "choices": list(ON_ERROR)})
-    # algorithm overrides (TRL names); None: the preset's value
-    epsilon: float | None = config_field(None, "lower clip bound of the ratio (TRL epsilon)")
-    epsilon_high: float | None = config_field(None, "upper clip bound (DAPO clip-higher); unset: epsilon")
-    beta: float | None = config_field(None, "KL coefficient to the reference policy (0: no reference model)")
-    loss_type: str | None = config_field(None, "loss aggregation (TRL names accepted: grpo, dapo, dr_grpo, bnpo, ...)")
-    scale_rewards: str | None = config_field(None, "group advantages divided by the group's std, the batch's, or none")
-    importance_sampling_level: str | None = config_field(None, "ratio per token, per sequence (GSPO) or sequence_token")
-    mask_truncated_completions: bool | None = config_field(None, "exclude completions cut at the limit from the loss")
-    num_iterations: int | None = config_field(None, "optimisation epochs over each batch of samples")
-    kl_estimator: str | None = config_field(None, "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion)")
-    dynamic_sampling: bool | None = config_field(None, "DAPO: drop groups whose rewards are all equal and sample more")
-    entropy_coef: float | None = config_field(None, "entropy bonus coefficient")
-    kl_target: float | None = config_field(None, "PPO adaptive KL controller target (unset: fixed beta)")
-    value_coef: float | None = config_field(None, "value loss coefficient (> 0 trains a critic: PPO)")
-    gamma: float | None = config_field(None, "PPO discount")
-    lam: float | None = config_field(None, "PPO GAE lambda")
-    whiten_rewards: bool | None = config_field(None, "PPO: whiten the KL-shaped token rewards (scale only)")
-    dual_clip: float | None = config_field(None, "dual-clip bound c > 1 for negative advantages (verl clip_ratio_c)")
-    overlong_cache_len: float | None = config_field(
-        None, "DAPO soft overlong buffer: tokens if >= 1, else a share of max_completion_length; 0: off")
     # rollout engine vs trainer (vLLM, --rollout_dtype): applies only when the policy records rollout log-probs
     rollout_correction: str = field(default="truncate", metadata={"help": (
         "importance-sampling correction when sampling ran on another engine than the trained model "
@@ -116,11 +97,35 @@ class OnlineConfig(TrainConfig):
         "choices": list(algos.ROLLOUT_CORRECTION_LEVELS)})
     rollout_correction_cap: float = config_field(2.0, "rollout correction: ratios above this are truncated / masked")
 
-    def algo_spec(self) -> AlgoSpec:
-        names = ("epsilon", "epsilon_high", "beta", "loss_type", "scale_rewards", "importance_sampling_level",
-                 "mask_truncated_completions", "num_iterations", "kl_estimator", "dynamic_sampling", "entropy_coef",
-                 "kl_target", "value_coef", "gamma", "lam", "whiten_rewards", "dual_clip", "overlong_cache_len")
-        return get_algorithm(self.algorithm, **{n: getattr(self, n) for n in names})
+
+def _knob_overrides() -> list[tuple[str, Any, Any]]:
+    """One optional field per ``AlgoSpec`` knob (its type or None, default None: the preset's value), with the
+    knob's own help and rules: the knob is declared once, in ``unialign.registry``."""
+    hints = typing.get_type_hints(AlgoSpec)
+    out = []
+    for f in fields(AlgoSpec):
+        if f.name == "name":
+            continue
+        hint = hints[f.name]
+        optional = hint if type(None) in typing.get_args(hint) else hint | None
+        meta = {**f.metadata, "group": "algorithm", "help": f"{f.metadata['help']} (unset: the algorithm's)"}
+        out.append((f.name, optional, field(default=None, metadata=meta)))
+    return out
+
+
+ALGO_KNOBS = tuple(f.name for f in fields(AlgoSpec) if f.name != "name")
+
+
+def _algo_spec(self) -> AlgoSpec:
+    """The preset ``self.algorithm`` with every knob this config sets (non-None) applied."""
+    return get_algorithm(self.algorithm, **{n: getattr(self, n) for n in ALGO_KNOBS})
+
+
+OnlineConfig = make_dataclass(
+    "OnlineConfig", _knob_overrides(), bases=(_OnlineLoopConfig,),
+    namespace={"algo_spec": _algo_spec, "__module__": __name__, "__doc__": (
+        "Knobs of the on-policy loop, and one override per algorithm knob (``unialign.registry.AlgoSpec``): "
+        "left at None, a knob takes the preset's (``algorithm``) value.")})
 
 
 def overlong_cache_tokens(cache_len: float, max_completion_length: int | None) -> int:
