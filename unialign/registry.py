@@ -25,6 +25,12 @@ def _estimators() -> tuple[str, ...]:
     return tuple(ADVANTAGE_ESTIMATORS)
 
 
+def _policy_losses() -> tuple[str, ...]:
+    from unialign.algos.policy_loss import POLICY_LOSSES
+
+    return tuple(POLICY_LOSSES)
+
+
 def _aggregations() -> tuple[str, ...]:
     from unialign.algos.aggregate import AGGREGATION_ALIASES
 
@@ -44,6 +50,7 @@ class AlgoSpec:
 
     name: str
     advantage: str = knob("group", "advantage estimator (registered in unialign.algos.estimators)", choices=_estimators)
+    policy_loss: str = knob("clipped", "policy loss (registered in unialign.algos.policy_loss)", choices=_policy_losses)
     scale_rewards: str = knob("group", "group advantages divided by the group's std, the batch's, or none (TRL)",
                               choices=("group", "batch", "none"))
     importance_sampling_level: str = knob("token", "importance ratio per token, per sequence (GSPO) or sequence_token",

@@ -83,3 +83,33 @@ def test_trainer_refuses_a_critic_estimator_without_a_critic_and_mismatched_knob
         cfg = OnlineConfig(algorithm="grpo", beta=0.1, **common)
         cfg.algo_spec = lambda: bad
         OnlineTrainer(CausalLMPolicy(model, tok), reward, rows, cfg)
+
+
+def test_a_registered_policy_loss_is_what_the_trainer_calls(tmp_path, monkeypatch):
+    """Adding a policy loss is one registered function; --policy_loss picks it, the trainer looks it up."""
+    from unialign.algos import policy_loss as pl
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.trainers import OnlineConfig, OnlineTrainer
+
+    calls = []
+
+    def plain_pg(logp, old_logp, advantages, mask, spec):  # REINFORCE's -A * log pi, no ratio, no clip
+        calls.append(spec.name)
+        adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+        return -adv * logp * mask, {}
+
+    monkeypatch.setitem(pl.POLICY_LOSSES, "plain_pg", plain_pg)
+    assert algos.get_policy_loss("plain_pg") is plain_pg and "clipped" in algos.POLICY_LOSSES
+    model, tok = make_tiny_lm()
+    cfg = OnlineConfig(algorithm="rloo", policy_loss="plain_pg", num_generations=2, prompts_per_step=2, max_steps=1,
+                       report_to="none", output_dir=str(tmp_path))
+    trainer = OnlineTrainer(CausalLMPolicy(model, tok, max_new_tokens=4), lambda prompts, completions: [
+        float(len(c)) for c in completions], [{"prompt": "1+1?"}, {"prompt": "2+2?"}], cfg)
+    trainer.train()
+    assert calls == ["rloo"]
+    with pytest.raises(ValueError, match="already registered"):
+        algos.register_policy_loss("clipped")(plain_pg)
+    from unialign.algos.aggregate import register_aggregation
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_aggregation("token_mean", lambda m, n: m.sum())(lambda x, m, n: x.sum())

@@ -27,7 +27,13 @@ from unialign.algos.pair_losses import (
     register_pair_loss,
     simpo_loss,
 )
-from unialign.algos.policy_loss import clipped_policy_loss, sequence_log_ratio
+from unialign.algos.policy_loss import (
+    POLICY_LOSSES,
+    clipped_policy_loss,
+    get_policy_loss,
+    register_policy_loss,
+    sequence_log_ratio,
+)
 from unialign.algos.preference import bradley_terry_loss, dpo_loss
 from unialign.algos.rollout import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, rollout_correction
 from unialign.algos.shaping import AdaptiveKLController, kl_shaped_rewards, overlong_penalty
@@ -43,6 +49,7 @@ __all__ = [
     "register_advantage",
     "CLOSED_FORM_ESTIMATORS",
     "PAIR_LOSSES",
+    "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
     "AdaptiveKLController",
@@ -59,6 +66,7 @@ __all__ = [
     "gae",
     "gaussian_kl",
     "get_pair_loss",
+    "get_policy_loss",
     "group_advantages",
     "kl_estimate",
     "kl_shaped_rewards",
@@ -66,6 +74,7 @@ __all__ = [
     "orpo_odds_ratio_loss",
     "overlong_penalty",
     "register_pair_loss",
+    "register_policy_loss",
     "rloo_advantages",
     "rollout_correction",
     "sequence_log_ratio",

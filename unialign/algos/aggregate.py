@@ -18,18 +18,64 @@ when gradients are averaged across processes (DDP). Then the sum over micro-batc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 Tensor = torch.Tensor
 
-AGGREGATION_ALIASES = {
-    "token_mean": "token_mean", "token-mean": "token_mean", "dapo": "token_mean", "bnpo": "token_mean",
-    "seq_mean_token_mean": "seq_mean_token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
-    "grpo": "seq_mean_token_mean",
-    "seq_mean_token_sum": "seq_mean_token_sum", "seq-mean-token-sum": "seq_mean_token_sum",
-    "seq_mean_token_sum_norm": "seq_mean_token_sum_norm", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
-    "dr_grpo": "seq_mean_token_sum_norm",
-}
+
+@dataclass(frozen=True)
+class Aggregation:
+    """A registered mode: ``normalizer(mask_B_T, max_len) -> scalar`` (one micro-batch's share of the
+    denominator) and ``reduce(masked_loss_B_T, mask_B_T, normalizer) -> scalar``."""
+
+    normalizer: Callable[[Tensor, int | None], Tensor]
+    reduce: Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+AGGREGATIONS: dict[str, Aggregation] = {}
+AGGREGATION_ALIASES: dict[str, str] = {}
+
+
+def register_aggregation(name: str, normalizer: Callable[[Tensor, int | None], Tensor], aliases: tuple[str, ...] = ()):
+    """Decorator over ``reduce``: registers the mode ``name`` (and its TRL / verl ``aliases``)."""
+    def add(reduce: Callable[[Tensor, Tensor, Tensor], Tensor]):
+        if name in AGGREGATIONS:
+            raise ValueError(f"aggregation mode {name!r} is already registered")
+        AGGREGATIONS[name] = Aggregation(normalizer, reduce)
+        for alias in (name, name.replace("_", "-"), *aliases):
+            AGGREGATION_ALIASES[alias] = name
+        return reduce
+    return add
+
+
+def _count_tokens(mask: Tensor, max_len: int | None) -> Tensor:
+    return mask.sum()
+
+
+def _count_sequences(mask: Tensor, max_len: int | None) -> Tensor:
+    return (mask.sum(-1) > 0).to(torch.float32).sum()
+
+
+def _batch_times_max_len(mask: Tensor, max_len: int | None) -> Tensor:
+    return torch.tensor(float(mask.shape[0] * (max_len or mask.shape[1])), device=mask.device)
+
+
+def _sum_over(masked: Tensor, mask: Tensor, normalizer: Tensor) -> Tensor:
+    return masked.sum() / normalizer
+
+
+register_aggregation("token_mean", _count_tokens, aliases=("dapo", "bnpo"))(_sum_over)
+register_aggregation("seq_mean_token_sum", _count_sequences)(_sum_over)
+register_aggregation("seq_mean_token_sum_norm", _batch_times_max_len, aliases=("dr_grpo",))(_sum_over)
+
+
+@register_aggregation("seq_mean_token_mean", _count_sequences, aliases=("grpo",))
+def _mean_of_sequence_means(masked: Tensor, mask: Tensor, normalizer: Tensor) -> Tensor:
+    per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)  # all-masked rows give 0
+    return per_seq.sum() / normalizer
 
 
 def _mode(mode: str) -> str:
@@ -43,13 +89,7 @@ def local_normalizer(mask_B_T: Tensor, mode: str, max_len: int | None = None) ->
     """This (micro-)batch's contribution to the normaliser of ``mode`` (a float scalar tensor):
     unmasked steps (token_mean), non-empty samples (seq_mean_*), or B * T_max
     (seq_mean_token_sum_norm, T_max = ``max_len`` or the mask's width)."""
-    mode = _mode(mode)
-    mask = mask_B_T.to(torch.float32)
-    if mode == "token_mean":
-        return mask.sum()
-    if mode == "seq_mean_token_sum_norm":
-        return torch.tensor(float(mask.shape[0] * (max_len or mask.shape[1])), device=mask.device)
-    return (mask.sum(-1) > 0).to(torch.float32).sum()
+    return AGGREGATIONS[_mode(mode)].normalizer(mask_B_T.to(torch.float32), max_len)
 
 
 def aggregate(loss_B_T: Tensor, mask_B_T: Tensor, mode: str, normalizer: float | Tensor | None = None) -> Tensor:
@@ -58,13 +98,9 @@ def aggregate(loss_B_T: Tensor, mask_B_T: Tensor, mode: str, normalizer: float |
     ``loss_B_T``, ``mask_B_T``: [B, T]. ``normalizer``: the denominator to use; ``None`` means this
     batch's own (``local_normalizer``), i.e. a plain mean over this batch. An empty batch gives 0.
     """
-    mode = _mode(mode)
+    entry = AGGREGATIONS[_mode(mode)]
     mask = mask_B_T.to(loss_B_T.dtype)
     if normalizer is None:
         normalizer = local_normalizer(mask_B_T, mode)
     normalizer = torch.as_tensor(normalizer, dtype=loss_B_T.dtype, device=loss_B_T.device).clamp(min=1e-8)
-    masked = loss_B_T * mask
-    if mode in ("token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum"):
-        return masked.sum() / normalizer
-    per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)  # all-masked rows give 0
-    return per_seq.sum() / normalizer
+    return entry.reduce(loss_B_T * mask, mask, normalizer)

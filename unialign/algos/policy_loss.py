@@ -5,6 +5,9 @@ One function covers them all; the variants are arguments, not copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 Tensor = torch.Tensor
@@ -90,3 +93,33 @@ def clipped_policy_loss(
             "approx_kl": _masked_mean(torch.expm1(-log_ratio.detach()) + log_ratio.detach(), mask),
         }
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------- registry
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator over ``fn(logp_B_T, old_logp_B_T, advantages, mask_B_T, spec) -> (loss_B_T, metrics)``;
+    ``spec`` is any object with the ``AlgoSpec`` fields the loss reads. The trainer looks the preset's
+    ``policy_loss`` up here (verl's ``register_policy_loss``)."""
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+    return add
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("clipped")
+def _clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec: Any):
+    """``clipped_policy_loss`` with the spec's clip bounds, ratio level and dual clip (PPO, DAPO, GSPO, ...)."""
+    return clipped_policy_loss(logp, old_logp, advantages, mask, spec.epsilon, spec.epsilon_high,
+                               spec.importance_sampling_level, spec.dual_clip)

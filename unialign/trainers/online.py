@@ -216,6 +216,7 @@ class OnlineTrainer:
         if config.prompts_per_step % world:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {world} processes")
         self.estimator = algos.get_estimator(self.spec.advantage)
+        self.policy_loss = algos.get_policy_loss(self.spec.policy_loss)
         if config.num_generations < 2 and self.estimator.uses_groups:
             raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
         if self.estimator.needs_critic and not (getattr(policy, "has_critic", False)
@@ -408,8 +409,7 @@ class OnlineTrainer:
         old_logp = logp.detach() if mb.old_logp_B_T is None else mb.old_logp_B_T.to(logp.device)
         if not self.ratio_checked:
             self._check_ratio(logp.detach(), old_logp, mask)
-        loss_B_T, m = algos.clipped_policy_loss(logp, old_logp, adv, mask, spec.epsilon, spec.epsilon_high,
-                                                spec.importance_sampling_level, spec.dual_clip)
+        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec)
         if mb.rollout_logp_B_T is not None:  # sampled by another engine: pi_old / pi_rollout per token
             cfg = self.cfg
             weights, rc = algos.rollout_correction(
