@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather, gather_object, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import gather, gather_object
 
 from unialign import algos
 from unialign.config import validate
@@ -48,19 +47,12 @@ from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
 from unialign.rewards.base import ON_ERROR, CombinedReward, RewardError
 from unialign.trainers.common import (
-    ResumePoint,
     TrainConfig,
-    check_launch,
     config_field,
     epoch_order,
-    load_checkpoint,
-    log_images,
-    make_optimizer,
-    plan_resume,
-    resume_settings,
-    save_checkpoint,
     save_curves,
 )
+from unialign.trainers.loop import TrainerLoop
 from unialign.types import Trajectory
 
 
@@ -184,7 +176,7 @@ class RatioCheckError(RuntimeError):
     pass
 
 
-class OnlineTrainer:
+class OnlineTrainer(TrainerLoop):
     """Trains ``policy`` on prompts rows (dicts with a ``prompt`` key; other keys are passed to the
     reward as dataset columns) to maximise ``reward_fn`` under the preset of ``config.algorithm``."""
 
@@ -192,26 +184,22 @@ class OnlineTrainer:
                  accelerator: Accelerator | None = None, evaluator: Callable[[], dict[str, float]] | None = None):
         if not prompts:
             raise ValueError("prompts: the training set is empty")
-        validate(config)  # the checks the scripts run at parse time, for configs built in Python
+        validate(config)  # before anything reads the config (algo_spec)
         for i, row in enumerate(prompts):
             if "prompt" not in row:
                 raise ValueError(f"prompts[{i}]: missing the 'prompt' field (keys: {sorted(row)})")
         if not isinstance(reward_fn, CombinedReward):
             reward_fn = CombinedReward(list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
-        self.policy, self.reward_fn, self.rows, self.cfg = policy, reward_fn, prompts, config
+        self.policy, self.reward_fn, self.rows = policy, reward_fn, prompts
         self.spec = config.algo_spec()
+        self.progress_desc = self.spec.name
         overlong_cache_tokens(self.spec.overlong_cache_len, config.max_completion_length)  # validates, before training
-        self.resume_settings = resume_settings(
-            config, prompts, algorithm=self.spec.name, **{k: v for k, v in asdict(self.spec).items() if k != "name"},
+        self._open(config, prompts, dict(
+            algorithm=self.spec.name, **{k: v for k, v in asdict(self.spec).items() if k != "name"},
             num_generations=config.num_generations, prompts_per_step=config.prompts_per_step,
             num_mini_batches=config.num_mini_batches, max_completion_length=config.max_completion_length,
             max_generation_rounds=config.max_generation_rounds,
-            reward_funcs=[f.name for f in reward_fn.functions], reward_weights=reward_fn.weights)
-        self._resume = plan_resume(config, self.resume_settings)  # refused here, before any weights move
-        self.config_changes: list[dict] = []
-        self.acc = accelerator or Accelerator(
-            log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
-        check_launch(self.acc)
+            reward_funcs=[f.name for f in reward_fn.functions], reward_weights=reward_fn.weights), accelerator)
         world = self.acc.num_processes
         if config.prompts_per_step % world:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {world} processes")
@@ -242,21 +230,14 @@ class OnlineTrainer:
                                  f"combined with {self.spec.name}'s KL-in-reward or critic: use k1, k2 or k3")
         if self.spec.beta > 0:
             policy.reference()  # built now, from the untrained weights (a frozen copy without LoRA)
-        set_seed(config.seed)
-        if config.num_threads and config.num_threads > 0:  # <= 0: leave torch's choice
-            torch.set_num_threads(config.num_threads)
         params = list(policy.trainable_parameters())
-        self.optimizer, self.scheduler = make_optimizer(params, config)
-        policy.model, self.optimizer, self.scheduler = self.acc.prepare(policy.model, self.optimizer, self.scheduler)
+        policy.model = self._prepare(policy.model, params)
         self.stat_tracker = algos.PerPromptStatTracker(self.spec.stat_buffer_size, self.spec.stat_min_count)
         self.kl_ctl = algos.AdaptiveKLController(self.spec.beta, self.spec.kl_target, self.spec.kl_horizon)
-        self.step, self.cursor, self.history = 0, 0, []
         self.counters = {"nonfinite_rewards": 0, "reward_errors": 0, "skipped_steps": 0}
         self.ratio_checked = False
         self._param_dtype = params[0].dtype
         self.evaluator = evaluator
-        self._last_eval: tuple[int, dict[str, float]] | None = None
-        self._trackers_started = False
 
     @property
     def _old_logp_from_update(self) -> bool:
@@ -484,11 +465,6 @@ class OnlineTrainer:
         return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ phase 5
-    def _start_trackers(self) -> None:
-        if not self._trackers_started:
-            self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
-            self._trackers_started = True
-
     def evaluate(self) -> dict[str, float]:
         """Run the ``evaluator`` (held-out metrics; ``{}`` without one) at the current step. Its numbers,
         prefixed ``eval/``, go to the trackers and into the history entry of this step (a new entry
@@ -496,86 +472,48 @@ class OnlineTrainer:
         trackers as an image. Cached per step: asking twice runs it once. Returns the numbers."""
         if self.evaluator is None:
             return {}
-        if self._last_eval is not None and self._last_eval[0] == self.step:
-            return self._last_eval[1]
+        cached = self._cached_eval()
+        if cached is not None:
+            return cached
         self._start_trackers()
         self.policy.model.eval()
         out = self.evaluator()
         metrics = {f"eval/{k}": float(v) for k, v in out.items() if isinstance(v, numbers.Real)}
-        images = {f"eval/{k}": v for k, v in out.items() if not isinstance(v, numbers.Real)}
-        self._last_eval = (self.step, metrics)
-        if self.history and self.history[-1].get("step") == self.step:
-            self.history[-1].update(metrics)
-        else:
-            self.history.append({"step": self.step, **metrics})
-        self.acc.log(metrics, step=self.step)
-        log_images(self.acc, images, self.step)
+        self._record_eval(metrics, {f"eval/{k}": v for k, v in out.items() if not isinstance(v, numbers.Real)})
         return metrics
 
-    def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
-                 "stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "settings": self.resume_settings, "config_changes": self.config_changes, "config": asdict(self.cfg)}
-        return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
+    def _extra_state(self) -> dict[str, Any]:
+        return {"stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
 
-    def load_checkpoint(self, resume: ResumePoint) -> None:
-        """Restore weights, optimizer and the loop's state from a checkpoint ``plan_resume`` accepted."""
-        state = load_checkpoint(self.acc, resume, self.optimizer, self.scheduler, self.cfg)
-        self.config_changes = state.get("config_changes") or []
-        self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
-        self.counters = state["counters"]
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.stat_tracker.load_state_dict(state["stat_tracker"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.ratio_checked = True  # the check is for fresh runs; resumed batches may be mid-epoch
 
-    def train(self) -> list[dict]:
+    def train_step(self) -> dict[str, float]:
+        """One iteration: phases 1-4 (sample, score, advantages, update); a step whose groups carry no
+        signal is counted in ``skipped_steps``."""
         cfg, acc = self.cfg, self.acc
-        if self._resume is not None:
-            self.load_checkpoint(self._resume)
-            acc.print(f"resumed from {self._resume.path} at step {self.step}")
-            for c in self._resume.changes:
-                acc.print(f"  setting changed on resume: {c['field']}: {c['old']!r} -> {c['new']!r}")
-            self._resume = None
-        if acc.is_main_process:
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        self._start_trackers()
-        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.spec.name)
-        while self.step < cfg.max_steps:
-            t0, cursor = time.perf_counter(), self.cursor
-            try:
-                traj, stats = self.collect()                          # 1-3
-            except RewardError as err:
-                raise self._stop_on_reward_error(err, cursor) from err
-            if traj is not None:
-                stats.update(self.update(traj))                       # 4
-                local = [[float(traj.mask_B_T.sum()), float(len(traj))]]
-                counts = gather(torch.tensor(local, device=acc.device)).sum(0)
-                seconds = time.perf_counter() - t0
-                # trained trajectory steps: completion tokens of text, trained denoising steps of images
-                stats.update(tokens_per_second=float(counts[0]) / seconds,
-                             samples_per_second=float(counts[1]) / seconds)
-                if self.spec.kl_in_reward and "kl_seq" in stats:
-                    self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
-            else:
-                self.counters["skipped_steps"] += 1
-            self.step += 1
-            stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0,
-                          "lr": self.scheduler.get_last_lr()[0], **self.counters})
-            self.history.append(stats)                                # 5
-            if self.step % cfg.logging_steps == 0:
-                acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
-            if cfg.eval_steps and self.step % cfg.eval_steps == 0:
-                self.evaluate()
-            bar.update(1)
-            bar.set_postfix(reward=f"{stats.get('reward/mean', math.nan):.3f}")
-            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
-                self.save_checkpoint()
-        bar.close()
-        self.evaluate()  # the final held-out numbers, while the trackers are open (cached if just run)
-        self.save_checkpoint()
-        self.save_curves()
-        acc.end_training()
-        return self.history
+        t0, cursor = time.perf_counter(), self.cursor
+        try:
+            traj, stats = self.collect()                          # 1-3
+        except RewardError as err:
+            raise self._stop_on_reward_error(err, cursor) from err
+        if traj is None:
+            self.counters["skipped_steps"] += 1
+            return stats
+        stats.update(self.update(traj))                           # 4
+        local = [[float(traj.mask_B_T.sum()), float(len(traj))]]
+        counts = gather(torch.tensor(local, device=acc.device)).sum(0)
+        seconds = time.perf_counter() - t0
+        # trained trajectory steps: completion tokens of text, trained denoising steps of images
+        stats.update(tokens_per_second=float(counts[0]) / seconds, samples_per_second=float(counts[1]) / seconds)
+        if self.spec.kl_in_reward and "kl_seq" in stats:
+            self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
+        return stats
+
+    def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
+        return {"reward": f"{stats.get('reward/mean', math.nan):.3f}"}
 
     def _stop_on_reward_error(self, err: RewardError, cursor: int) -> RewardError:
         """A reward function failed (``reward_errors="raise"``): checkpoint the last finished step (single

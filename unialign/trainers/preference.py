@@ -21,29 +21,23 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import gather
 
 from unialign import algos
 from unialign.algos.pair_losses import check_pair_loss_params
-from unialign.config import validate
 from unialign.trainers.common import (
     TrainConfig,
     config_field,
     epoch_order,
-    load_checkpoint,
-    make_optimizer,
-    plan_resume,
-    resume_settings,
-    save_checkpoint,
     save_curves,
 )
+from unialign.trainers.loop import TrainerLoop
 from unialign.types import PreferenceBatch
 
 
@@ -198,7 +192,7 @@ class BradleyTerryObjective:
         return losses, metrics
 
 
-class PreferenceTrainer:
+class PreferenceTrainer(TrainerLoop):
     """Trains ``objective`` on preference ``rows``. ``eval_rows`` (optional held-out pairs) are evaluated
     by ``evaluate()`` every ``eval_steps`` and at the end; their numbers go to the trackers and the history
     as ``eval/*`` (and so into the loss curve)."""
@@ -207,32 +201,15 @@ class PreferenceTrainer:
                  accelerator: Accelerator | None = None, eval_rows: list[dict[str, Any]] | None = None):
         if not rows:
             raise ValueError("preference rows: the training set is empty")
-        validate(config)  # the checks the scripts run at parse time, for configs built in Python
-        self.obj, self.rows, self.cfg = objective, rows, config
-        self.acc = accelerator or Accelerator(
-            log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
+        self.obj, self.rows = objective, rows
+        self.progress_desc = "pairs"
+        self._open(config, rows, dict(batch_size=config.batch_size, **getattr(objective, "resume_settings", dict)()),
+                   accelerator)
         if config.batch_size % self.acc.num_processes:
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {self.acc.num_processes} processes")
-        set_seed(config.seed)
-        if config.num_threads and config.num_threads > 0:  # <= 0: leave torch's choice
-            torch.set_num_threads(config.num_threads)
-        self.resume_settings = resume_settings(config, rows, batch_size=config.batch_size,
-                                               **getattr(objective, "resume_settings", dict)())
-        self._resume = plan_resume(config, self.resume_settings)  # refused here, before any weights move
-        self.config_changes: list[dict] = []
-        self.optimizer, self.scheduler = make_optimizer(list(objective.parameters()), config)
-        prepared, self.optimizer, self.scheduler = self.acc.prepare(objective.model, self.optimizer, self.scheduler)
-        _set_model(objective, prepared)
-        self.step, self.cursor, self.history = 0, 0, []
+        _set_model(objective, self._prepare(objective.model, list(objective.parameters())))
         self.counters = {"skipped_steps": 0}
         self.eval_rows = eval_rows
-        self._last_eval: tuple[int, dict[str, float]] | None = None
-        self._trackers = "new"  # new -> open -> closed
-
-    def _start_trackers(self) -> None:
-        if self._trackers == "new":
-            self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
-            self._trackers = "open"
 
     def _next_rows(self) -> list[int]:
         ids = epoch_order(self.cursor, len(self.rows), self.cfg.batch_size, self.cfg.seed)
@@ -241,6 +218,7 @@ class PreferenceTrainer:
 
     def train_step(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
+        t0 = time.perf_counter()
         ids = self._next_rows()
         per = len(ids) // acc.num_processes
         mine = ids[acc.process_index * per:(acc.process_index + 1) * per]
@@ -267,7 +245,8 @@ class PreferenceTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         out = {k: sum(v) / len(mine) for k, v in metrics.items()}
-        out.update({"loss": float(gather(torch.tensor([total], device=acc.device)).mean()), "grad_norm": grad_norm})
+        out.update({"loss": float(gather(torch.tensor([total], device=acc.device)).mean()), "grad_norm": grad_norm,
+                    "pairs_per_second": cfg.batch_size / (time.perf_counter() - t0)})
         return out
 
     def evaluate(self, rows: list[dict[str, Any]] | None = None) -> dict[str, float]:
@@ -280,18 +259,11 @@ class PreferenceTrainer:
             rows = self.eval_rows
         if rows is not self.eval_rows:
             return self._evaluate(rows)
-        if self._last_eval is not None and self._last_eval[0] == self.step:
-            return self._last_eval[1]
+        cached = self._cached_eval()
+        if cached is not None:
+            return {k.removeprefix("eval/"): v for k, v in cached.items()}
         out = self._evaluate(rows)
-        self._last_eval = (self.step, out)
-        metrics = {f"eval/{k}": v for k, v in out.items()}
-        if self.history and self.history[-1].get("step") == self.step:
-            self.history[-1].update(metrics)
-        else:
-            self.history.append({"step": self.step, **metrics})
-        self._start_trackers()
-        if self._trackers == "open":
-            self.acc.log(metrics, step=self.step)
+        self._record_eval({f"eval/{k}": v for k, v in out.items()})
         return out
 
     @torch.no_grad()
@@ -306,55 +278,22 @@ class PreferenceTrainer:
                 sums[k] = sums.get(k, 0.0) + float(v) * len(chunk)
         return {k: v / max(1, len(rows)) for k, v in sums.items()}
 
-    def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
-                 "settings": self.resume_settings, "config_changes": self.config_changes, "config": asdict(self.cfg)}
-        return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
+    def save_curves(self) -> None:
+        """``loss_curve.png``: loss, accuracies (training and held-out), reward margin, lr when it varies."""
+        lr_varies = len({h["lr"] for h in self.history if "lr" in h}) > 1
+        evals = [f"eval/{k}" for k in ("loss", "implicit_accuracy", "accuracy")]
+        save_curves(self.history, Path(self.cfg.output_dir) / "loss_curve.png",
+                    ("loss", "implicit_accuracy", "accuracy", *evals, "rewards/margin", *(("lr",) if lr_varies else ())),
+                    smooth=("loss", "implicit_accuracy", "accuracy"))
 
-    def train(self) -> list[dict]:
-        cfg, acc = self.cfg, self.acc
-        if self._resume is not None:
-            state = load_checkpoint(acc, self._resume, self.optimizer, self.scheduler, cfg)
-            self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
-            self.counters, self.config_changes = state["counters"], state.get("config_changes") or []
-            acc.print(f"resumed from {self._resume.path} at step {self.step}")
-            for c in self._resume.changes:
-                acc.print(f"  setting changed on resume: {c['field']}: {c['old']!r} -> {c['new']!r}")
-            self._resume = None
-        self._start_trackers()
-        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc="pairs")
-        while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            stats = self.train_step()
-            self.step += 1
-            stats.update({"step": self.step, "lr": self.scheduler.get_last_lr()[0],
-                          "pairs_per_second": cfg.batch_size / (time.perf_counter() - t0), **self.counters})
-            self.history.append(stats)
-            if self.step % cfg.logging_steps == 0:
-                acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}")
-            if cfg.eval_steps and self.eval_rows is not None and self.step % cfg.eval_steps == 0:
-                self._scheduled_eval()
-            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
-                self.save_checkpoint()
-        bar.close()
-        if self.eval_rows is not None:
-            self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
-        self.save_checkpoint()
-        if acc.is_main_process:
-            lr_varies = len({h["lr"] for h in self.history if "lr" in h}) > 1
-            evals = [f"eval/{k}" for k in ("loss", "implicit_accuracy", "accuracy")]
-            save_curves(self.history, Path(cfg.output_dir) / "loss_curve.png",
-                        ("loss", "implicit_accuracy", "accuracy", *evals, "rewards/margin", *(("lr",) if lr_varies else ())),
-                        smooth=("loss", "implicit_accuracy", "accuracy"))
-        acc.end_training()
-        self._trackers = "closed"
-        return self.history
+    def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
+        return {"loss": f"{stats['loss']:.4f}"}
 
     def _scheduled_eval(self) -> None:
         """``evaluate()`` on ``eval_rows`` without moving the training RNG (Diffusion-DPO's evaluation
         draws timesteps and noise): a run gives the same updates with or without ``eval_steps``."""
+        if self.eval_rows is None:
+            return
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             self.evaluate()

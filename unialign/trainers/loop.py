@@ -1,0 +1,161 @@
+"""The skeleton both loops share: set-up, accelerate preparation, the step loop, logging, held-out
+evaluation bookkeeping, checkpoint and resume. ``OnlineTrainer`` (sample, score, update) and
+``PreferenceTrainer`` (pairs) subclass it and write only what differs:
+
+    train_step()          one iteration; returns its stats (the loop adds step, step_seconds, lr, counters)
+    evaluate()            held-out numbers, recorded through ``_record_eval``
+    save_curves()         the run's PNG curves (main process)
+    _extra_state() / _load_extra_state(state)   what a checkpoint holds beyond the shared fields
+    _progress(stats)      the progress bar's postfix
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from unialign.config import validate
+from unialign.trainers.common import (
+    check_launch,
+    load_checkpoint,
+    log_images,
+    make_optimizer,
+    plan_resume,
+    resume_settings,
+    save_checkpoint,
+)
+
+
+class TrainerLoop:
+    progress_desc = "train"
+
+    # ------------------------------------------------------------------ set-up
+    def _open(self, config: Any, rows: list[dict[str, Any]], settings: dict[str, Any],
+              accelerator: Accelerator | None) -> None:
+        """Check the config, plan a resume (refused here, before any weights move: ``settings`` are the knobs a
+        resume must not change silently) and make the accelerator."""
+        validate(config)  # the checks the scripts run at parse time, for configs built in Python
+        self.cfg = config
+        self.resume_settings = resume_settings(config, rows, **settings)
+        self._resume = plan_resume(config, self.resume_settings)
+        self.config_changes: list[dict] = []
+        self.acc = accelerator or Accelerator(
+            log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
+        check_launch(self.acc)
+
+    def _prepare(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> torch.nn.Module:
+        """Seed, threads, optimizer and schedule, ``accelerate.prepare``; returns the prepared model."""
+        cfg = self.cfg
+        set_seed(cfg.seed)
+        if cfg.num_threads and cfg.num_threads > 0:  # <= 0: leave torch's choice
+            torch.set_num_threads(cfg.num_threads)
+        self.optimizer, self.scheduler = make_optimizer(params, cfg)
+        model, self.optimizer, self.scheduler = self.acc.prepare(model, self.optimizer, self.scheduler)
+        self.step, self.cursor, self.history = 0, 0, []
+        self._last_eval: tuple[int, dict[str, float]] | None = None
+        self._trackers = "new"  # new -> open -> closed
+        return model
+
+    # ------------------------------------------------------------------ logging
+    def _start_trackers(self) -> None:
+        if self._trackers == "new":
+            self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
+            self._trackers = "open"
+
+    def _record_eval(self, metrics: dict[str, float], images: dict[str, Any] | None = None) -> None:
+        """Held-out numbers (already ``eval/``-prefixed) into this step's history entry (a new one before the
+        first step) and, while the trackers are open, to them; images to the trackers."""
+        self._last_eval = (self.step, metrics)
+        if self.history and self.history[-1].get("step") == self.step:
+            self.history[-1].update(metrics)
+        else:
+            self.history.append({"step": self.step, **metrics})
+        self._start_trackers()
+        if self._trackers == "open":
+            self.acc.log(metrics, step=self.step)
+            log_images(self.acc, images or {}, self.step)
+
+    def _cached_eval(self) -> dict[str, float] | None:
+        """This step's held-out numbers when they were computed already (asking twice computes once)."""
+        return self._last_eval[1] if self._last_eval is not None and self._last_eval[0] == self.step else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
+                 "settings": self.resume_settings, "config_changes": self.config_changes,
+                 "config": asdict(self.cfg), **self._extra_state()}
+        return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
+
+    def load_checkpoint(self, resume: Any) -> None:
+        """Restore weights, optimizer and the loop's state from a checkpoint ``plan_resume`` accepted."""
+        state = load_checkpoint(self.acc, resume, self.optimizer, self.scheduler, self.cfg)
+        self.config_changes = state.get("config_changes") or []
+        self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
+        self.counters = state["counters"]
+        self._load_extra_state(state)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> list[dict]:
+        cfg, acc = self.cfg, self.acc
+        if self._resume is not None:
+            self.load_checkpoint(self._resume)
+            acc.print(f"resumed from {self._resume.path} at step {self.step}")
+            for c in self._resume.changes:
+                acc.print(f"  setting changed on resume: {c['field']}: {c['old']!r} -> {c['new']!r}")
+            self._resume = None
+        if acc.is_main_process:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        self._start_trackers()
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.progress_desc)
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            stats = self.train_step()
+            self.step += 1
+            stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0,
+                          "lr": self.scheduler.get_last_lr()[0], **self.counters})
+            self.history.append(stats)
+            if self.step % cfg.logging_steps == 0:
+                acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+            if cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                self._scheduled_eval()
+            bar.update(1)
+            bar.set_postfix(**self._progress(stats))
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                self.save_checkpoint()
+        bar.close()
+        self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
+        self.save_checkpoint()
+        if acc.is_main_process:
+            self.save_curves()
+        acc.end_training()
+        self._trackers = "closed"
+        return self.history
+
+    def _scheduled_eval(self) -> None:
+        self.evaluate()
+
+    # ------------------------------------------------------------------ what a loop writes
+    def train_step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def save_curves(self) -> None:
+        raise NotImplementedError
+
+    def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
+        return {}
