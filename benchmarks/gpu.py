@@ -126,7 +126,7 @@ def guarded(id_, measure, budget_s):
 def qwen_model(dtype):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from unialign.text.embedded import build_tokenizer
+    from unialign.embedded.arith import build_tokenizer
 
     tok = build_tokenizer()
     if ARGS.tiny:

@@ -2,7 +2,7 @@
 
 Identical on both sides: the model (the same initial weights, deep-copied), the embedded character
 tokenizer and chat template (conversational prompts for TRL, so both condition on the same text),
-the data (``unialign.text.embedded.arithmetic_dataset("train")``), the reward
+the data (``unialign.embedded.arith.arithmetic_dataset("train")``), the reward
 (``unialign.rewards.math.math_accuracy_reward``), P prompts x G generations per step, completion
 length, temperature 1 / top-p 1 / top-k 0, beta = 0, token-mean ("dapo") aggregation, epsilon 0.2,
 AdamW (torch, unfused; betas 0.9/0.999, eps 1e-8, wd 0), constant lr, grad clip 1.0, fp32,
@@ -23,7 +23,7 @@ tokens/step_time.
 Peak memory: each trainer alone in a fresh subprocess (same imports on both sides), peak RSS
 (VmHWM) minus RSS after imports, over the same number of steps.
 
-Embedded model: when ``unialign/assets/arith_lm/config.json`` exists, the same run on the shipped
+Embedded model: when ``unialign/embedded/assets/arith_lm/config.json`` exists, the same run on the shipped
 arithmetic LM, plus held-out greedy accuracy after the same number of steps for both (few steps on CPU).
 """
 
@@ -67,13 +67,13 @@ def _imports():
 
 
 def arith_available() -> bool:
-    from unialign.text.embedded import DEFAULT_ASSET_DIR
+    from unialign.embedded.arith import DEFAULT_ASSET_DIR
 
     return (Path(DEFAULT_ASSET_DIR) / "config.json").exists()
 
 
 def build_model(kind: str, seed: int = 0):
-    from unialign.text import embedded
+    from unialign.embedded import arith as embedded
 
     if kind == "arith":
         model, tok = embedded.load_arith_lm()
@@ -85,7 +85,7 @@ def build_model(kind: str, seed: int = 0):
 
 
 def train_rows(n: int | None = None):
-    from unialign.text.embedded import arithmetic_dataset
+    from unialign.embedded.arith import arithmetic_dataset
 
     return [{"prompt": r["question"], "answer": r["answer"]} for r in arithmetic_dataset("train", n=n)]
 
@@ -189,7 +189,7 @@ def _interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward,
 # ----------------------------------------------------------------------------- measurements
 def throughput(kind: str, P: int, G: int, L: int, steps: int, eval_rows: int = 0, seed: int = 0) -> dict:
     """Both trainers in this process, steps interleaved; optional held-out greedy accuracy afterwards."""
-    from unialign.text.embedded import arithmetic_dataset, evaluate_accuracy
+    from unialign.embedded.arith import arithmetic_dataset, evaluate_accuracy
 
     base, tok = build_model(kind, seed)
     rows = train_rows()

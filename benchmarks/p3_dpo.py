@@ -50,7 +50,7 @@ BETA = 0.1
 
 
 def pairs(n: int = 512) -> list[dict]:
-    from unialign.text.embedded import arithmetic_dataset, build_tokenizer, chat_prompt
+    from unialign.embedded.arith import arithmetic_dataset, build_tokenizer, chat_prompt
 
     tok = build_tokenizer()
     out = []

@@ -19,7 +19,7 @@ MAX_LEN = 16
 BOS, EOS = 514, 515
 
 
-from unialign.image.embedded import _bytes_to_unicode  # noqa: E402  (CLIP byte map, one copy)
+from unialign.embedded.shapes_world import _bytes_to_unicode  # noqa: E402  (CLIP byte map, one copy)
 
 _TOK_DIR: Path | None = None
 

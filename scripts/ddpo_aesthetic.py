@@ -26,12 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
+from unialign.embedded import NAME, parts
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 from unialign.recipes import check_rewards
 
 
 @dataclass
 class DDPOAestheticConfig(ImageRLConfig):
+    model_name_or_path: str = field(default="embedded", metadata={
+        "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
+    prompt_set: str = field(default="embedded", metadata={
+        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
     reward: str = field(default="aesthetic,shape_verifier_partial", metadata={
         "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier[_partial], jpeg_compressibility, ...)"})
     reward_weights: str | None = field(default="1,0.3", metadata={"help": "comma-separated floats, one per reward"})
@@ -69,10 +74,8 @@ PRESETS = {
 
 def main(cfg: DDPOAestheticConfig) -> dict:
     check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
-    if cfg.model_name_or_path == "embedded":
-        from unialign.image.embedded import image_rl_parts
-
-        return run_image_rl(cfg, **image_rl_parts(cfg))
+    if cfg.model_name_or_path == NAME:
+        return run_image_rl(cfg, **parts.image_rl_parts(cfg))
     return run_image_rl(cfg, **hub_parts(cfg))
 
 

@@ -23,8 +23,11 @@ import torch
 
 from unialign.algos.preference import DPO_LOSS_TYPES
 from unialign.config import UserError, arg, exit_on_user_error, parse_config
+from unialign.embedded import NAME, shapes_world
+from unialign.embedded.parts import image_pairs
+from unialign.embedded.shape_verifier import verify
 from unialign.image import DiffusionPolicy
-from unialign.image.data import embedded_pairs, load_pickapic
+from unialign.image.data import load_pickapic
 from unialign.image.grid import save_grid
 from unialign.trainers import finish_run
 from unialign.trainers.preference import (
@@ -89,33 +92,29 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     start = time.time()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    embedded = cfg.model_name_or_path == "embedded"
-    if cfg.dataset_name == "embedded" and not embedded:
+    embedded = cfg.model_name_or_path == NAME
+    if cfg.dataset_name == NAME and not embedded:
         raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
                         "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")
-    data = None if cfg.dataset_name == "embedded" else load_pickapic(cfg)  # read and checked before the model loads
+    data = None if cfg.dataset_name == NAME else load_pickapic(cfg)  # read and checked before the model loads
     opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                 gradient_checkpointing=cfg.gradient_checkpointing)
     if embedded:
-        from unialign.image.embedded import load_embedded
-
-        policy = load_embedded(**opts)
+        policy = shapes_world.load_embedded(**opts)
     else:
         policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, vae_name_or_path=cfg.vae_name_or_path,
                                                  torch_dtype=cfg.torch_dtype, **opts)
-    train, held_out, ties, data_info = data or embedded_pairs(policy, cfg)
+    train, held_out, ties, data_info = data or image_pairs(policy, cfg)
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
     trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
 
     held_out_images = None
     if embedded:  # fixed held-out prompts and seed: the same draws before and after
-        from unialign.image import embedded as emb
         from unialign.image.evaluate import HeldOutImages
-        from unialign.rewards.shapes import verify
 
-        test = emb.prompts("test")
+        test = shapes_world.prompts("test")
         held_out_images = HeldOutImages(policy, [test[i % len(test)] for i in range(cfg.num_eval_images)], 1234,
-                                        gold=emb.gold_score, verifier=verify)
+                                        gold=shapes_world.gold_score, verifier=verify)
 
     def evaluate(name: str) -> tuple[dict, float, float]:  # held-out images (embedded), implicit accuracy K / 1
         images = held_out_images() if held_out_images else {}

@@ -20,11 +20,11 @@ from pathlib import Path
 from unialign.algos.pair_losses import check_pair_loss_params
 from unialign.algos.preference import DPO_LOSS_TYPES, REFERENCE_FREE_LOSSES
 from unialign.config import UserError, arg, exit_on_user_error, parse_config
+from unialign.embedded import NAME, model_path
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
 from unialign.text.data import gsm8k_prompts, prompt_token_counter
-from unialign.text.embedded import preference_pairs
 from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
 
@@ -47,6 +47,8 @@ class DPOTextConfig(TextDataArgs, PreferenceConfig):
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
+                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
                                             "longer pairs are refused", group="data")
     algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), or the "
@@ -96,9 +98,9 @@ def pair_loss(cfg: DPOTextConfig) -> tuple[str, dict, dict]:
 def main(cfg: DPOTextConfig) -> dict:
     start = time.time()
     loss, knobs, params = pair_loss(cfg)
-    embedded = cfg.dataset_name == "embedded"  # correct vs wrong final answers on the embedded arithmetic task
-    train, held_out, data_info = load_pair_data(cfg, lambda split, n, seed: preference_pairs(split, n=n, seed=seed))
-    policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
+    embedded = cfg.dataset_name == NAME  # correct vs wrong final answers on the embedded arithmetic task
+    train, held_out, data_info = load_pair_data(cfg)
+    policy = CausalLMPolicy.from_pretrained(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
@@ -111,7 +113,7 @@ def main(cfg: DPOTextConfig) -> dict:
     def task_accuracy() -> float | None:
         if not embedded:
             return None
-        rows = gsm8k_prompts(load_rows("embedded", "test")[:cfg.num_eval], "eval")
+        rows = gsm8k_prompts(load_rows(NAME, "test")[:cfg.num_eval], "eval")
         return evaluate.greedy_score(policy, rows, get_reward("math_accuracy"), cfg.eval_batch_size)
 
     acc_before, implicit_before = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]

@@ -8,7 +8,7 @@
 The same ``OnlineTrainer`` as ``scripts/grpo_math.py`` trains a ``DiffusionPolicy`` whose steps are
 denoising transitions, with group-normalised advantages (``--algorithm grpo | dapo | dr_grpo | gspo |
 rloo | reinforce``). The default reward is the *verifiable* ``shape_verifier`` (what the prompt asks
-for -- background colour, object colour, shape -- read from the pixels, ``unialign/rewards/shapes.py``),
+for -- background colour, object colour, shape -- read from the pixels, ``unialign/embedded/shape_verifier.py``),
 the image counterpart of the math verifier. Writes ``<output_dir>/summary.json`` (held-out reward and
 prompt fidelity before/after on fixed seeds), ``grid_before.png`` / ``grid_after.png``,
 ``reward_curve.png`` (held-out fidelity every ``--eval_steps``), TensorBoard logs, checkpoints, ``final/``.
@@ -22,12 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
+from unialign.embedded import NAME, parts
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 from unialign.recipes import check_rewards
 
 
 @dataclass
 class GRPOImageConfig(ImageRLConfig):
+    model_name_or_path: str = field(default="embedded", metadata={
+        "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
+    prompt_set: str = field(default="embedded", metadata={
+        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
     # The embedded default, each choice measured on held-out fidelity (README, "Images"):
     # * partial credit: the 0 / 1 verifier flips only where a sample crosses a decision boundary, so its
     #   policy gradient is mostly noise (cosine of two independent batch gradients ~0.05, partial ~0.27);
@@ -72,10 +77,8 @@ PRESETS = {
 
 def main(cfg: GRPOImageConfig) -> dict:
     check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
-    if cfg.model_name_or_path == "embedded":
-        from unialign.image.embedded import image_rl_parts
-
-        return run_image_rl(cfg, **image_rl_parts(cfg))
+    if cfg.model_name_or_path == NAME:
+        return run_image_rl(cfg, **parts.image_rl_parts(cfg))
     return run_image_rl(cfg, **hub_parts(cfg))
 
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.embedded import model_path
 from unialign.recipes import (
     TextDataArgs,
     as_trl_reward,
@@ -39,6 +40,8 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-gsm8k (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
+                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch")
     # correct answers of the embedded task are 20-25 tokens with EOS; 32 leaves DAPO's overlong buffer
     # (the last 20 %, 6 tokens) beyond them: at 26 it docked correct carry answers and DAPO fell 0.53 -> 0.50
@@ -96,7 +99,7 @@ def main(cfg: GRPOMathConfig) -> dict:
     check_rewards(eval_name or cfg.reward_funcs, None if eval_name else cfg.reward_weights, columns_of(eval_rows),
                   "--eval_reward" if eval_name else "--reward_funcs")  # the held-out rows' columns too
     policy = CausalLMPolicy.from_pretrained(
-        cfg.model_name_or_path, lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
+        model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         system_prompt=cfg.system_prompt, generation_cache=cfg.generation_cache,
         rollout_dtype=cfg.rollout_dtype, generation_backend=cfg.generation_backend,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.embedded import model_path
 from unialign.recipes import TextDataArgs, columns_of, fit_prompts, load_prompt_data
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate
@@ -29,6 +30,8 @@ class PPOConfig(TextDataArgs, OnlineConfig):
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-rm (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
+                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     reward_model_path: str = arg("outputs/reward_model/final",
                                  "reward-model checkpoint; the embedded one is trained on first use when missing")
     eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch")
@@ -69,7 +72,7 @@ def main(cfg: PPOConfig) -> dict:
         subprocess.run([sys.executable, str(script), "--output_dir", str(rm_path.parent), "--report_to", "none"],
                        check=True)
     rm = get_reward("reward_model", path=str(rm_path))  # a bad reward-model path fails before the policy loads
-    policy = CausalLMPolicy.from_pretrained(cfg.model_name_or_path, lora_rank=cfg.lora_rank,
+    policy = CausalLMPolicy.from_pretrained(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
                                             temperature=cfg.temperature, value_head=cfg.value_head,
                                             generation_cache=cfg.generation_cache)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from accelerate.utils import set_seed
 
 from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.embedded import model_path
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.text.data import bounded_counts
-from unialign.text.embedded import preference_pairs
 from unialign.text.reward_model import RewardModel
 from unialign.trainers import finish_run
 from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig, PreferenceTrainer
@@ -30,6 +30,8 @@ class RewardModelConfig(TextDataArgs, PreferenceConfig):
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
+                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
                                             "longer pairs are refused", group="data")
     center_coef: float = arg(0.01, "weight of the reward-centring term (mean reward pulled to 0)")
@@ -54,8 +56,8 @@ PRESETS = {
 def main(cfg: RewardModelConfig) -> dict:
     start = time.time()
     set_seed(cfg.seed)  # the new score head is initialised below
-    train, held_out, data_info = load_pair_data(cfg, lambda split, n, seed: preference_pairs(split, n=n, seed=seed))
-    rm = RewardModel.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, max_length=cfg.max_length)
+    train, held_out, data_info = load_pair_data(cfg)
+    rm = RewardModel.from_pretrained(model_path(cfg.model_name_or_path), torch_dtype=cfg.torch_dtype, max_length=cfg.max_length)
     tok = rm.tokenizer
 
     def prompt_tokens(prompts: list, limit: int) -> list[int]:  # the reward model's own prompt text (template, EOS)

@@ -16,7 +16,7 @@ def make_tiny_lm(seed: int = 0, hidden: int = 32, layers: int = 2):
     """A 2-layer Llama with the embedded character tokenizer and its chat template."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from unialign.text.embedded import build_tokenizer
+    from unialign.embedded.arith import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(seed)

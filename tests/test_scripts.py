@@ -175,9 +175,9 @@ def no_model(monkeypatch):
 
     for cls in (CausalLMPolicy, RewardModel, DiffusionPolicy):
         monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
-    import unialign.image.embedded as emb
-    monkeypatch.setattr(emb, "load_embedded", boom)
-    monkeypatch.setattr(emb, "image_rl_parts", boom)
+    from unialign.embedded import parts, shapes_world
+    monkeypatch.setattr(shapes_world, "load_embedded", boom)
+    monkeypatch.setattr(parts, "image_rl_parts", boom)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -296,25 +296,27 @@ def test_single_file_holds_out_a_fraction_stated_in_the_summary(tmp_path):
 def test_python_api_grpo_in_ten_lines(tmp_path):
     import datasets
 
-    from unialign import CausalLMPolicy, OnlineConfig, OnlineTrainer, get_reward
+    from unialign import OnlineConfig, OnlineTrainer, get_reward
+    from unialign.embedded import load_arith_policy  # the shipped arithmetic model (offline)
 
     def brevity(completions, **kwargs):  # any TRL-style reward: f(prompts, completions, **columns)
         return [-len(c) / 100 for c in completions]
 
     rows = datasets.Dataset.from_list([{"prompt": f"Ann has {a} pens and buys 30 more. How many now?",
                                         "answer": str(a + 30)} for a in range(10, 18)])
-    policy = CausalLMPolicy.from_pretrained("embedded")
+    policy = load_arith_policy()
     config = OnlineConfig(max_steps=2, prompts_per_step=4, num_generations=4, output_dir=str(tmp_path), report_to="none")
     history = OnlineTrainer(policy, [get_reward("math_accuracy"), brevity], rows, config).train()
     assert len(history) == 2 and all(math.isfinite(h["reward/brevity"]) for h in history)
 
 
 def test_python_api_dpo_in_ten_lines(tmp_path):
-    from unialign import CausalLMPolicy, DPOObjective, PreferenceConfig, PreferenceTrainer
+    from unialign import DPOObjective, PreferenceConfig, PreferenceTrainer
+    from unialign.embedded import load_arith_policy
 
     pairs = [{"prompt": "Tom has 15 cards and gets 27 more. How many now?",
               "chosen": "5+7=12,1+2+1=4\n#### 42", "rejected": "5+7=12,1+2=3\n#### 32"}] * 8
-    policy = CausalLMPolicy.from_pretrained("embedded")
+    policy = load_arith_policy()
     config = PreferenceConfig(max_steps=2, batch_size=4, micro_batch_size=4, output_dir=str(tmp_path), report_to="none")
     history = PreferenceTrainer(DPOObjective(policy, beta=0.1), pairs, config).train()
     assert len(history) == 2 and abs(history[0]["loss"] - math.log(2)) < 1e-4

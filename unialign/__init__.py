@@ -10,7 +10,7 @@ names below are importable from the top level and load their subpackage on first
         return [-len(c) / 100 for c in completions]
 
     rows = [{"prompt": "Ann has 12 pens and buys 30 more. How many now?", "answer": "42"}] * 8  # or a datasets.Dataset
-    policy = CausalLMPolicy.from_pretrained("embedded")
+    policy = CausalLMPolicy.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")  # a Hub id or a local folder
     config = OnlineConfig(algorithm="grpo", max_steps=2, prompts_per_step=4, num_generations=4, output_dir="out")
     OnlineTrainer(policy, [get_reward("math_accuracy"), brevity], rows, config).train()
 """

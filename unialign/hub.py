@@ -49,5 +49,5 @@ def require_hub(name: str, kind: str = "model", timeout: float = 3.0) -> None:
         raise HubUnavailableError(
             f"cannot load the {kind} {name!r}: {reason}, and it is not in the local cache.\n"
             f"Pass a local directory or file instead, or run where the Hugging Face Hub is reachable "
-            f"(the embedded defaults need no download: run the script without --preset)."
+            f"(the scripts' offline defaults need no download: run the script without --preset)."
         )

@@ -21,9 +21,9 @@ from unialign.data import train_eval_rows
 class TextDataArgs:
     """Data fields of the text scripts."""
 
-    dataset_name: str = field(default="embedded", metadata={
-        "help": "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/.parquet file, or a "
-                "folder of split files (train.jsonl, test.jsonl, ...)"})
+    dataset_name: str = field(default="", metadata={
+        "help": "a Hub id, a local .jsonl/.json/.parquet file, a folder of split files (train.jsonl, test.jsonl, "
+                "...), or a registered name (unialign.text.data.NAMED_DATASETS)"})
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration (GSM8K: 'main')"})
     train_split: str = field(default="train", metadata={"help": "training split of a folder or Hub dataset"})
     eval_split: str | None = field(default=None, metadata={
@@ -53,12 +53,13 @@ def check_generation_backend(backend: str) -> None:
 def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
     """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``) of ``cfg``'s data fields;
     rows are validated as they are in the files (errors name the file and row), then held out."""
-    from unialign.text.data import load_rows, prompt_rows
+    from unialign.text.data import NAMED_DATASETS, load_rows, prompt_rows
 
-    if cfg.dataset_name == "embedded":
-        train, info = prompt_rows(load_rows("embedded", "train"), "embedded [train]"), {"eval_source": "embedded [test]"}
+    name = cfg.dataset_name
+    if name in NAMED_DATASETS:
+        train, info = prompt_rows(load_rows(name, "train"), f"{name} [train]"), {"eval_source": f"{name} [test]"}
         if cfg.eval_dataset_name is None:
-            held_out = prompt_rows(load_rows("embedded", "test"), "embedded [test]")
+            held_out = prompt_rows(load_rows(name, "test"), f"{name} [test]")
         else:
             rows = load_rows(cfg.eval_dataset_name, cfg.eval_split or "test", cfg.dataset_config)
             held_out, info["eval_source"] = prompt_rows(rows, cfg.eval_dataset_name), cfg.eval_dataset_name
@@ -68,15 +69,18 @@ def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
     return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
 
 
-def load_pair_data(cfg: Any, embedded_pairs=None) -> tuple[list[dict], list[dict], dict[str, Any]]:
-    """(train, held-out, info) preference pairs (``normalize_pairs``; errors name the file and row);
-    ``embedded_pairs(split, n, seed)`` builds the embedded task's pairs."""
+def load_pair_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, held-out, info) preference pairs (``normalize_pairs``; errors name the file and row); a name
+    in ``unialign.text.data.NAMED_PAIR_DATASETS`` builds its pairs (``pairs(split, n, seed)``)."""
+    from unialign.text.data import NAMED_PAIR_DATASETS
     from unialign.text.preference import normalize_pairs
 
-    if cfg.dataset_name == "embedded":
-        train = normalize_pairs(embedded_pairs("train", None, cfg.seed), "embedded [train]")
-        held_out = normalize_pairs(embedded_pairs("test", cfg.num_eval, cfg.seed + 1), "embedded [test]")
-        info = {"eval_source": "embedded [test]"}
+    name = cfg.dataset_name
+    if name in NAMED_PAIR_DATASETS:
+        pairs = NAMED_PAIR_DATASETS[name]
+        train = normalize_pairs(pairs("train", None, cfg.seed), f"{name} [train]")
+        held_out = normalize_pairs(pairs("test", cfg.num_eval, cfg.seed + 1), f"{name} [test]")
+        info = {"eval_source": f"{name} [test]"}
     else:
         train, held_out, info = _split(cfg, normalize_pairs)
     held_out = held_out[:cfg.num_eval]

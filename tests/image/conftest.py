@@ -20,7 +20,7 @@ MAX_LEN = 8
 BOS, EOS = 514, 515  # ids of <|startoftext|>, <|endoftext|> in the tiny vocabulary below
 
 
-from unialign.image.embedded import _bytes_to_unicode  # noqa: E402  (CLIP byte map, one copy)
+from unialign.embedded.shapes_world import _bytes_to_unicode  # noqa: E402  (CLIP byte map, one copy)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unialign.image import embedded as E
+from unialign.embedded import shapes_world as E
 
 
 @pytest.fixture(autouse=True)
@@ -124,12 +124,12 @@ def test_load_embedded_policy_samples_images():
 
 
 def test_missing_asset_folder_says_how_to_build(tmp_path):
-    with pytest.raises(FileNotFoundError, match="embedded_build build"):
+    with pytest.raises(FileNotFoundError, match="shapes_build build"):
         E.load_embedded_clip(tmp_path)
 
 
 def test_policy_space_images_are_vae_decodes_and_deterministic():
-    from unialign.image.embedded_build import policy_space_images
+    from unialign.embedded.shapes_build import policy_space_images
 
     policy = E.load_embedded(num_steps=2)
     x = E.to_tensor([d.image for d in E.shape_dataset("train", per_prompt=1)[:3]])
@@ -146,20 +146,20 @@ def test_policy_space_images_are_vae_decodes_and_deterministic():
 def test_shipped_aesthetic_head_tracks_gold_on_model_samples():
     """The head is trained on the diffusion model's own output space, so the reward DDPO maximises
     follows the pixel-level gold score on samples (BUILD.md has the full measurement)."""
-    from unialign.rewards.image import AestheticReward
+    from unialign.embedded.shapes_world import aesthetic_reward
 
     policy = E.load_embedded(num_steps=8)
     plist = E.prompts("test")
     batch = [plist[i % len(plist)] for i in range(24)]
     images = policy.sample(batch, generator=torch.Generator().manual_seed(0)).completions
-    reward = torch.tensor(AestheticReward.embedded()(prompts=batch, completions=images))
+    reward = torch.tensor(aesthetic_reward()(prompts=batch, completions=images))
     gold = E.gold_score(images)
     assert float(torch.corrcoef(torch.stack([reward, gold]))[0, 1]) > 0.7
 
 
 def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
+    from unialign.embedded.shape_verifier import verify
     from unialign.image.evaluate import sample_scores
-    from unialign.rewards.shapes import verify
 
     policy = E.load_embedded(num_steps=2)
     prompts = E.prompts("test")[:3]

@@ -250,8 +250,13 @@ def test_map_with_time_limit_defaults_slow_and_failing_items_keeps_order():
 
 # ---- registry ------------------------------------------------------------------------------------
 
-# rewards that load a model need its location; the embedded variants need no network
-MODEL_REWARD_KWARGS = {"aesthetic": {"clip_model": "embedded"}, "clip_score": {"model_name": "embedded"}}
+
+def model_reward_kwargs() -> dict[str, dict]:
+    """Rewards that load a model need one: the demo package's tiny CLIP / head need no network (importing
+    the package also registers its shape verifiers, so they are checked below too)."""
+    from unialign.embedded.shapes_world import reward_kwargs
+
+    return {n: reward_kwargs(n) for n in ("aesthetic", "clip_score")}
 
 
 def test_every_registered_reward_resolves_to_a_callable(tmp_path):
@@ -265,7 +270,7 @@ def test_every_registered_reward_resolves_to_a_callable(tmp_path):
     RewardModel(LlamaForSequenceClassification(lm.config), tok).save(str(tmp_path / "rm"))
     from tests.rewards.test_pickscore_hps import tiny_hps, tiny_pickscore
 
-    kwargs = {**MODEL_REWARD_KWARGS, "reward_model": {"path": str(tmp_path / "rm")},
+    kwargs = {**model_reward_kwargs(), "reward_model": {"path": str(tmp_path / "rm")},
               "pickscore": tiny_pickscore(tmp_path / "pickscore"), "hps": tiny_hps(tmp_path / "hps")}
     for name, path in REWARDS.items():
         assert callable(resolve(path)), name

@@ -11,6 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
+from unialign.embedded.shapes_world import aesthetic_reward, clip_score_reward, reward_kwargs
+from unialign.rewards import get_reward
 from unialign.rewards.image import (
     AestheticMLP,
     AestheticReward,
@@ -20,7 +22,6 @@ from unialign.rewards.image import (
     clip_preprocess,
     to_pil_images,
 )
-from unialign.rewards.registry import get_reward
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -160,7 +161,7 @@ def test_tensor_inputs_are_rounded_to_8_bits_like_pil():
 # ----------------------------------------------------------------------------------------- embedded CLIP rewards
 @pytest.fixture(scope="module")
 def shapes():
-    from unialign.image.embedded import shape_dataset
+    from unialign.embedded.shapes_world import shape_dataset
 
     data = shape_dataset("test", per_prompt=1, seed=123)[:6]
     return [d.image for d in data], [d.prompt for d in data]
@@ -168,7 +169,7 @@ def shapes():
 
 @pytest.fixture(scope="module")
 def aesthetic():
-    return AestheticReward.embedded(device="cpu")
+    return aesthetic_reward(device="cpu")
 
 
 def test_embedded_aesthetic_feeds_the_pinned_tensor_to_the_image_encoder(aesthetic, shapes):
@@ -196,12 +197,12 @@ def test_embedded_aesthetic_returns_finite_batch_for_every_input_type(aesthetic,
     as_float = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1) for im in images]).float() / 255.0
     np.testing.assert_allclose(aesthetic(completions=as_float), scores, rtol=1e-5, atol=1e-6)
     # batching does not change the result
-    small = AestheticReward.embedded(device="cpu", batch_size=4)
+    small = aesthetic_reward(device="cpu", batch_size=4)
     np.testing.assert_allclose(small(completions=images), scores, rtol=1e-5, atol=1e-6)
 
 
 def test_embedded_aesthetic_tracks_the_gold_score_on_degraded_images(aesthetic):
-    from unialign.image.embedded import degrade, gold_score, shape_dataset, to_tensor
+    from unialign.embedded.shapes_world import degrade, gold_score, shape_dataset, to_tensor
 
     x = to_tensor([d.image for d in shape_dataset("test", per_prompt=2, seed=7)])
     gen = torch.Generator().manual_seed(0)
@@ -213,20 +214,20 @@ def test_embedded_aesthetic_tracks_the_gold_score_on_degraded_images(aesthetic):
 
 def test_embedded_clip_score_definitions_and_caption_matching(shapes):
     images, prompts = shapes
-    score = ClipScoreReward.embedded(device="cpu")(prompts=prompts, completions=images)
-    cosine = ClipScoreReward.embedded(device="cpu", kind="cosine", scale=1.0)(prompts=prompts, completions=images)
+    score = clip_score_reward(device="cpu")(prompts=prompts, completions=images)
+    cosine = clip_score_reward(device="cpu", kind="cosine", scale=1.0)(prompts=prompts, completions=images)
     assert all(math.isfinite(s) for s in score)
     np.testing.assert_allclose(score, [2.5 * max(c, 0.0) for c in cosine], rtol=1e-5, atol=1e-6)
-    reward = ClipScoreReward.embedded(device="cpu")
+    reward = clip_score_reward(device="cpu")
     sim = reward.image_embeddings(images) @ reward.text_embeddings(prompts).T  # [image, caption]
     assert (sim.diag() > sim.mean(dim=1)).float().mean() >= 5 / 6
 
 
 def test_image_rewards_through_the_registry(shapes):
     images, prompts = shapes
-    out = get_reward("aesthetic", clip_model="embedded", device="cpu").score(prompts, images)
+    out = get_reward("aesthetic", **reward_kwargs("aesthetic"), device="cpu").score(prompts, images)
     assert out.shape == (len(images),) and torch.isfinite(out).all()
-    out = get_reward("clip_score", model_name="embedded", device="cpu").score(prompts, images)
+    out = get_reward("clip_score", **reward_kwargs("clip_score"), device="cpu").score(prompts, images)
     assert out.shape == (len(images),) and torch.isfinite(out).all()
 
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from unialign.rewards import math_compare, math_parse, math_worker
+from unialign.rewards import get_reward, math_compare, math_parse, math_worker
 from unialign.rewards.math import answers_equal, extract_answer, math_accuracy_reward, normalize_answer
-from unialign.rewards.registry import get_reward
 
 
 def acc(completion, gold, **kw):

@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
+from unialign.rewards import get_reward
 from unialign.rewards.image import HPS_FILENAMES, HpsReward, PickScoreReward
-from unialign.rewards.registry import get_reward
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -55,7 +55,7 @@ def tiny_pickscore(root) -> dict[str, str]:
     is visible in the score."""
     from transformers import CLIPConfig, CLIPModel
 
-    from unialign.image.embedded import load_tokenizer, write_tokenizer
+    from unialign.embedded.shapes_world import load_tokenizer, write_tokenizer
     from unialign.rewards.image import _clip_image_processor_pil
 
     root = Path(root)

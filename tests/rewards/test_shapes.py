@@ -10,9 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from unialign.image import embedded as E
+from unialign.embedded import shapes_world as E
+from unialign.embedded.shape_verifier import (
+    PARTS,
+    ShapePrompt,
+    ShapeVerifierReward,
+    parse_shape_prompt,
+    verify,
+)
 from unialign.rewards import CombinedReward, get_reward
-from unialign.rewards.shapes import PARTS, ShapePrompt, ShapeVerifierReward, parse_shape_prompt, verify
 
 
 def _renders(per_prompt: int, seed: int = 0) -> tuple[list[str], list[Image.Image], list[tuple[str, str, str]]]:

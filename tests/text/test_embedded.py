@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from unialign.text import embedded as E
+from unialign.embedded import arith as E
 
 _ANSWER = re.compile(r"(\d)\+(\d)=(\d+),(\d)\+(\d)(\+1)?=(\d+)\n#### (\d+)")
 
@@ -149,3 +150,21 @@ def test_preference_pairs_reject_a_wrong_self_consistent_answer_of_the_models_ki
     assert E.preference_pairs("train", n=50, seed=3) == pairs[:50]  # deterministic per seed
     test_ops = {E._operands(r["answer"]) for r in E.arithmetic_dataset("test")}
     assert all(E._operands(p["chosen"]) in test_ops for p in E.preference_pairs("test", n=200))
+
+
+def test_the_demo_package_resolves_the_word_embedded():
+    # importing unialign.embedded registers its data sets and rewards; the core loaders know only the names
+    import unialign.embedded as demo
+    from unialign.recipes import load_pair_data
+    from unialign.rewards import REWARDS
+    from unialign.text.data import load_rows
+
+    assert demo.model_path("embedded") == str(demo.ARITH_LM_DIR) and demo.model_path("org/model") == "org/model"
+    assert load_rows("embedded", "test", n=3) == E.arithmetic_dataset("test", n=3)
+    assert {"shape_verifier", "shape_verifier_partial"} <= set(REWARDS)
+    cfg = type("Cfg", (), dict(dataset_name="embedded", seed=0, num_eval=4))()
+    train, held_out, info = load_pair_data(cfg)
+    assert held_out[0]["chosen"] == E.preference_pairs("test", n=4, seed=1)[0]["chosen"]
+    assert len(held_out) == 4 and info["eval_source"] == "embedded [test]"
+    policy = demo.load_arith_policy(max_new_tokens=4)
+    assert Path(policy.model.name_or_path) == demo.ARITH_LM_DIR

@@ -74,7 +74,7 @@ def chat(text: str) -> list[dict]:
 # ---------------------------------------------------------------- the rule itself
 
 def test_prefix_is_what_the_tokenizer_puts_before_the_text():
-    from unialign.text.embedded import build_tokenizer
+    from unialign.embedded.arith import build_tokenizer
 
     assert special_prefix_ids(bos_tokenizer()) == [BOS]
     assert special_prefix_ids(bos_tokenizer(append_eos=True)) == [BOS]  # an appended EOS is not a prefix
@@ -200,7 +200,7 @@ def test_reward_model_scores_with_one_bos(templated):
 
 def test_embedded_tokenizer_prompts_unchanged():
     """The embedded arithmetic tokenizer adds no special tokens: its prompt ids are what they were."""
-    from unialign.text.embedded import build_tokenizer
+    from unialign.embedded.arith import build_tokenizer
 
     tok = build_tokenizer()
     texts = ["12+30=?", tok.apply_chat_template(chat("12+30=?"), add_generation_prompt=True, tokenize=False)]

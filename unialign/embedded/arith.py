@@ -5,7 +5,7 @@ Why this exists
 ``scripts/grpo_math.py`` must show, with no arguments, offline and on two CPU cores in a few minutes,
 that GRPO *really* raises held-out accuracy. Public checkpoints and GSM8K cannot be downloaded here,
 and even the smallest real LMs are far too slow to sample on CPU. So the package ships its own task,
-tokenizer and model, all small enough to live in ``unialign/assets/arith_lm`` (about 2 MB).
+tokenizer and model, all small enough to live in ``unialign/embedded/assets/arith_lm`` (about 2 MB).
 
 The task
 --------
@@ -40,7 +40,7 @@ of problems), while the right answer keeps high probability (pass@8 at temperatu
 Reward-driven RL on the *true* answers (the dataset's answers are always correct; the noise exists
 only inside ``build``) then sharpens the carry decision, which is the held-out gain that
 ``scripts/grpo_math.py`` measures. The numbers for the shipped model are in
-``unialign/assets/arith_lm/BUILD.md``.
+``unialign/embedded/assets/arith_lm/BUILD.md``.
 
 The model and tokenizer
 -----------------------
@@ -52,8 +52,8 @@ Both round-trip through ``save_pretrained`` / ``from_pretrained`` with stock tra
 
 CLI::
 
-    python -m unialign.text.embedded build --out DIR   # deterministic rebuild (same machine/torch)
-    python -m unialign.text.embedded eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
+    python -m unialign.embedded.arith build --out DIR   # deterministic rebuild (same machine/torch)
+    python -m unialign.embedded.arith eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-DEFAULT_ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "arith_lm"
+DEFAULT_ASSET_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"
 MAX_NEW_TOKENS = 26  # "9+9=18,9+9+1=19\n#### 199" is 24 characters, then <|im_end|>
 
 # ---------------------------------------------------------------------------------------------
@@ -279,12 +279,12 @@ def chat_prompt(tokenizer, question: str) -> str:
 
 
 def load_arith_lm(path: str | Path | None = None):
-    """``(model, tokenizer)`` from ``path`` (default: the shipped ``unialign/assets/arith_lm``), offline."""
+    """``(model, tokenizer)`` from ``path`` (default: the shipped ``unialign/embedded/assets/arith_lm``), offline."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     p = Path(path) if path is not None else DEFAULT_ASSET_DIR
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"no arith_lm at {p}; rebuild with `python -m unialign.text.embedded build`")
+        raise FileNotFoundError(f"no arith_lm at {p}; rebuild with `python -m unialign.embedded.arith build`")
     tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     tok.padding_side = "left"
     model = LlamaForCausalLM.from_pretrained(str(p), local_files_only=True)
@@ -488,7 +488,7 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m unialign.text.embedded", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m unialign.embedded.arith", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="train the tiny arithmetic LM deterministically and save it")
     b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))

@@ -6,7 +6,7 @@ pixels, with fixed rules and no learned model. A prompt
     "a [size] [degradation] <colour> <shape> on a <background> background"
 
 (size: small / medium / large; degradation: blurry / faded / noisy / dark; either order, both optional;
-colours: the 8 of ``unialign.image.embedded.COLOURS``; shapes: circle / square / triangle) asks for three
+colours: the 8 of ``unialign.embedded.shapes_world.COLOURS``; shapes: circle / square / triangle) asks for three
 things: the background colour, the object colour and the shape. The score is the fraction of them the
 image gets right (0, 1/3, 2/3, 1); ``verify`` also returns each part and the all-three-right flag.
 
@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from unialign.embedded import shapes_world
+
 logger = logging.getLogger(__name__)
 
 SIDE = 32                 # the embedded world's image side; larger square images are box-resized to it
@@ -67,12 +69,6 @@ SHAPE_SCALE = 0.05        # partial credit: soft-IoU scale of the shape softmax
 PARTS = ("background", "colour", "shape")
 SIZE_WORDS = ("small", "medium", "large")
 DEGRADATION_WORDS = ("blurry", "faded", "noisy", "dark")
-
-
-def _world():
-    from unialign.image import embedded
-
-    return embedded
 
 
 @dataclass(frozen=True)
@@ -90,7 +86,7 @@ def parse_shape_prompt(prompt: str) -> ShapePrompt:
     """Parse ``"a [size] [degradation] <colour> <shape> on a <background> background"`` (size and
     degradation in either order, case and surrounding whitespace ignored, an optional final period).
     Raises ``ValueError`` naming the prompt and the expected form when it does not match."""
-    world = _world()
+    world = shapes_world
     colours, shapes = "|".join(world.COLOURS), "|".join(world.SHAPES)
     adjectives = "|".join(SIZE_WORDS + DEGRADATION_WORDS)
     pattern = (rf"an? ((?:(?:{adjectives}) ){{0,2}})({colours}) ({shapes}) on an? ({colours}) background\.?")
@@ -155,7 +151,7 @@ def image_array(image: Any) -> np.ndarray | None:
 # Pixel rules
 # ---------------------------------------------------------------------------------------------
 def _palette() -> tuple[list[str], np.ndarray]:
-    colours = _world().COLOURS
+    colours = shapes_world.COLOURS
     return list(colours), np.array(list(colours.values()), dtype=np.float64)
 
 
@@ -213,7 +209,7 @@ def _interior(mask: np.ndarray) -> np.ndarray:
 
 def _template(shape: str, area: float, cy: float, cx: float) -> np.ndarray:
     """The renderer's anti-aliased coverage of ``shape`` with ``area`` pixels, centroid (cy, cx)."""
-    world = _world()
+    world = shapes_world
     if shape == "circle":
         half = np.sqrt(area / np.pi)
         centre_y = cy
@@ -302,7 +298,7 @@ def read_image(arr: np.ndarray) -> Reading:
     area = float(coverage.sum())
     ys, xs = np.mgrid[0:SIDE, 0:SIDE]
     cy, cx = float((coverage * ys).sum() / area), float((coverage * xs).sum() / area)
-    ious = {s: _soft_iou(coverage, _template(s, area, cy, cx)) for s in _world().SHAPES}
+    ious = {s: _soft_iou(coverage, _template(s, area, cy, cx)) for s in shapes_world.SHAPES}
     shape, iou = max(ious.items(), key=lambda kv: kv[1])
     if iou < MIN_SHAPE_IOU:
         return Reading(background, None, None, iou, background_rgb=background_rgb)

@@ -1,13 +1,13 @@
-"""How the embedded image assets in ``unialign/assets/image`` are built: the training recipe for the tiny
+"""How the embedded image assets in ``unialign/embedded/assets/image`` are built: the training recipe for the tiny
 CLIP, the LAION-shaped aesthetic head, the VAE and the SDXL-architecture UNet, plus the statistics in
-``BUILD.md``. The data, the gold score and the models are described in ``unialign.image.embedded``
+``BUILD.md``. The data, the gold score and the models are described in ``unialign.embedded.shapes_world``
 (what a run needs); this module is only needed to rebuild or re-measure the assets.
 
 CLI::
 
-    python -m unialign.image.embedded_build build --out unialign/assets/image       # deterministic rebuild
-    python -m unialign.image.embedded_build build-head --out unialign/assets/image  # only the (last) head stage
-    python -m unialign.image.embedded_build eval [--path DIR] [--n 64]               # reward / gold statistics
+    python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image       # deterministic rebuild
+    python -m unialign.embedded.shapes_build build-head --out unialign/embedded/assets/image  # only the (last) head stage
+    python -m unialign.embedded.shapes_build eval [--path DIR] [--n 64]               # reward / gold statistics
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from unialign.image.embedded import (
+from unialign.embedded.shapes_world import (
     BOS_TOKEN,
     CLIP_MEAN,
     CLIP_STD,
@@ -409,14 +409,14 @@ def build_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Embedded image default: build record",
         "",
-        "Built by `unialign.image.embedded_build` (read `unialign.image.embedded`'s module docstring for the data, "
+        "Built by `unialign.embedded.shapes_build` (read `unialign.embedded.shapes_world`'s module docstring for the data, "
         "gold score and models):",
         "",
         "```",
-        f"python -m unialign.image.embedded_build build --out unialign/assets/image --seed {report['seed']} "
+        f"python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image --seed {report['seed']} "
         f"--clip-steps {steps['clip']} --head-steps {steps['head']} --vae-steps {steps['vae']} "
         f"--unet-steps {steps['unet']} --per-prompt {report['per_prompt']} --threads {report['threads']}",
-        "python -m unialign.image.embedded_build eval     # re-measures the sample statistics below",
+        "python -m unialign.embedded.shapes_build eval     # re-measures the sample statistics below",
         "```",
         "",
         f"Deterministic for a fixed seed, torch version and thread count ({report['threads']}; with more threads",
@@ -495,7 +495,7 @@ def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: 
     """Sample ``n`` images (``SAMPLING_DEFAULTS``) for prompts of ``split`` cycled in order; report the
     mean/std of the embedded aesthetic reward, the CLIP score and ``gold_score``, and the Pearson
     correlation of aesthetic reward with gold."""
-    from unialign.rewards.image import AestheticReward, ClipScoreReward
+    from unialign.embedded.shapes_world import aesthetic_reward, clip_score_reward
 
     policy = load_embedded(path, **policy_kwargs)
     plist = prompts(split)
@@ -504,8 +504,8 @@ def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: 
     t0 = time.perf_counter()
     images = policy.sample(batch, generator=gen).completions
     sample_s = time.perf_counter() - t0
-    aesthetic = torch.tensor(AestheticReward.embedded(path)(prompts=batch, completions=images))
-    clip_score = torch.tensor(ClipScoreReward.embedded(path)(prompts=batch, completions=images))
+    aesthetic = torch.tensor(aesthetic_reward(path)(prompts=batch, completions=images))
+    clip_score = torch.tensor(clip_score_reward(path)(prompts=batch, completions=images))
     gold = gold_score(images)
     data_gold = gold_score([d.image for d in shape_dataset(split, per_prompt=1, seed=seed + 1)])
 
@@ -516,7 +516,7 @@ def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: 
     groups = [plist[(i * 11) % len(plist)] for i in range(n_groups)]
     batch_g = [p for p in groups for _ in range(group)]
     images_g = policy.sample(batch_g, generator=gen).completions
-    aes_g = torch.tensor(AestheticReward.embedded(path)(prompts=batch_g, completions=images_g)).view(n_groups, group)
+    aes_g = torch.tensor(aesthetic_reward(path)(prompts=batch_g, completions=images_g)).view(n_groups, group)
     gold_g = gold_score(images_g).view(n_groups, group)
     within = corr((aes_g - aes_g.mean(1, keepdim=True)).flatten(), (gold_g - gold_g.mean(1, keepdim=True)).flatten())
 
@@ -532,10 +532,10 @@ def evaluate(path: str | Path | None = None, n: int = 64, seed: int = 0, split: 
 
 @torch.no_grad()
 def prompt_fidelity(path: str | Path | None = None, n: int = 168, seed: int = 0) -> dict[str, float]:
-    """The shape verifier's all-three-right rate (``unialign.rewards.shapes``) of ``n`` samples (prompts
+    """The shape verifier's all-three-right rate (``unialign.embedded.shape_verifier``) of ``n`` samples (prompts
     cycled, 8 DDIM steps, eta 1) per split and CFG 1 / 3, and of VAE round trips of one clean render of
     every prompt (the ceiling any policy on this VAE starts from)."""
-    from unialign.rewards.shapes import verify
+    from unialign.embedded.shape_verifier import verify
 
     out: dict[str, float] = {}
     for guidance in (1.0, 3.0):
@@ -552,7 +552,7 @@ def prompt_fidelity(path: str | Path | None = None, n: int = 168, seed: int = 0)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m unialign.image.embedded_build", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m unialign.embedded.shapes_build", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the assets deterministically")
     b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))

@@ -6,9 +6,9 @@ Why this exists
 ``scripts/ddpo_aesthetic.py`` must run with no arguments, offline, on two CPU cores in a few minutes, and
 show that RL raises an aesthetic reward. Stable Diffusion, CLIP ViT-L/14 and the LAION head cannot be
 downloaded here and are far too slow on CPU. So the package ships its own small stand-ins, built in
-code by ``unialign.image.embedded_build`` into ``unialign/assets/image`` (numbers and timings in ``BUILD.md``
+code by ``unialign.embedded.shapes_build`` into ``unialign/embedded/assets/image`` (numbers and timings in ``BUILD.md``
 there). This module holds what a run needs (data, gold score, tokenizer, loaders); the training recipe
-that builds the assets is ``embedded_build``.
+that builds the assets is ``shapes_build``.
 
 The data
 --------
@@ -59,14 +59,14 @@ The models
   right; at the first build's 200 steps, 53 %), the UNet only to half-learn shapes: held-out prompt
   fidelity 0.51 without CFG, 0.69 at CFG 3 (``BUILD.md``), the room an RL demo needs.
 
-Prompt fidelity is read by the verifiable reward ``unialign.rewards.shapes`` (``shape_verifier``), which
+Prompt fidelity is read by the verifiable reward ``unialign.embedded.shape_verifier`` (``shape_verifier``), which
 decides background colour, object colour and shape from pixels alone.
 
-CLI (``unialign.image.embedded_build``; ``python -m unialign.image.embedded ...`` forwards to it)::
+CLI (``unialign.embedded.shapes_build``)::
 
-    python -m unialign.image.embedded_build build --out unialign/assets/image   # deterministic rebuild
-    python -m unialign.image.embedded_build build-head --out unialign/assets/image   # only the (last) head stage
-    python -m unialign.image.embedded_build eval [--path DIR] [--n 64]           # reward / gold statistics
+    python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image   # deterministic rebuild
+    python -m unialign.embedded.shapes_build build-head --out unialign/embedded/assets/image   # only the (last) head stage
+    python -m unialign.embedded.shapes_build eval [--path DIR] [--n 64]           # reward / gold statistics
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
-DEFAULT_ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "image"
+DEFAULT_ASSET_DIR = Path(__file__).resolve().parent / "assets" / "image"
 IMAGE_SIZE = 32
 SHAPES = ("circle", "square", "triangle")
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -361,33 +361,32 @@ def load_embedded(path: str | Path | None = None, device: str | torch.device | N
     return DiffusionPolicy.from_pretrained(str(pipeline_dir(path)), device=device, **kwargs)
 
 
-# how each model-based reward loads the shipped tiny CLIP / aesthetic head instead of hub weights
-REWARD_KWARGS: dict[str, dict[str, Any]] = {"aesthetic": {"clip_model": "embedded"},
-                                            "clip_score": {"model_name": "embedded"}}
+def aesthetic_reward(path: str | Path | None = None, device: str | torch.device | None = None,
+                     batch_size: int = 32):
+    """``AestheticReward`` on the tiny CLIP + LAION-shaped head of ``path`` (default: the shipped assets),
+    trained on ``gold_score``."""
+    from unialign.rewards.image import AestheticReward
+
+    return AestheticReward(clip=load_embedded_clip(path), head=load_embedded_head(path), device=device,
+                           batch_size=batch_size)
 
 
-def image_rl_parts(cfg) -> dict[str, Any]:
-    """What ``unialign.image.recipe.run_image_rl`` needs for the embedded model: the policy (``cfg``'s
-    sampling knobs), the rewards (the shipped tiny CLIP / head for the model-based ones), the train and
-    held-out prompts (``cfg.prompt_set``: "embedded" or a file), the gold score and, when every held-out
-    prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
-    model loads when the shape verifier is a reward."""
-    from unialign.image.recipe import check_prompts, load_prompts, policy_kwargs, reward_names
-    from unialign.rewards import CombinedReward, get_reward
-    from unialign.rewards.shapes import parse_shape_prompt, verify
+def clip_score_reward(path: str | Path | None = None, device: str | torch.device | None = None,
+                      batch_size: int = 32, **kwargs: Any):
+    """``ClipScoreReward`` with the tiny CLIP of ``path`` (trained on the synthetic shape captions)."""
+    from unialign.rewards.image import ClipScoreReward
 
-    names, weights = reward_names(cfg)
-    train, held_out = (prompts("train"), prompts("test")) if cfg.prompt_set == "embedded" else load_prompts(cfg.prompt_set)
-    if any(n.startswith("shape_verifier") for n in names):
-        check_prompts(train, parse_shape_prompt, "prompt_set")
-    try:
-        check_prompts(held_out, parse_shape_prompt, "prompt_set")
-        verifier = verify
-    except ValueError:
-        verifier = None  # prompts from elsewhere: no fidelity to read
-    reward = CombinedReward([get_reward(n, **REWARD_KWARGS.get(n, {})) for n in names], weights)
-    return dict(policy=load_embedded(**policy_kwargs(cfg)), reward=reward, train_prompts=train,
-                eval_prompts=held_out, gold=gold_score, verifier=verifier)
+    return ClipScoreReward(clip=load_embedded_clip(path), device=device, batch_size=batch_size, **kwargs)
+
+
+def reward_kwargs(name: str) -> dict[str, Any]:
+    """The keyword arguments that make the registry's model-based reward ``name`` use the shipped tiny
+    CLIP / aesthetic head instead of hub weights ({} for the others)."""
+    if name == "aesthetic":
+        return {"clip": load_embedded_clip(), "head": load_embedded_head()}
+    if name == "clip_score":
+        return {"clip": load_embedded_clip()}
+    return {}
 
 
 def pipeline_dir(path: str | Path | None = None) -> Path:
@@ -399,11 +398,5 @@ def _asset_dir(path: str | Path | None) -> Path:
     root = Path(path) if path is not None else DEFAULT_ASSET_DIR
     if not (root / "sdxl" / "model_index.json").exists() and not (root / "clip").exists():
         raise FileNotFoundError(f"no embedded image assets in {root}; build them with "
-                                f"`python -m unialign.image.embedded_build build --out {root}`")
+                                f"`python -m unialign.embedded.shapes_build build --out {root}`")
     return root
-
-
-if __name__ == "__main__":  # the build CLI lives in embedded_build; the old spelling still works
-    from unialign.image.embedded_build import main
-
-    main()

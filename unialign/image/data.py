@@ -105,21 +105,6 @@ def load_pickapic(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
     return train, held_out[:cfg.num_eval], ties, info
 
 
-def embedded_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
-    """AI feedback on the embedded shapes world, as ``load_pickapic`` returns it: ``cfg.pairs_per_prompt``
-    training pairs (and ``cfg.eval_pairs_per_prompt`` held-out pairs, other seeds) of two samples of each of
-    the first ``cfg.num_prompts`` training captions, the higher gold score chosen, gaps below ``cfg.min_gap``
-    ties (dropped; held-out ties before the ``cfg.num_eval`` cap)."""
-    from unialign.image import embedded as emb
-
-    captions = emb.prompts("train")[:cfg.num_prompts]
-    train_rows = synthetic_pairs(policy, captions, emb.gold_score, cfg.pairs_per_prompt, cfg.seed + 1, cfg.min_gap)
-    eval_rows = synthetic_pairs(policy, captions, emb.gold_score, cfg.eval_pairs_per_prompt, cfg.seed + 2, cfg.min_gap)
-    eval_rows = [r for r in eval_rows if r["label_0"] != 0.5][:cfg.num_eval]
-    (train, ties), (held_out, _) = normalize_pickapic(train_rows, "train"), normalize_pickapic(eval_rows, "eval")
-    return train, held_out, ties, {"eval_source": "embedded: held-out draws of the training captions"}
-
-
 @torch.no_grad()
 def synthetic_pairs(policy, prompts: list[str], score: Callable[[list[Image.Image]], torch.Tensor],
                     pairs_per_prompt: int, seed: int, min_gap: float = 0.0) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
     * ``reward`` (a ``CombinedReward`` or a TRL-signature function): per-image ``scores`` [N], ``mean``,
       ``std``, and for a combination of several, each part's mean as ``reward/<name>``;
     * ``gold`` (images -> tensor [N]): ``gold_scores``, ``gold_mean``, ``gold_std``;
-    * ``verifier`` (``unialign.rewards.shapes.verify``-like: (prompts, images) -> dict of [N] tensors with
+    * ``verifier`` (a shape verifier's ``verify``-like: (prompts, images) -> dict of [N] tensors with
       ``all`` and per-part entries): ``fidelity`` = the all-right rate, ``fidelity/<part>`` rates and
       the per-image ``fidelity_flags`` [N].
     """

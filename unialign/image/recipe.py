@@ -1,8 +1,8 @@
 """What the online image scripts share (``scripts/ddpo_aesthetic.py``, ``scripts/grpo_image.py``): their
 config fields, the hub-model route from a config to a policy, rewards and prompts, and the run itself --
 held-out evaluation before / during / after training (reward, prompt fidelity, gold score), grids,
-summary, weights. The scripts keep only their defaults and presets; the offline demo world builds its
-own parts (``unialign.image.embedded.image_rl_parts``).
+summary, weights. The scripts keep only their defaults and presets; an offline demo world builds its own
+parts (the same dict ``hub_parts`` returns).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ class ImageRLConfig(OnlineConfig):
 
     preset: str | None = field(default=None, metadata={"help": "a named recipe of the script (see its PRESETS)"})
     config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
-    model_name_or_path: str = field(default="embedded", metadata={
-        "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
-    prompt_set: str = field(default="embedded", metadata={
-        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
+    model_name_or_path: str = field(default="runwayml/stable-diffusion-v1-5", metadata={
+        "help": "SD1.x / SDXL hub id or local diffusers folder"})
+    prompt_set: str = field(default="animals", metadata={
+        "help": "'animals' (ddpo-pytorch's list) or a .txt file (one prompt per line)"})
     reward: str = field(default="aesthetic", metadata={
         "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...)"})
     reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats, one per reward"})
@@ -87,7 +87,7 @@ def load_prompts(name: str) -> tuple[list[str], list[str]]:
         return list(ANIMALS), list(ANIMALS)
     path = Path(name)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt_set: {name!r} is not 'embedded', 'animals' or a prompt file")
+        raise FileNotFoundError(f"prompt_set: {name!r} is neither 'animals' nor a prompt file")
     lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"prompt_set: {name!r} has no prompts")
@@ -119,7 +119,7 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
     """Train ``policy`` on ``train_prompts`` with the online trainer and ``reward``; evaluate on
     ``num_eval`` held-out samples (``eval_prompts`` cycled, fixed seed) before, every ``eval_steps`` and
     after: the reward (and each of its parts), prompt fidelity when a ``verifier`` is given (the
-    all-three-right rate of ``unialign.rewards.shapes.verify``), the ``gold`` score when given. Writes
+    all-three-right rate of a verifier such as the demo shapes world's), the ``gold`` score when given. Writes
     ``summary.json``, ``grid_before.png`` / ``grid_after.png`` (also to the trackers), the curves and
     ``final/``; returns the summary."""
     start = time.time()

@@ -8,7 +8,8 @@ from unialign.rewards.base import (
     RewardFunction,
     RewardOutput,
     completion_to_text,
+    get_reward,
 )
-from unialign.rewards.registry import REWARDS, get_reward
+from unialign.rewards.registry import REWARDS
 
 __all__ = ["REWARDS", "CombinedReward", "RewardError", "RewardFunction", "RewardOutput", "completion_to_text", "get_reward"]

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from unialign.rewards.registry import required_init_args, resolve_reward
+
 Tensor = torch.Tensor
 logger = logging.getLogger(__name__)
 
@@ -350,6 +352,24 @@ class RewardFunction:
         return torch.tensor(scores, dtype=torch.float64), {}, torch.tensor(errors, dtype=torch.bool)
 
 
+def get_reward(name: str, **kwargs: Any) -> RewardFunction:
+    """The reward ``name`` as a ``RewardFunction`` (named after the registry entry or the function, weight 1).
+
+    ``name`` is a registered name, TRL's dotted ``package.module.function``, ``module:function`` or
+    ``path/to/file.py:function`` (see ``resolve_reward``). A class is instantiated with ``kwargs``; a
+    function gets ``kwargs`` bound to every call (a TypeError here if it does not take them). Unknown
+    names raise ValueError listing the registered ones.
+    """
+    target, label = resolve_reward(name)
+    if inspect.isclass(target):
+        missing = [p for p in required_init_args(target) if p not in kwargs]
+        if missing:
+            raise ValueError(f"reward {name!r} needs {', '.join(missing)} (e.g. get_reward({name!r}, "
+                             f"{missing[0]}=...)); it cannot be built from its name alone")
+        return RewardFunction(target(**kwargs), name=label)
+    return RewardFunction(target, name=label, kwargs=kwargs)
+
+
 @dataclass
 class RewardOutput:
     """What ``CombinedReward`` returns.
@@ -420,7 +440,6 @@ class CombinedReward:
         functions = []
         for i, r in enumerate(rewards):
             if isinstance(r, str):
-                from unialign.rewards.registry import get_reward
                 r = get_reward(r)
             rf = r if isinstance(r, RewardFunction) else RewardFunction(r)
             if weights is not None:

@@ -18,8 +18,9 @@ pinned transform.
 
 Hub weights are never fetched silently in a loop: each model-based reward checks the Hub once in
 ``__init__`` (``unialign.hub.require_hub``) and raises ``HubUnavailableError`` (a RuntimeError) within
-seconds when offline. ``.embedded()`` variants use the tiny models shipped in ``unialign/assets/image``
-(``unialign.image.embedded``) and need no network.
+seconds when offline. A CLIP model already in memory (``clip=``: anything with ``model``, ``tokenize``,
+``image_size``, ``mean``, ``std``) and, for the aesthetic score, a head module (``head=``) skip every
+download: that is how a small local model (e.g. the demo package's) is scored.
 """
 
 from __future__ import annotations
@@ -227,27 +228,27 @@ class AestheticReward(_ClipReward):
 
     Args:
         clip_model, pretrained: open_clip model name and pretrained tag or local checkpoint file
-            (default ViT-L-14 / openai, the head's training embedding). ``clip_model="embedded"`` loads
-            the tiny shipped CLIP + head instead (``pretrained``/``head_path`` then name an asset folder,
-            default the shipped one); same as ``AestheticReward.embedded()``.
+            (default ViT-L-14 / openai, the head's training embedding).
         head_path: a local head state dict (``.pth``); default downloads ``AESTHETIC_HEAD_FILENAME`` from
             the Hub repo ``AESTHETIC_HEAD_REPO`` (TRL's copy of ``sac+logos+ava1-l14-linearMSE.pth``)
             and loads it with ``torch.load(..., weights_only=True)``.
         device: default CUDA when available.  batch_size: images per CLIP forward.
+        clip, head: a CLIP already loaded (``model`` / ``tokenize`` / ``image_size`` / ``mean`` / ``std``) and
+            an ``AestheticMLP`` for its embedding; given, nothing is downloaded and the other model arguments
+            are ignored.
     Offline without cached weights: ``HubUnavailableError`` (a RuntimeError) at construction.
     """
 
     name = "aesthetic"
 
     def __init__(self, clip_model: str = "ViT-L-14", pretrained: str = "openai", head_path: str | None = None,
-                 device: str | torch.device | None = None, batch_size: int = 32) -> None:
-        if clip_model == "embedded":
-            from unialign.image.embedded import load_embedded_clip, load_embedded_head
-
-            folder = head_path or (pretrained if pretrained != "openai" else None)
-            clip = load_embedded_clip(folder)
+                 device: str | torch.device | None = None, batch_size: int = 32, clip: Any = None,
+                 head: nn.Module | None = None) -> None:
+        if clip is not None:
+            if head is None:
+                raise ValueError("aesthetic: a preloaded clip needs its head (head=AestheticMLP)")
             super().__init__(clip.model, clip.tokenize, clip.image_size, clip.mean, clip.std, device, batch_size)
-            self.head = load_embedded_head(folder).to(self.device)
+            self.head = head.to(self.device)
             return
         from unialign.hub import require_hub
 
@@ -263,13 +264,6 @@ class AestheticReward(_ClipReward):
         self.head = AestheticMLP(state["layers.0.weight"].shape[1])
         self.head.load_state_dict(state)
         self.head.eval().requires_grad_(False).to(self.device)
-
-    @classmethod
-    def embedded(cls, path: str | Path | None = None, device: str | torch.device | None = None,
-                 batch_size: int = 32) -> AestheticReward:
-        """The shipped tiny CLIP + LAION-shaped head trained on ``unialign.image.embedded.gold_score``."""
-        return cls("embedded", pretrained=str(path) if path is not None else "openai", device=device,
-                   batch_size=batch_size)
 
     @torch.no_grad()
     def scores(self, images: Any) -> Tensor:
@@ -289,35 +283,24 @@ class ClipScoreReward(_ClipReward):
 
     Args:
         model_name, pretrained: open_clip model and tag or local checkpoint (default ViT-B-32 / openai);
-            ``model_name="embedded"`` loads the shipped tiny CLIP (``pretrained`` may name an asset folder).
-        kind, w, scale: see above.  device, batch_size: as ``AestheticReward``.
+        kind, w, scale: see above.  device, batch_size, clip: as ``AestheticReward``.
     """
 
     name = "clip_score"
 
     def __init__(self, model_name: str = "ViT-B-32", pretrained: str = "openai", kind: str = "clip_score",
                  w: float = 2.5, scale: float = 1.0, device: str | torch.device | None = None,
-                 batch_size: int = 32) -> None:
+                 batch_size: int = 32, clip: Any = None) -> None:
         if kind not in ("clip_score", "cosine"):
             raise ValueError(f"kind must be 'clip_score' or 'cosine', got {kind!r}")
         self.kind, self.w, self.scale = kind, w, scale
-        if model_name == "embedded":
-            from unialign.image.embedded import load_embedded_clip
-
-            clip = load_embedded_clip(pretrained if pretrained != "openai" else None)
+        if clip is not None:
             super().__init__(clip.model, clip.tokenize, clip.image_size, clip.mean, clip.std, device, batch_size)
             return
         import open_clip
 
         model, size, mean, std = _load_open_clip(model_name, pretrained, _resolve_device(device))
         super().__init__(model, open_clip.get_tokenizer(model_name), size, mean, std, device, batch_size)
-
-    @classmethod
-    def embedded(cls, path: str | Path | None = None, device: str | torch.device | None = None,
-                 batch_size: int = 32, **kwargs: Any) -> ClipScoreReward:
-        """CLIP score with the shipped tiny CLIP (trained on the synthetic shape captions)."""
-        return cls("embedded", pretrained=str(path) if path is not None else "openai", device=device,
-                   batch_size=batch_size, **kwargs)
 
     @torch.no_grad()
     def scores(self, prompts: list[Any], images: Any) -> Tensor:

@@ -7,9 +7,11 @@ A reward spec (``--reward_funcs``, ``get_reward``) is one of
   * ``package.module:function`` (``function`` may be dotted: ``Class.method``),
   * ``path/to/file.py:function``: the user's own file, executed on load like any module they import.
 
-Each path names either a reward *class* (a factory: ``get_reward`` instantiates it with the keyword
-arguments, and the instance is the reward, e.g. a model-based reward that loads weights in ``__init__``)
-or a reward *function* with TRL's signature (the keyword arguments are bound to every call).
+This module only resolves specs (``unialign.rewards.base.get_reward`` builds the reward). Each path names
+either a reward *class* (a factory: ``get_reward`` instantiates it with the keyword arguments, and the
+instance is the reward, e.g. a model-based reward that loads weights in ``__init__``) or a reward
+*function* with TRL's signature (the keyword arguments are bound to every call). Other packages register
+their own names by adding entries to ``REWARDS`` when imported (the demo worlds add their shape verifiers).
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
-
-from unialign.rewards.base import RewardFunction
 
 REWARDS: dict[str, str] = {
     # text, verifiable (unialign/rewards/math.py)
@@ -38,10 +38,7 @@ REWARDS: dict[str, str] = {
     "clip_score": "unialign.rewards.image:ClipScoreReward",
     "pickscore": "unialign.rewards.image:PickScoreReward",
     "hps": "unialign.rewards.image:HpsReward",
-    # image, verifiable (unialign/rewards/shapes.py): the embedded shapes world's prompt checker
-    "shape_verifier": "unialign.rewards.shapes:ShapeVerifierReward",
-    "shape_verifier_partial": "unialign.rewards.shapes:PartialShapeVerifierReward",
-}
+}  # other packages add their own entries (a name -> "module:attribute") when imported
 
 
 def resolve(path: str) -> Any:
@@ -125,24 +122,6 @@ def _load_file(spec: str, filename: str):
         del sys.modules[name]
         raise ValueError(f"reward {spec!r}: running {str(path)!r} failed: {type(err).__name__}: {err}") from err
     return module
-
-
-def get_reward(name: str, **kwargs: Any) -> RewardFunction:
-    """The reward ``name`` as a ``RewardFunction`` (named after the registry entry or the function, weight 1).
-
-    ``name`` is a registered name, TRL's dotted ``package.module.function``, ``module:function`` or
-    ``path/to/file.py:function`` (see ``resolve_reward``). A class is instantiated with ``kwargs``; a
-    function gets ``kwargs`` bound to every call (a TypeError here if it does not take them). Unknown
-    names raise ValueError listing the registered ones.
-    """
-    target, label = resolve_reward(name)
-    if inspect.isclass(target):
-        missing = [p for p in required_init_args(target) if p not in kwargs]
-        if missing:
-            raise ValueError(f"reward {name!r} needs {', '.join(missing)} (e.g. get_reward({name!r}, "
-                             f"{missing[0]}=...)); it cannot be built from its name alone")
-        return RewardFunction(target(**kwargs), name=label)
-    return RewardFunction(target, name=label, kwargs=kwargs)
 
 
 def required_init_args(cls: type) -> list[str]:

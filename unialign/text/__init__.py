@@ -1,4 +1,4 @@
-"""Text modality: the causal-LM policy, fused token log-probs, prompt data and the embedded arithmetic task."""
+"""Text modality: the causal-LM policy, fused token log-probs, prompt data and evaluation."""
 
 from unialign.text import evaluate
 from unialign.text.data import load_rows

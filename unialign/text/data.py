@@ -1,6 +1,6 @@
 """Prompt datasets for text RL, validated: TRL's prompt formats, GSM8K's schema, token limits.
 
-Accepted rows (any source of ``unialign.data``, or the embedded arithmetic task):
+Accepted rows (any source of ``unialign.data``, or a data set registered by name in ``NAMED_DATASETS``):
 
 * standard (TRL):        ``{"prompt": "What is 2+2?", "solution": "4", ...}``
 * conversational (TRL):  ``{"prompt": [{"role": "user", "content": "What is 2+2?"}], ...}``
@@ -22,14 +22,17 @@ from unialign.data import load_dataset_rows
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
+# in-memory data sets by name: name -> rows(split, n) (prompt rows) / pairs(split, n, seed) (preference
+# pairs); a package registers its own (the demo worlds do, on import) and every loader here accepts the name
+NAMED_DATASETS: dict[str, Callable[[str, int | None], list[dict[str, Any]]]] = {}
+NAMED_PAIR_DATASETS: dict[str, Callable[[str, int | None, int], list[dict[str, Any]]]] = {}
+
 
 def load_rows(name: str, split: str, config_name: str | None = None, n: int | None = None) -> list[dict[str, Any]]:
-    """Rows of a dataset: ``"embedded"`` (the shipped arithmetic task), a local .jsonl/.json/.parquet file
-    (all of it) or folder (the split's files), or a Hugging Face Hub id (fails at once offline)."""
-    if name == "embedded":
-        from unialign.text.embedded import arithmetic_dataset
-
-        return arithmetic_dataset(split, n=n)
+    """Rows of a dataset: a name in ``NAMED_DATASETS``, a local .jsonl/.json/.parquet file (all of it) or
+    folder (the split's files), or a Hugging Face Hub id (fails at once offline)."""
+    if name in NAMED_DATASETS:
+        return NAMED_DATASETS[name](split, n)
     rows = load_dataset_rows(name, split, config_name)
     return rows[:n] if n else rows
 

@@ -149,10 +149,6 @@ class CausalLMPolicy:
             from unialign.text.vllm_engine import check_vllm_available
 
             check_vllm_available()
-        if name_or_path == "embedded":  # the shipped arithmetic model (unialign/assets/arith_lm)
-            from unialign.text.embedded import DEFAULT_ASSET_DIR
-
-            name_or_path = str(DEFAULT_ASSET_DIR)
         require_hub(name_or_path, "model")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

@@ -34,10 +34,6 @@ class RewardModel:
         """A sequence-classification model with one label; from a causal-LM checkpoint the head is new."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        if name_or_path == "embedded":
-            from unialign.text.embedded import DEFAULT_ASSET_DIR
-
-            name_or_path = str(DEFAULT_ASSET_DIR)
         require_hub(name_or_path, "model")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

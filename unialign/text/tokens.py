@@ -5,7 +5,7 @@ with its defaults, and its model was trained on such sequences; a chat template 
 model already starts with the BOS *text*. So:
 
   * a raw-text prompt gets the special tokens the tokenizer puts **before** a text (``[BOS]``, or
-    nothing for GPT-2 / Qwen / the embedded arithmetic model) — never those it would put after it
+    nothing for GPT-2 / Qwen / the demo arithmetic model) — never those it would put after it
     (an EOS some tokenizers append would end the prompt before the completion starts). A raw text
     that already starts with those tokens (e.g. a literal ``"<s>"``) does not get them twice;
   * a chat-templated prompt is the template's tokens exactly, as ``apply_chat_template(...,

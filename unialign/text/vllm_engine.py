@@ -248,7 +248,7 @@ def _gathered(model: torch.nn.Module):
 
 def _model_dir_for_engine(model: torch.nn.Module, tokenizer: Any) -> tuple[str, tempfile.TemporaryDirectory | None]:
     """A directory vLLM can build the model from: the model's own local ``name_or_path`` when it is one,
-    else a temporary directory holding its config, current (LoRA-merged) weights and tokenizer (embedded /
+    else a temporary directory holding its config, current (LoRA-merged) weights and tokenizer (local /
     in-memory models have no hub id). The engine's weights are overwritten by a push right after anyway."""
     path = getattr(_strip_wrappers(model), "name_or_path", "") or ""
     if path and os.path.isfile(os.path.join(path, "config.json")):

@@ -1,0 +1,42 @@
+"""The offline demo worlds the scripts run by default, kept out of the library's core (which never imports
+this package): a tiny arithmetic task with its model (``arith``), and a world of captioned synthetic shapes
+with a tiny SDXL-architecture model, CLIP and aesthetic head (``shapes_world``), its verifiable reward
+(``shape_verifier``), the code that built their weights (``arith.build``, ``shapes_build``; the weights are
+in ``assets/``) and the parts the scripts assemble from them (``parts``).
+
+The scripts resolve the word ``"embedded"`` (``NAME``) here: ``--model_name_or_path embedded`` is
+``model_path(...)``, the arithmetic data set and its preference pairs are registered by that name in
+``unialign.text.data``, and the shape verifier in the reward registry, all when this package is imported::
+
+    from unialign.embedded import load_arith_policy
+    policy = load_arith_policy()   # the shipped arithmetic model as a CausalLMPolicy
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unialign.embedded.arith import DEFAULT_ASSET_DIR as ARITH_LM_DIR
+from unialign.embedded.arith import arithmetic_dataset, preference_pairs
+from unialign.rewards.registry import REWARDS
+from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
+
+NAME = "embedded"
+
+# image, verifiable (unialign/embedded/shape_verifier.py): the shapes world's prompt checker
+REWARDS.setdefault("shape_verifier", "unialign.embedded.shape_verifier:ShapeVerifierReward")
+REWARDS.setdefault("shape_verifier_partial", "unialign.embedded.shape_verifier:PartialShapeVerifierReward")
+NAMED_DATASETS.setdefault(NAME, lambda split, n=None: arithmetic_dataset(split, n=n))
+NAMED_PAIR_DATASETS.setdefault(NAME, lambda split, n=None, seed=0: preference_pairs(split, n=n, seed=seed))
+
+
+def model_path(name_or_path: str) -> str:
+    """``"embedded"`` -> the shipped arithmetic model's folder; anything else unchanged."""
+    return str(ARITH_LM_DIR) if name_or_path == NAME else name_or_path
+
+
+def load_arith_policy(**kwargs: Any):
+    """The shipped arithmetic model as a ``CausalLMPolicy`` (``kwargs`` as ``CausalLMPolicy.from_pretrained``)."""
+    from unialign.text.policy import CausalLMPolicy
+
+    return CausalLMPolicy.from_pretrained(str(ARITH_LM_DIR), **kwargs)

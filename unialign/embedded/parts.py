@@ -1,0 +1,49 @@
+"""What the scripts need to run on the demo worlds: the image RL parts (policy, rewards, prompts, gold
+score, verifier) of the shapes world, and its AI-feedback preference pairs for Diffusion-DPO."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unialign.embedded import shapes_world as world
+from unialign.embedded.shape_verifier import parse_shape_prompt, verify
+from unialign.image.data import normalize_pickapic, synthetic_pairs
+from unialign.image.recipe import check_prompts, load_prompts, policy_kwargs, reward_names
+from unialign.rewards import CombinedReward, get_reward
+
+NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
+
+
+def image_rl_parts(cfg) -> dict[str, Any]:
+    """What ``unialign.image.recipe.run_image_rl`` needs for the shapes world's model: the policy (``cfg``'s
+    sampling knobs), the rewards (the shipped tiny CLIP / head for the model-based ones), the train and
+    held-out prompts (``cfg.prompt_set``: "embedded" or a file), the gold score and, when every held-out
+    prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
+    model loads when the shape verifier is a reward."""
+    names, weights = reward_names(cfg)
+    train, held_out = ((world.prompts("train"), world.prompts("test")) if cfg.prompt_set == NAME
+                       else load_prompts(cfg.prompt_set))
+    if any(n.startswith("shape_verifier") for n in names):
+        check_prompts(train, parse_shape_prompt, "prompt_set")
+    try:
+        check_prompts(held_out, parse_shape_prompt, "prompt_set")
+        verifier = verify
+    except ValueError:
+        verifier = None  # prompts from elsewhere: no fidelity to read
+    reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights)
+    return dict(policy=world.load_embedded(**policy_kwargs(cfg)), reward=reward, train_prompts=train,
+                eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
+
+
+def image_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
+    """AI feedback on the shapes world, as ``unialign.image.data.load_pickapic`` returns it:
+    ``cfg.pairs_per_prompt`` training pairs (and ``cfg.eval_pairs_per_prompt`` held-out pairs, other seeds)
+    of two samples of each of the first ``cfg.num_prompts`` training captions, the higher gold score chosen,
+    gaps below ``cfg.min_gap`` ties (dropped; held-out ties before the ``cfg.num_eval`` cap)."""
+    captions = world.prompts("train")[:cfg.num_prompts]
+    train_rows = synthetic_pairs(policy, captions, world.gold_score, cfg.pairs_per_prompt, cfg.seed + 1, cfg.min_gap)
+    eval_rows = synthetic_pairs(policy, captions, world.gold_score, cfg.eval_pairs_per_prompt, cfg.seed + 2,
+                                cfg.min_gap)
+    eval_rows = [r for r in eval_rows if r["label_0"] != 0.5][:cfg.num_eval]
+    (train, ties), (held_out, _) = normalize_pickapic(train_rows, "train"), normalize_pickapic(eval_rows, "eval")
+    return train, held_out, ties, {"eval_source": "embedded: held-out draws of the training captions"}
