@@ -96,3 +96,105 @@ def test_import_unialign_is_light():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
     assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------- import cycles and the demo package
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(root: Path = PKG) -> dict[str, dict[str, int]]:
+    """module -> {imported module of the same package: line}, for every import statement anywhere in a
+    module (module level or inside a function). ``from X import a`` is an edge to ``X.a`` when that is a
+    module of the package, else to ``X``; relative names are resolved."""
+    files = {_module_name(f, root): f for f in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:  # `import a.b.c` of a package: its nearest module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, {}))))
+    return None
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_cycle_checker_can_fail(tmp_path):
+    # a cycle through a function-level relative import and a `from package import module` is found
+    pkg = tmp_path / "unialign"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from unialign.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
+    (pkg / "c.py").write_text("import unialign.a\n")
+    (pkg / "d.py").write_text("from unialign.a import x\n")
+    graph = _import_graph(pkg)
+    assert graph["unialign.a"] == {"unialign.sub.b": 1} and graph["unialign.sub.b"] == {"unialign.c": 2}
+    cycle = _find_cycle(graph)
+    assert cycle is not None and set(cycle) == {"unialign.a", "unialign.sub.b", "unialign.c"}
+    (pkg / "c.py").write_text("import os\n")
+    assert _find_cycle(_import_graph(pkg)) is None
+
+
+def test_no_import_cycles_in_unialign():
+    graph = _import_graph()
+    assert "unialign.rewards.base" in graph and graph["unialign.rewards.base"], "the graph is empty"
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle (function-level imports count): " + _describe(cycle, graph)
+
+
+def test_core_never_imports_or_names_the_demo_package():
+    """The demo worlds live in unialign/embedded (their assets too); no module outside it imports it or
+    tests for the word "embedded" (scripts and the package itself resolve it)."""
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        if _is_under(_module_name(f, PKG), "unialign.embedded"):
+            continue
+        bad += [f"{f.relative_to(PKG.parent)}:{line}: imports {mod}" for line, mod in _imports(f)
+                if _is_under(mod, "unialign.embedded")]
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.Constant) and node.value == "embedded":
+                bad.append(f"{f.relative_to(PKG.parent)}:{node.lineno}: the string 'embedded'")
+    assert not bad, "core modules must not depend on the demo package:\n" + "\n".join(bad)
+    assert not (PKG / "assets").exists() and (PKG / "embedded" / "assets" / "arith_lm" / "config.json").is_file()
