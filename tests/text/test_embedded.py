@@ -159,6 +159,7 @@ def test_the_demo_package_resolves_the_word_embedded():
     from unialign.rewards import REWARDS
     from unialign.text.data import load_rows
 
+    assert demo.ARITH_LM_DIR == E.DEFAULT_ASSET_DIR and (demo.ARITH_LM_DIR / "config.json").is_file()
     assert demo.model_path("embedded") == str(demo.ARITH_LM_DIR) and demo.model_path("org/model") == "org/model"
     assert load_rows("embedded", "test", n=3) == E.arithmetic_dataset("test", n=3)
     assert {"shape_verifier", "shape_verifier_partial"} <= set(REWARDS)

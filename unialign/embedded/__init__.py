@@ -14,20 +14,34 @@ The scripts resolve the word ``"embedded"`` (``NAME``) here: ``--model_name_or_p
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from unialign.embedded.arith import DEFAULT_ASSET_DIR as ARITH_LM_DIR
-from unialign.embedded.arith import arithmetic_dataset, preference_pairs
 from unialign.rewards.registry import REWARDS
 from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
 
 NAME = "embedded"
+ARITH_LM_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"  # = arith.DEFAULT_ASSET_DIR
+
+
+# arith is imported when first used, so that `python -m unialign.embedded.arith` runs a module not yet imported
+def _arithmetic_rows(split: str, n: int | None = None) -> list[dict[str, Any]]:
+    from unialign.embedded.arith import arithmetic_dataset
+
+    return arithmetic_dataset(split, n=n)
+
+
+def _arithmetic_pairs(split: str, n: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    from unialign.embedded.arith import preference_pairs
+
+    return preference_pairs(split, n=n, seed=seed)
+
 
 # image, verifiable (unialign/embedded/shape_verifier.py): the shapes world's prompt checker
 REWARDS.setdefault("shape_verifier", "unialign.embedded.shape_verifier:ShapeVerifierReward")
 REWARDS.setdefault("shape_verifier_partial", "unialign.embedded.shape_verifier:PartialShapeVerifierReward")
-NAMED_DATASETS.setdefault(NAME, lambda split, n=None: arithmetic_dataset(split, n=n))
-NAMED_PAIR_DATASETS.setdefault(NAME, lambda split, n=None, seed=0: preference_pairs(split, n=n, seed=seed))
+NAMED_DATASETS.setdefault(NAME, _arithmetic_rows)
+NAMED_PAIR_DATASETS.setdefault(NAME, _arithmetic_pairs)
 
 
 def model_path(name_or_path: str) -> str:
