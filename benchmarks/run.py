@@ -7,7 +7,9 @@
 Rows (see benchmarks/README.md): P1 token log-prob + entropy fwd+bwd vs TRL's materialised logits;
 P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sampling with log-prob
 recording vs plain diffusers; P5 Diffusion-DPO memory with the adapter-disabled reference vs a frozen
-copy; P6 the math reward's agreement with labelled truth and time per 1,000 completions vs math-verify.
+copy; P6 the math reward's agreement with labelled truth and time per 1,000 completions vs math-verify;
+P9 DDPO end to end (time per epoch split into sampling / training, peak memory) vs TRL 0.23's DDPOTrainer
+in its own cached environment.
 Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
 "target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
 """
@@ -32,7 +34,7 @@ if __package__ in (None, ""):
 from benchmarks.common import error_row, machine_info, markdown_table, row  # noqa: E402
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
-           "P5": "p5_diffusion_dpo_memory", "P6": "math_reward"}
+           "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo"}
 
 
 def p1_rows(quick: bool) -> list[dict]:

@@ -1,0 +1,277 @@
+"""Benchmark P9: DDPO end to end, unialign's ``OnlineTrainer`` + ``DiffusionPolicy`` vs TRL 0.23's
+``DDPOTrainer`` (the last TRL release with image RL), side by side on the same pipeline and settings.
+
+Same on both: a tiny SD1.x-architecture pipeline built in code (``sd_parts``: UNet (32, 64), 1 layer per
+block, 16x16 latents = 32 px, tiny CLIP text encoder and VAE), saved once as a diffusers folder that both
+sides load; DDIM 10 steps, eta 1, CFG 5 in sampling and training; 4 prompts x 8 samples per epoch;
+timestep fraction 0.5 (5 trained steps per sample); clip range 1e-4, advantage clip 5, per-prompt reward
+statistics (buffer 32 / min count 16 on ours, TRL's defaults 16 / 16: with 8 samples per prompt both use
+the batch's statistics in the first epoch); AdamW lr 3e-4, weight decay 1e-4, grad-norm 1; ONE optimizer
+step per epoch over 8-sample micro-batches (TRL: train_batch_size 8, gradient accumulation 4); fp32 on
+CPU; reward: JPEG compressibility, -(kB at quality 95) of the uint8 image. Full fine-tuning and LoRA
+(r 4, alpha 4, gaussian init, to_q/k/v/out.0 on both).
+
+TRL 0.23 pins transformers < 5 / an older diffusers, so it runs in its own virtual environment, created
+once under ``~/.cache/unialign-bench/trl023`` (or ``$UNIALIGN_BENCH_CACHE``) from pinned versions (torch
+2.14.1 as in the README's install line) and reused after; the benchmark says when it creates it.
+
+Each side runs alone in a fresh process (``run`` launches ``side`` with each environment's python), a
+warm-up epoch then ``epochs`` timed ones; per run the median epoch split into sampling (text encoding,
+the denoising loop with its recorded log-probs, VAE decode) and training (the update: every trained
+step's forward, backward and the optimizer step); rewards / advantages are the rest of the epoch. Peak
+memory is the process's peak RSS (VmHWM, glibc told to ``mmap`` large blocks so freed tensors leave the
+resident set) minus its RSS after imports, before the model loads. Median of ``runs`` runs per side,
+the sides alternating.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (
+    RESULT_MARK,
+    ROOT,
+    error_row,
+    peak_rss_bytes,
+    reset_peak_rss,
+    row,
+    rss_bytes,
+    rss_tracks_tensors,
+)
+
+CACHE = Path(os.environ.get("UNIALIGN_BENCH_CACHE", Path.home() / ".cache" / "unialign-bench"))
+TRL_ENV = CACHE / "trl023"
+TRL_PINS = ["trl==0.23.1", "diffusers==0.35.2", "transformers==4.57.6", "accelerate==1.10.1", "peft==0.17.1"]
+TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
+PROMPTS = ["a cat", "a red car", "a tree", "the sea"]
+SETTINGS = dict(num_steps=10, eta=1.0, guidance=5.0, prompts=4, per_prompt=8, fraction=0.5, clip=1e-4, lr=3e-4,
+                micro_batch=8, adv_clip=5.0, weight_decay=1e-4)
+
+
+# ----------------------------------------------------------------------------- environment and pipeline
+def trl_python() -> Path:
+    """The TRL 0.23 environment's python, created on first use (minutes; says so on stderr)."""
+    py = TRL_ENV / "bin" / "python"
+    check = [str(py), "-c", "import trl, diffusers; from trl import DDPOTrainer; assert trl.__version__.startswith('0.23')"]
+    if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return py
+    print(f"[P9] creating TRL 0.23's environment in {TRL_ENV} (once; pins {' '.join(TORCH_PINS + TRL_PINS)})",
+          file=sys.stderr, flush=True)
+    TRL_ENV.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_ENV)], check=True)
+    pip = [str(TRL_ENV / "bin" / "pip"), "install", "-q"]
+    subprocess.run(pip + TORCH_PINS, check=True)
+    subprocess.run(pip + TRL_PINS, check=True)
+    subprocess.run(check, check=True)
+    return py
+
+
+def build_pipeline(folder: Path, seed: int = 0) -> Path:
+    """Save the tiny SD1.x pipeline (``sd_parts``) as a diffusers folder both sides load."""
+    from diffusers import StableDiffusionPipeline
+
+    from benchmarks import sd_parts
+
+    parts = sd_parts.components(seed, block_out_channels=(32, 64), sample_size=16, layers_per_block=1)
+    pipe = StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):  # transformers 5 saves only tokenizer.json; 4.x's CLIPTokenizer reads these
+        shutil.copy(sd_parts._TOK_DIR / name, folder / "tokenizer" / name)
+    # transformers 5 drops CLIPTextModel's "text_model." key prefix, which 4.x needs (5 reads both)
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "text_encoder" / "model.safetensors"
+    state = load_file(path)
+    save_file({(k if k.startswith("text_model.") else "text_model." + k): v for k, v in state.items()}, path,
+              metadata={"format": "pt"})
+    return folder
+
+
+def jpeg_kb(pixels_B_3_H_W) -> list[float]:
+    """JPEG size (kB, quality 95) of images in [0, 1] (TRL's output) rounded to uint8 as ours decodes."""
+    import io
+
+    from PIL import Image
+
+    arr = (pixels_B_3_H_W.clamp(0, 1) * 255).round().to("cpu").byte().permute(0, 2, 3, 1).numpy()
+    sizes = []
+    for a in arr:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="JPEG", quality=95)
+        sizes.append(buf.tell() / 1000.0)
+    return sizes
+
+
+# ----------------------------------------------------------------------------- one side, one process
+def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: int = 0) -> dict:
+    """Train ``epochs`` + 1 (warm-up) DDPO epochs with ``which`` in ("ours", "trl"); returns per-epoch times
+    (total, sampling, training), the peak RSS over post-import RSS and the rewards."""
+    rss_tracks_tensors()
+    import torch
+
+    if which == "ours":
+        from unialign.image import DiffusionPolicy
+        from unialign.rewards import CombinedReward, get_reward
+        from unialign.trainers import OnlineConfig, OnlineTrainer
+    else:
+        from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    base = rss_bytes()
+    reset_peak_rss()
+    s, times = SETTINGS, {"epoch": [], "sample": [], "train": []}
+    tmp = tempfile.mkdtemp(prefix="p9_")
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            times[key].append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    rewards = []
+    if which == "ours":
+        policy = DiffusionPolicy.from_pretrained(folder, num_steps=s["num_steps"], guidance_scale=s["guidance"],
+                                                 eta=s["eta"], timestep_fraction=s["fraction"],
+                                                 lora_rank=4 if lora else 0, seed=seed)
+        cfg = OnlineConfig(algorithm="ddpo", num_generations=s["per_prompt"], prompts_per_step=s["prompts"],
+                           micro_batch_size=s["micro_batch"], num_mini_batches=1, max_steps=epochs + 1,
+                           learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=1.0, epsilon=s["clip"],
+                           advantage_clip=s["adv_clip"], beta=0.0, seed=seed, output_dir=tmp, report_to="none",
+                           num_threads=threads)
+        trainer = OnlineTrainer(policy, CombinedReward([get_reward("jpeg_compressibility")]),
+                                [{"prompt": p} for p in PROMPTS], cfg)
+        loaded = rss_bytes() - base
+        policy.sample = timed("sample", policy.sample)
+        trainer.update = timed("train", trainer.update)
+        for _ in range(epochs + 1):
+            t0 = time.perf_counter()
+            stats = trainer.train_step()
+            times["epoch"].append(time.perf_counter() - t0)
+            rewards.append(stats.get("reward/mean"))
+    else:
+        from accelerate import PartialState
+
+        PartialState()  # DDPOTrainer logs before it builds its Accelerator
+        pipe = DefaultDDPOStableDiffusionPipeline(folder, use_lora=lora)
+        n = s["prompts"] * s["per_prompt"]
+        order = [p for p in PROMPTS for _ in range(s["per_prompt"])]
+        cursor = iter(range(10**9))
+
+        def prompt_fn():
+            return order[next(cursor) % n], {}
+
+        def reward_fn(images, prompts, metadata):
+            return torch.tensor([-kb for kb in jpeg_kb(images)]), {}
+
+        cfg = DDPOConfig(num_epochs=epochs + 1, sample_num_steps=s["num_steps"], sample_eta=s["eta"],
+                         sample_guidance_scale=s["guidance"], sample_batch_size=s["micro_batch"],
+                         sample_num_batches_per_epoch=n // s["micro_batch"], train_batch_size=s["micro_batch"],
+                         train_gradient_accumulation_steps=n // s["micro_batch"], train_learning_rate=s["lr"],
+                         train_adam_weight_decay=s["weight_decay"], train_max_grad_norm=1.0,
+                         train_clip_range=s["clip"], train_adv_clip_max=s["adv_clip"],
+                         train_timestep_fraction=s["fraction"], train_cfg=True, per_prompt_stat_tracking=True,
+                         mixed_precision="no", save_freq=10**6, log_with=None, seed=seed,
+                         project_kwargs={"project_dir": tmp, "logging_dir": tmp})
+        trainer = DDPOTrainer(cfg, reward_fn, prompt_fn, pipe)
+        loaded = rss_bytes() - base
+        trainer._generate_samples = timed("sample", trainer._generate_samples)
+        trainer._train_batched_samples = timed("train", trainer._train_batched_samples)
+        orig_rewards = trainer.compute_rewards
+
+        def compute_rewards(*a, **k):
+            r, meta = (list(x) for x in orig_rewards(*a, **k))  # a zip, consumed once
+            rewards.append(float(torch.cat(r).mean()))
+            return r, meta
+        trainer.compute_rewards = compute_rewards
+        step = 0
+        for epoch in range(epochs + 1):
+            t0 = time.perf_counter()
+            step = trainer.step(epoch, step)
+            times["epoch"].append(time.perf_counter() - t0)
+    peak = peak_rss_bytes() - base
+    timed_ = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return {"which": which, "lora": lora, "epoch_s": timed_["epoch"], "sample_s": timed_["sample"],
+            "train_s": timed_["train"], "peak_bytes": peak, "loaded_bytes": loaded, "times": times, "rewards": rewards,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _launch(python: Path, kwargs: dict, timeout: float = 600) -> dict:
+    code = (f"import json, sys; from benchmarks.p9_ddpo import side; r = side(**json.loads(sys.argv[1])); "
+            f"print({RESULT_MARK!r} + json.dumps(r), flush=True)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
+    p = subprocess.run([str(python), "-c", code, json.dumps(kwargs)], cwd=str(ROOT), env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    for line in p.stdout.splitlines()[::-1]:
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    raise RuntimeError(f"{kwargs['which']} side exited {p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
+
+
+def measure(lora: bool, runs: int = 3, epochs: int = 2, threads: int = 1, folder: str | None = None) -> dict:
+    """``runs`` alternating fresh-process runs per side; medians of the per-run medians."""
+    trl_py = trl_python()
+    folder = folder or str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
+    res = {"ours": [], "trl": []}
+    for i in range(runs):
+        for which in (("ours", "trl") if i % 2 == 0 else ("trl", "ours")):
+            py = Path(sys.executable) if which == "ours" else trl_py
+            res[which].append(_launch(py, dict(which=which, folder=folder, lora=lora, epochs=epochs, threads=threads)))
+    med = {w: {k: statistics.median(r[k] for r in rs) for k in ("epoch_s", "sample_s", "train_s", "peak_bytes")}
+           for w, rs in res.items()}
+    return {"median": med, "runs": res}
+
+
+def run(quick: bool = False) -> list[dict]:
+    runs, epochs = (1, 1) if quick else (3, 1)
+    rows = []
+    try:
+        folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
+    except Exception as e:  # noqa: BLE001
+        return [error_row("P9", "DDPO vs TRL DDPOTrainer", e)]
+    for lora in (False, True):
+        tag = "lora" if lora else "full"
+        try:
+            r = measure(lora, runs, epochs, folder=folder)
+            o, t = r["median"]["ours"], r["median"]["trl"]
+            note = (f"{'LoRA r4' if lora else 'full fine-tuning'}; tiny SD1.x UNet (32, 64) x1 layer, 32 px, DDIM 10 "
+                    f"steps, eta 1, CFG 5, 4 prompts x 8 samples, timestep fraction 0.5, micro-batch 8, one optimizer "
+                    f"step per epoch, fp32 CPU, 1 thread; each side alone in a fresh process, median of {runs} runs "
+                    f"x {epochs} epochs after a warm-up epoch; TRL 0.23.1 in its own environment")
+            split = (f"; sampling ours {o['sample_s']:.2f} s vs TRL {t['sample_s']:.2f} s, training ours "
+                     f"{o['train_s']:.2f} s vs TRL {t['train_s']:.2f} s")
+            rows += [row(f"P9-{tag}-time", f"DDPO time per epoch ({tag})", o["epoch_s"], t["epoch_s"], "s", "lower", 0.8,
+                         note + split, raw=r),
+                     row(f"P9-{tag}-sample", f"DDPO sampling time per epoch ({tag})", o["sample_s"], t["sample_s"], "s",
+                         "lower", None, note),
+                     row(f"P9-{tag}-train", f"DDPO training time per epoch ({tag})", o["train_s"], t["train_s"], "s",
+                         "lower", None, note),
+                     row(f"P9-{tag}-mem", f"DDPO peak RSS over imports ({tag})", o["peak_bytes"], t["peak_bytes"],
+                         "bytes", "lower", 0.8, note)]
+        except Exception as e:  # noqa: BLE001
+            rows.append(error_row(f"P9-{tag}", f"DDPO vs TRL DDPOTrainer ({tag})", e))
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--side":  # one side, for profiling: --side ours|trl full|lora
+        folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
+        which, tag = sys.argv[2], sys.argv[3]
+        py = Path(sys.executable) if which == "ours" else trl_python()
+        print(json.dumps(_launch(py, dict(which=which, folder=folder, lora=tag == "lora", epochs=2, threads=1)),
+                         default=str))
+    else:
+        print(json.dumps(run(quick="--quick" in sys.argv), indent=1, default=str))
