@@ -6,7 +6,8 @@ A text policy (``unialign.text.CausalLMPolicy``) and a diffusion policy
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -70,3 +71,56 @@ class Policy(Protocol):
     def save(self, path: str) -> None:
         """Write weights (or adapters) loadable by the stock library (transformers / diffusers)."""
         ...
+
+
+class ReferencePolicy:
+    """The frozen reference of a policy, for text and images alike: the same interface, no gradients, run on
+    ``model`` (a frozen copy, or None: the policy's own, possibly wrapped, module) inside ``context()``
+    (adapters disabled; nothing for a frozen copy).
+
+    A policy offers it by implementing the model-explicit forms of its methods, which its own public methods
+    call with ``self.model``: ``_log_prob(model, trajectory, with_entropy)`` (a tensor, or the pair with
+    ``with_entropy``), ``_sequence_log_prob(model, batch, length_normalize)`` and, to sample from the
+    reference, ``_sample(model, prompts, generator)``."""
+
+    def __init__(self, policy: Any, model: torch.nn.Module | None = None,
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        self.policy, self._model, self._context = policy, model, context
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model if self._model is None else self._model
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        with torch.no_grad(), self._context():
+            yield
+
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
+        with self._frozen():
+            return self.policy._sample(self.model, prompts, generator)
+
+    def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
+        with self._frozen():
+            return self.policy._log_prob(self.model, trajectory, False)
+
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._frozen():
+            return self.policy._log_prob(self.model, trajectory, True)
+
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._frozen():
+            return self.policy._sequence_log_prob(self.model, batch, length_normalize)
+
+    def preference_batch(self, rows: list[dict[str, Any]], *args: Any, **kwargs: Any) -> PreferenceBatch:
+        return self.policy.preference_batch(rows, *args, **kwargs)
+
+    def reference(self) -> ReferencePolicy:
+        return self
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return []
+
+    def save(self, path: str) -> None:
+        raise NotImplementedError("the reference policy is frozen; save the policy itself")

@@ -22,6 +22,7 @@ from unialign.dist import fsdp2_root as _fsdp2_root
 from unialign.dist import gathered_fsdp2_root as _gathered_fsdp2_root
 from unialign.dist import gathered_state_dict, is_main_rank
 from unialign.hub import require_hub
+from unialign.policy import ReferencePolicy
 from unialign.text.head import install_fused_head
 from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch, Trajectory
@@ -413,14 +414,11 @@ class CausalLMPolicy:
 
     def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
         """Differentiable per-token log-probs of the sampled completion, ``logp_B_T`` (0 where masked)."""
-        logp, _, _ = self._forward(self.model, trajectory.payload, False)
-        return logp * trajectory.mask_B_T.to(logp.device)
+        return self._log_prob(self.model, trajectory, False)
 
     def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logp_B_T, entropy_B_T)`` in one forward (the entropy of the full next-token distribution)."""
-        logp, entropy, _ = self._forward(self.model, trajectory.payload, True)
-        mask = trajectory.mask_B_T.to(logp.device)
-        return logp * mask, entropy * mask
+        return self._log_prob(self.model, trajectory, True)
 
     @property
     def has_critic(self) -> bool:
@@ -459,15 +457,24 @@ class CausalLMPolicy:
         return _sequence_log_prob(self, self.model, batch, length_normalize)
 
     # ---------------------------------------------------------------- reference
-    def reference(self) -> _ReferencePolicy:
+    def reference(self) -> ReferencePolicy:
         """Adapters disabled when the model is a PEFT model, else a frozen copy made once."""
         base = unwrap(self.model)
         if hasattr(base, "disable_adapter"):
-            return _ReferencePolicy(self, base, base.disable_adapter)
+            return ReferencePolicy(self, base, base.disable_adapter)
         if self._frozen_copy is None:
             with _detached_critics(base):  # the reference never needs the critic: do not copy it
                 self._frozen_copy = copy.deepcopy(base).eval().requires_grad_(False)
-        return _ReferencePolicy(self, self._frozen_copy, contextlib.nullcontext)
+        return ReferencePolicy(self, self._frozen_copy)
+
+    def _log_prob(self, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool):
+        """``log_prob`` / ``log_prob_and_entropy`` on ``model`` (the reference's form)."""
+        logp, entropy, _ = self._forward(model, trajectory.payload, with_entropy)
+        mask = trajectory.mask_B_T.to(logp.device)
+        return (logp * mask, entropy * mask) if with_entropy else logp * mask
+
+    def _sequence_log_prob(self, model: torch.nn.Module, batch: PreferenceBatch, length_normalize: bool):
+        return _sequence_log_prob(self, model, batch, length_normalize)
 
     # ---------------------------------------------------------------- params / io
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
@@ -566,29 +573,6 @@ def _right_align(ids_B_W: torch.Tensor, mask_B_W: torch.Tensor) -> tuple[torch.T
         return ids_B_W, mask_B_W
     idx = (torch.arange(W, device=ids_B_W.device) - shift) % W
     return ids_B_W.gather(1, idx), mask_B_W.gather(1, idx)
-
-
-class _ReferencePolicy:
-    """Read-only view of a policy's reference weights: ``log_prob`` without gradients."""
-
-    def __init__(self, policy: CausalLMPolicy, model: torch.nn.Module, context):
-        self.policy, self.model, self.context = policy, model, context
-
-    @torch.no_grad()
-    def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
-        return self.log_prob_and_entropy(trajectory)[0]
-
-    @torch.no_grad()
-    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.context():
-            logp, entropy, _ = self.policy._forward(self.model, trajectory.payload, True)
-        mask = trajectory.mask_B_T.to(logp.device)
-        return logp * mask, entropy * mask
-
-    @torch.no_grad()
-    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):
-        with self.context():
-            return _sequence_log_prob(self.policy, self.model, batch, length_normalize)
 
 
 def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, length_normalize: bool):
