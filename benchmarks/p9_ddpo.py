@@ -54,6 +54,7 @@ CACHE = Path(os.environ.get("UNIALIGN_BENCH_CACHE", Path.home() / ".cache" / "un
 TRL_ENV = CACHE / "trl023"
 TRL_PINS = ["trl==0.23.1", "diffusers==0.35.2", "transformers==4.57.6", "accelerate==1.10.1", "peft==0.17.1"]
 TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
+CHUNK = int(os.environ.get("UNIALIGN_P9_CHUNK", 8))  # ours: (sample, step) pairs per training forward/backward (TRL: train_batch_size samples x 1 step)
 PROMPTS = ["a cat", "a red car", "a tree", "the sea"]
 SETTINGS = dict(num_steps=10, eta=1.0, guidance=5.0, prompts=4, per_prompt=8, fraction=0.5, clip=1e-4, lr=3e-4,
                 micro_batch=8, adv_clip=5.0, weight_decay=1e-4)
@@ -114,7 +115,7 @@ def jpeg_kb(pixels_B_3_H_W) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- one side, one process
-def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: int = 0) -> dict:
+def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: int = 0, chunk: int = CHUNK) -> dict:
     """Train ``epochs`` + 1 (warm-up) DDPO epochs with ``which`` in ("ours", "trl"); returns per-epoch times
     (total, sampling, training), the peak RSS over post-import RSS and the rewards."""
     rss_tracks_tensors()
@@ -145,7 +146,7 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
     if which == "ours":
         policy = DiffusionPolicy.from_pretrained(folder, num_steps=s["num_steps"], guidance_scale=s["guidance"],
                                                  eta=s["eta"], timestep_fraction=s["fraction"],
-                                                 lora_rank=4 if lora else 0, seed=seed)
+                                                 lora_rank=4 if lora else 0, train_chunk_size=chunk, seed=seed)
         cfg = OnlineConfig(algorithm="ddpo", num_generations=s["per_prompt"], prompts_per_step=s["prompts"],
                            micro_batch_size=s["micro_batch"], num_mini_batches=1, max_steps=epochs + 1,
                            learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=1.0, epsilon=s["clip"],
@@ -269,9 +270,9 @@ def run(quick: bool = False) -> list[dict]:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--side":  # one side, for profiling: --side ours|trl full|lora
         folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
-        which, tag = sys.argv[2], sys.argv[3]
+        which, tag, chunk = sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else CHUNK
         py = Path(sys.executable) if which == "ours" else trl_python()
-        print(json.dumps(_launch(py, dict(which=which, folder=folder, lora=tag == "lora", epochs=2, threads=1)),
-                         default=str))
+        kw = dict(which=which, folder=folder, lora=tag == "lora", epochs=2, threads=1)
+        print(json.dumps(_launch(py, kw if which == "trl" else dict(kw, chunk=chunk)), default=str))
     else:
         print(json.dumps(run(quick="--quick" in sys.argv), indent=1, default=str))

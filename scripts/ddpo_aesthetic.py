@@ -64,7 +64,8 @@ PRESETS = {
     "sd15-aesthetic": dict(
         model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="aesthetic",
         reward_weights=None, num_steps=50, guidance_scale=5.0, eta=1.0, resolution=512, lora_rank=4,
-        learning_rate=3e-4, prompts_per_step=32, num_generations=8, micro_batch_size=4, max_steps=200, num_eval=64,
+        learning_rate=3e-4, prompts_per_step=32, num_generations=8, micro_batch_size=4, train_chunk_size=4, max_steps=200,
+        num_eval=64,
         torch_dtype="float16", timestep_fraction=1.0, min_step_std=0.0, num_mini_batches=1, epsilon=1e-4, beta=0.0,
         lr_scheduler_type="constant",
         eval_steps=50, num_threads=0,

@@ -69,7 +69,7 @@ PRESETS = {
     "sd15-clip": dict(
         model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="clip_score", num_steps=20,
         guidance_scale=4.5, eta=1.0, resolution=512, lora_rank=32, learning_rate=3e-4, prompts_per_step=8,
-        num_generations=16, micro_batch_size=4, max_steps=300, num_eval=64, torch_dtype="float16",
+        num_generations=16, micro_batch_size=4, train_chunk_size=4, max_steps=300, num_eval=64, torch_dtype="float16",
         timestep_fraction=0.5, num_mini_batches=1, epsilon=1e-4, beta=0.04, eval_steps=50, num_threads=0,
         output_dir="outputs/grpo_sd15_clip"),
 }

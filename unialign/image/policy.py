@@ -69,6 +69,11 @@ class DiffusionPolicy:
             carry its timesteps/noise, and by ``preference_batch``.
         caption_dropout: probability of training a preference pair on the empty caption (Diffusion-DPO
             uses 0.2), so classifier-free guidance keeps working.
+        train_chunk_size: (sample, step) pairs per forward / backward in training (``step_chunks``): the
+            trainer splits a micro-batch's trained steps into chunks of this many with one backward each
+            and the loss normaliser of the whole optimizer step, so the update is the same while only one
+            chunk's activations are alive (ddpo-pytorch / TRL train one step of the batch at a time).
+            0: all trained steps of a micro-batch in one UNet call.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class DiffusionPolicy:
         force_zeros_for_empty_prompt: bool = False,
         seed: int = 0,
         caption_dropout: float = 0.0,
+        train_chunk_size: int = 0,
     ) -> None:
         from diffusers import DDIMScheduler
 
@@ -125,6 +131,9 @@ class DiffusionPolicy:
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
+        if train_chunk_size < 0:
+            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
+        self.train_chunk_size = train_chunk_size
 
         for module in (self.vae, text_encoder, text_encoder_2):
             if module is not None:
@@ -405,6 +414,24 @@ class DiffusionPolicy:
             truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device),
             payload=payload,
         )
+
+    def step_chunks(self, mask_B_T: Tensor) -> list[Tensor]:
+        """The trained (sample, step) pairs of ``mask_B_T`` [B, N] split into chunks of at most
+        ``train_chunk_size``, step by step (all samples' first trained step, then the next, ...): a list of
+        {0, 1} masks [B, N] whose sum is ``mask_B_T`` (``[mask_B_T]`` when chunking is off or one chunk
+        holds everything). A trainer computes the loss of each chunk under the whole batch's normaliser and
+        runs one backward per chunk."""
+        rows, cols = (mask_B_T > 0).nonzero(as_tuple=True)
+        size = self.train_chunk_size
+        if size <= 0 or rows.numel() <= size:
+            return [mask_B_T]
+        order = torch.argsort(cols * mask_B_T.shape[0] + rows)
+        chunks = []
+        for part in order.split(size):
+            sub = torch.zeros_like(mask_B_T)
+            sub[rows[part], cols[part]] = mask_B_T[rows[part], cols[part]]
+            chunks.append(sub)
+        return chunks
 
     def log_prob(self, trajectory: Trajectory) -> Tensor:
         """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current UNet, with the

@@ -28,6 +28,7 @@ Departures from the papers, on purpose:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import time
@@ -375,8 +376,26 @@ class OnlineTrainer(TrainerLoop):
     def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
         return list(idx.split(self.cfg.micro_batch_size))
 
-    def _loss(self, mb: Trajectory, normalizer: torch.Tensor, value_normalizer: torch.Tensor):
+    def _step_chunks(self, mb: Trajectory) -> list[torch.Tensor | None]:
+        """The policy's split of a micro-batch's trained steps (``step_chunks``, e.g. a diffusion policy's
+        ``train_chunk_size``) when the loss is a sum over steps: token-level ratios, no critic, no rollout
+        correction. ``[None]``: the micro-batch in one piece."""
+        split = getattr(self.policy, "step_chunks", None)
+        if (split is None or self.spec.importance_sampling_level != "token" or self.spec.value_coef > 0
+                or mb.rollout_logp_B_T is not None):
+            return [None]
+        chunks = split(mb.mask_B_T)
+        return [None] if len(chunks) == 1 else chunks
+
+    def _loss(self, mb: Trajectory, normalizer: torch.Tensor, value_normalizer: torch.Tensor,
+              step_mask: torch.Tensor | None = None):
+        """Loss of ``mb`` under the optimizer step's ``normalizer``; with ``step_mask`` (a chunk of the
+        trained steps, ``_step_chunks``) only that chunk's share, aggregated against the whole mask, so the
+        chunks' losses sum to the micro-batch's."""
         spec = self.spec
+        full_mask = mb.mask_B_T.to(self.acc.device)
+        if step_mask is not None:
+            mb = dataclasses.replace(mb, mask_B_T=step_mask)
         mask = mb.mask_B_T.to(self.acc.device)
         values = kl = None
         if spec.value_coef > 0:
@@ -406,7 +425,10 @@ class OnlineTrainer(TrainerLoop):
             m["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
         if spec.entropy_coef:
             loss_B_T = loss_B_T - spec.entropy_coef * entropy * mask
-        loss = algos.aggregate(loss_B_T, mask, spec.loss_type, normalizer)
+        if step_mask is None:
+            loss = algos.aggregate(loss_B_T, mask, spec.loss_type, normalizer)
+        else:  # the chunk's entries, counted against the whole mask (per-sequence means stay exact)
+            loss = algos.aggregate(loss_B_T * mask, full_mask, spec.loss_type, normalizer)
         if values is not None:
             vf, vm = algos.clipped_value_loss(values, mb.values_B_T.to(values.device),
                                               mb.returns_B_T.to(values.device), mask, spec.value_clip)
@@ -446,13 +468,16 @@ class OnlineTrainer(TrainerLoop):
                 normalizer = normalizer / acc.num_processes
                 for j, idx in enumerate(micro):
                     mb = traj.select(idx)
-                    ctx = acc.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
-                    with ctx:
-                        loss, m = self._loss(mb, normalizer[0], normalizer[1])
-                        acc.backward(loss)
-                    for k, v in m.items():
-                        metrics.setdefault(k, []).append(float(v))
-                    metrics.setdefault("loss", []).append(float(loss.detach()) * len(micro))
+                    chunks, mb_loss = self._step_chunks(mb), 0.0
+                    for c, step_mask in enumerate(chunks):  # one backward per chunk of trained steps
+                        last = j == len(micro) - 1 and c == len(chunks) - 1
+                        with contextlib.nullcontext() if last else acc.no_sync(model):
+                            loss, m = self._loss(mb, normalizer[0], normalizer[1], step_mask)
+                            acc.backward(loss)
+                        for k, v in m.items():
+                            metrics.setdefault(k, []).append(float(v))
+                        mb_loss += float(loss.detach())
+                    metrics.setdefault("loss", []).append(mb_loss * len(micro))
                 grad_norm = acc.clip_grad_norm_(list(self.policy.trainable_parameters()), cfg.max_grad_norm)
                 grad_norm = float(grad_norm) if grad_norm is not None else math.nan
                 if math.isfinite(grad_norm):
