@@ -20,6 +20,7 @@ what would overrun the budget):
   G-LM     ours CausalLMPolicy.log_prob fwd+bwd on the Qwen2.5-0.5B-sized model: tokens/s, peak memory, MFU
   G-P2     GRPO end to end ours vs TRL GRPOTrainer (P2's harness) on the Qwen-sized model: completion tokens/s;
            ours again with generation_cache="static" (G-P2-static: decoding compiled, CUDA graphs)
+  G-P2-vllm the same with vLLM colocated on both sides (needs vllm installed; an error row says so otherwise)
   G-P3     DPO step ours vs TRL DPOTrainer on the Qwen-sized model: step time, first-step loss
   G-P4-*   SD1.5 / SDXL sampling, DiffusionPolicy.sample vs the stock pipeline: samples/s, MFU of the UNet
   G-P5     Diffusion-DPO peak memory at SD1.5 size: adapter-disabled reference vs frozen copy (subprocesses)
@@ -260,6 +261,38 @@ def rows_p2(rows):
     go(rows)
 
 
+def rows_p2_vllm(rows):
+    @guarded("G-P2-vllm", "GRPO end to end with vLLM on both sides (Qwen-sized)", 240)
+    def go():
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("vllm is not installed here: `pip install vllm` on the GPU machine (it pins its own "
+                               "torch; its wheel is too large to carry to a lent machine)")
+        from benchmarks import p2_grpo
+
+        model, tok = qwen_model(lm_dtype())
+        P, G, L, steps = (2, 4, 8, 2) if ARGS.tiny else (8, 8, 256, 6)
+        tr_rows = p2_grpo.train_rows()
+        o_t, o_n, t_t, t_n = [], [], [], []
+        with tempfile.TemporaryDirectory() as d:
+            # colocated engines, each with 0.3 of the GPU; both correct for the engine/trainer mismatch (TIS)
+            ours = p2_grpo.make_ours(copy.deepcopy(model), copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/o",
+                                     generation_backend="vllm", vllm_options={"gpu_memory_utilization": 0.3})
+            trainer, reward = p2_grpo.make_trl(model, copy.deepcopy(tok), tr_rows, P, G, L, steps, d + "/t",
+                                               use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+            trainer.add_callback(p2_grpo._interleave_callback(t_t, t_n, o_t, o_n, reward, ours))
+            trainer.train()
+        tps = lambda ts, ns: [n / t for t, n in zip(ts[1:], ns[1:])]  # noqa: E731
+        return [row("G-P2-vllm-tput", "GRPO completion tokens/s, vLLM colocated on both sides", median(tps(o_t, o_n)),
+                    median(tps(t_t, t_n)), "tok/s", "higher", 1.3,
+                    f"Qwen2.5-0.5B dims {lm_dtype()}, P={P} x G={G}, {L} new tokens, beta 0, dapo; ours "
+                    f"--generation_backend vllm, TRL use_vllm=True vllm_mode='colocate'; gpu_memory_utilization 0.3 "
+                    f"each; {steps} interleaved steps, median after the first",
+                    raw={"ours_times": o_t, "ours_tokens": o_n, "trl_times": t_t, "trl_tokens": t_n})]
+    go(rows)
+
+
 def rows_p3(rows):
     @guarded("G-P3", "DPO step ours vs TRL (Qwen-sized)", 90)
     def go():
@@ -455,7 +488,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU dry run of the code paths)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16/fp16 peak of the accelerator")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped past it")
-    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P3,P4,P5")
+    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5")
     p.add_argument("--output-dir", default=os.environ.get("OUT") or ".")
     ARGS = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -466,9 +499,10 @@ def main(argv=None):
     out_dir = Path(ARGS.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "args": vars(ARGS), "rows": []}
-    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P3", "P4", "P5"}
+    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5"}
     steps = [("P1", rows_p1), ("LM", rows_lm), ("P4", lambda r: rows_p4(r, "sd15", 60)),
-             ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2)]
+             ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2),
+             ("P2V", rows_p2_vllm)]
     for key, fn in steps:
         if key in want:
             fn(result["rows"])

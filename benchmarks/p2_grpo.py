@@ -131,7 +131,10 @@ def ours_step(trainer) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0):
+def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0, **trl_args):
+    """TRL's GRPOTrainer with the settings of the module docstring; ``trl_args`` override GRPOConfig fields
+    (e.g. ``use_vllm=True, vllm_mode="colocate"``; HF generate by default)."""
+    trl_args.setdefault("use_vllm", False)
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
@@ -141,10 +144,10 @@ def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0):
     args = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
         max_completion_length=L, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, beta=0.0,
-        loss_type="dapo", epsilon=0.2, scale_rewards="group", num_iterations=1, use_vllm=False, report_to=[],
+        loss_type="dapo", epsilon=0.2, scale_rewards="group", num_iterations=1, report_to=[],
         bf16=False, fp16=False, gradient_checkpointing=False, lr_scheduler_type="constant", optim="adamw_torch",
         weight_decay=0.0, max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=seed, use_cpu=not cuda, dataloader_num_workers=0)
+        disable_tqdm=True, seed=seed, use_cpu=not cuda, dataloader_num_workers=0, **trl_args)
     reward = _TokenCountingReward()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
                           callbacks=list(callbacks))
