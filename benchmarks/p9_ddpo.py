@@ -20,7 +20,8 @@ warm-up epoch then ``epochs`` timed ones; per run the median epoch split into sa
 the denoising loop with its recorded log-probs, VAE decode) and training (the update: every trained
 step's forward, backward and the optimizer step); rewards / advantages are the rest of the epoch. Peak
 memory is the process's peak RSS (VmHWM, glibc told to ``mmap`` large blocks so freed tensors leave the
-resident set) minus its RSS after imports, before the model loads. Median of ``runs`` runs per side,
+resident set) minus its RSS after imports (the same diffusers / transformers / peft model classes on both
+sides), before the model loads. Median of ``runs`` runs per side,
 the sides alternating.
 """
 
@@ -127,6 +128,12 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
         from unialign.trainers import OnlineConfig, OnlineTrainer
     else:
         from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+    # both sides load the same model classes before the base is taken (TRL's import pulls in diffusers'
+    # pipelines eagerly, ours lazily at load: ~230 MiB of library code that is not the method's memory)
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: F401
+    from peft import LoraConfig  # noqa: F401
+    from transformers import CLIPTextModel, CLIPTokenizer  # noqa: F401
+
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     base = rss_bytes()
@@ -146,7 +153,8 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
     if which == "ours":
         policy = DiffusionPolicy.from_pretrained(folder, num_steps=s["num_steps"], guidance_scale=s["guidance"],
                                                  eta=s["eta"], timestep_fraction=s["fraction"],
-                                                 lora_rank=4 if lora else 0, train_chunk_size=chunk, seed=seed)
+                                                 lora_rank=4 if lora else 0, train_chunk_size=chunk,
+                                                 sample_batch_size=s["micro_batch"] if chunk else 0, seed=seed)
         cfg = OnlineConfig(algorithm="ddpo", num_generations=s["per_prompt"], prompts_per_step=s["prompts"],
                            micro_batch_size=s["micro_batch"], num_mini_batches=1, max_steps=epochs + 1,
                            learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=1.0, epsilon=s["clip"],

@@ -84,3 +84,22 @@ def test_sequence_level_ratios_are_not_chunked(make_policy, tmp_path):
     trainer = OnlineTrainer(policy, brightness, [{"prompt": "a red circle"}], cfg)
     traj, _ = trainer.collect()
     assert trainer._step_chunks(traj) == [None]  # GSPO's ratio is a mean over the sample's steps
+
+
+def test_sampling_in_chunks(make_policy):
+    """``sample_batch_size`` denoises a batch a few images at a time: same shapes, the first chunk is the
+    unchunked sample of its prompts under the same seed, and the recorded log-probs are the policy's."""
+    prompts = ["a red circle", "a blue square", "a green circle", "a red square", "a blue circle"]
+    policy = make_policy("sd", num_steps=3, timestep_fraction=1.0, sample_batch_size=2)
+    with torch.no_grad():
+        traj = policy.sample(prompts, generator=torch.Generator().manual_seed(0))
+        policy.sample_batch_size = 0
+        first = policy.sample(prompts[:2], generator=torch.Generator().manual_seed(0))
+        whole = policy.sample(prompts, generator=torch.Generator().manual_seed(0))
+        logp = policy.log_prob(traj)
+    assert len(traj.completions) == 5 and traj.payload["latents"].shape == whole.payload["latents"].shape
+    assert torch.equal(traj.payload["latents"][:2], first.payload["latents"])
+    assert not torch.equal(traj.payload["latents"], whole.payload["latents"])  # later chunks draw after the first
+    torch.testing.assert_close(logp, traj.old_logp_B_T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="sample_batch_size"):
+        make_policy("sd", sample_batch_size=-1)

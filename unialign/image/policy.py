@@ -74,6 +74,9 @@ class DiffusionPolicy:
             and the loss normaliser of the whole optimizer step, so the update is the same while only one
             chunk's activations are alive (ddpo-pytorch / TRL train one step of the batch at a time).
             0: all trained steps of a micro-batch in one UNet call.
+        sample_batch_size: ``sample`` denoises the prompts this many at a time (TRL's ``sample_batch_size``):
+            the sampling activations of one chunk are alive, not the whole batch's. 0: all at once. The
+            chunks draw their noise one after the other from the same generator.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class DiffusionPolicy:
         seed: int = 0,
         caption_dropout: float = 0.0,
         train_chunk_size: int = 0,
+        sample_batch_size: int = 0,
     ) -> None:
         from diffusers import DDIMScheduler
 
@@ -134,6 +138,9 @@ class DiffusionPolicy:
         if train_chunk_size < 0:
             raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
         self.train_chunk_size = train_chunk_size
+        if sample_batch_size < 0:
+            raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
+        self.sample_batch_size = sample_batch_size
 
         for module in (self.vae, text_encoder, text_encoder_2):
             if module is not None:
@@ -379,8 +386,13 @@ class DiffusionPolicy:
                record_logp: bool = True) -> Trajectory:
         """Sample one image per prompt with the DDIM (eta > 0) sampler and CFG; record every latent,
         the timesteps, the conditioning and each step's log-prob (see module docstring). The log-probs
-        come free with each step, so ``record_logp`` is ignored."""
-        return self._sample(self.model, prompts, generator)
+        come free with each step, so ``record_logp`` is ignored. With ``sample_batch_size`` the prompts
+        are denoised in chunks of that many."""
+        size = self.sample_batch_size
+        if size <= 0 or len(prompts) <= size:
+            return self._sample(self.model, prompts, generator)
+        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
+                               for i in range(0, len(prompts), size)])
 
     def _sample(self, unet, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
         from diffusers.utils.torch_utils import randn_tensor

@@ -52,6 +52,8 @@ class ImageRLConfig(OnlineConfig):
     train_chunk_size: int = field(default=0, metadata={
         "help": "(sample, step) pairs per forward/backward in training: a micro-batch's trained steps in chunks of "
                 "this many, one backward each, the same update (0: all in one UNet call; memory only)"})
+    sample_batch_size: int = field(default=0, metadata={
+        "help": "images denoised at once while sampling (0: the whole step's batch; memory only)"})
     torch_dtype: str = field(default="float32", metadata={"help": "UNet / text-encoder dtype (the VAE runs in fp32)"})
     num_eval: int = field(default=168, metadata={"help": "held-out images (prompts cycled), sampled with eval_seed"})
     eval_seed: int = field(default=1234, metadata={"help": "seed of the held-out samples: the same noise every time"})
@@ -80,7 +82,7 @@ def policy_kwargs(cfg: ImageRLConfig) -> dict[str, Any]:
     sizes = {} if cfg.resolution is None else {"height": cfg.resolution, "width": cfg.resolution}
     return dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, eta=cfg.eta,
                 timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std, lora_rank=cfg.lora_rank,
-                train_chunk_size=cfg.train_chunk_size, seed=cfg.seed, **sizes)
+                train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, seed=cfg.seed, **sizes)
 
 
 def load_prompts(name: str) -> tuple[list[str], list[str]]:
