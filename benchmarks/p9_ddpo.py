@@ -7,7 +7,8 @@ sides load; DDIM 10 steps, eta 1, CFG 5 in sampling and training; 4 prompts x 8 
 timestep fraction 0.5 (5 trained steps per sample); clip range 1e-4, advantage clip 5, per-prompt reward
 statistics (buffer 32 / min count 16 on ours, TRL's defaults 16 / 16: with 8 samples per prompt both use
 the batch's statistics in the first epoch); AdamW lr 3e-4, weight decay 1e-4, grad-norm 1; ONE optimizer
-step per epoch over 8-sample micro-batches (TRL: train_batch_size 8, gradient accumulation 4); fp32 on
+step per epoch over 8-sample micro-batches (TRL: train_batch_size 8, gradient accumulation 4; ours:
+``train_chunk_size`` 8 (sample, step) pairs per backward and ``sample_batch_size`` 8, the same layout); fp32 on
 CPU; reward: JPEG compressibility, -(kB at quality 95) of the uint8 image. Full fine-tuning and LoRA
 (r 4, alpha 4, gaussian init, to_q/k/v/out.0 on both).
 
@@ -55,18 +56,26 @@ CACHE = Path(os.environ.get("UNIALIGN_BENCH_CACHE", Path.home() / ".cache" / "un
 TRL_ENV = CACHE / "trl023"
 TRL_PINS = ["trl==0.23.1", "diffusers==0.35.2", "transformers==4.57.6", "accelerate==1.10.1", "peft==0.17.1"]
 TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
-CHUNK = int(os.environ.get("UNIALIGN_P9_CHUNK", 8))  # ours: (sample, step) pairs per training forward/backward (TRL: train_batch_size samples x 1 step)
+# ours: (sample, step) pairs per training forward/backward and images per sampling call, TRL's layout
+# (train_batch_size 8 samples x 1 step, sample_batch_size 8); UNIALIGN_P9_CHUNK=0: one call each (the old layout)
+CHUNK = int(os.environ.get("UNIALIGN_P9_CHUNK", 8))
 PROMPTS = ["a cat", "a red car", "a tree", "the sea"]
 SETTINGS = dict(num_steps=10, eta=1.0, guidance=5.0, prompts=4, per_prompt=8, fraction=0.5, clip=1e-4, lr=3e-4,
                 micro_batch=8, adv_clip=5.0, weight_decay=1e-4)
 
 
 # ----------------------------------------------------------------------------- environment and pipeline
+_TRL_OK: list[Path] = []
+
+
 def trl_python() -> Path:
     """The TRL 0.23 environment's python, created on first use (minutes; says so on stderr)."""
+    if _TRL_OK:
+        return _TRL_OK[0]
     py = TRL_ENV / "bin" / "python"
     check = [str(py), "-c", "import trl, diffusers; from trl import DDPOTrainer; assert trl.__version__.startswith('0.23')"]
     if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        _TRL_OK.append(py)
         return py
     print(f"[P9] creating TRL 0.23's environment in {TRL_ENV} (once; pins {' '.join(TORCH_PINS + TRL_PINS)})",
           file=sys.stderr, flush=True)
@@ -76,6 +85,7 @@ def trl_python() -> Path:
     subprocess.run(pip + TORCH_PINS, check=True)
     subprocess.run(pip + TRL_PINS, check=True)
     subprocess.run(check, check=True)
+    _TRL_OK.append(py)
     return py
 
 
@@ -258,7 +268,7 @@ def run(quick: bool = False) -> list[dict]:
             o, t = r["median"]["ours"], r["median"]["trl"]
             note = (f"{'LoRA r4' if lora else 'full fine-tuning'}; tiny SD1.x UNet (32, 64) x1 layer, 32 px, DDIM 10 "
                     f"steps, eta 1, CFG 5, 4 prompts x 8 samples, timestep fraction 0.5, micro-batch 8, one optimizer "
-                    f"step per epoch, fp32 CPU, 1 thread; each side alone in a fresh process, median of {runs} runs "
+                    f"step per epoch, ours train_chunk_size {CHUNK} / sample_batch_size {CHUNK and 8}, fp32 CPU, 1 thread; each side alone in a fresh process, median of {runs} runs "
                     f"x {epochs} epochs after a warm-up epoch; TRL 0.23.1 in its own environment")
             split = (f"; sampling ours {o['sample_s']:.2f} s vs TRL {t['sample_s']:.2f} s, training ours "
                      f"{o['train_s']:.2f} s vs TRL {t['train_s']:.2f} s")
