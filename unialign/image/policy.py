@@ -35,6 +35,7 @@ from unialign.image.ddim import (
     ddim_step_with_logprob,
     gaussian_logprob_mean,
 )
+from unialign.policy import ReferencePolicy
 from unialign.types import PreferenceBatch, Trajectory
 
 Tensor = torch.Tensor
@@ -510,9 +511,9 @@ class DiffusionPolicy:
         (+ ``pooled_prompt_embeds`` for SDXL; else the prompts are encoded) and per-side SDXL
         ``time_ids`` [B, 6] (default: the latent size, no crop). No CFG. Returns (chosen_B, rejected_B).
         """
-        return self._sequence_log_prob(self.model, batch)
+        return self._sequence_log_prob(self.model, batch, length_normalize)
 
-    def _sequence_log_prob(self, unet, batch: PreferenceBatch) -> tuple[Tensor, Tensor]:
+    def _sequence_log_prob(self, unet, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
         from diffusers.utils.torch_utils import randn_tensor
 
         chosen = batch.chosen["latents"].to(self.device, torch.float32)
@@ -555,14 +556,22 @@ class DiffusionPolicy:
         logp = -0.5 * ((target - pred) ** 2).mean(dim=(1, 2, 3))
         return logp[:b], logp[b:]
 
-    def reference(self) -> _ReferencePolicy:
+    def reference(self) -> ReferencePolicy:
         """The frozen reference: the same UNet with LoRA adapters disabled, or (full fine-tuning) a frozen
         deep copy made on the first call; call it before training starts."""
         if self.lora_rank > 0:
-            return _ReferencePolicy(self, None, adapters_off=True)
+            return ReferencePolicy(self, None, self._adapters_disabled)  # the policy's own (wrapped) UNet
         if self._frozen_unet is None:
             self._frozen_unet = copy.deepcopy(self.unet).requires_grad_(False).eval()
-        return _ReferencePolicy(self, self._frozen_unet, adapters_off=False)
+        return ReferencePolicy(self, self._frozen_unet)
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        self.unet.disable_adapters()
+        try:
+            yield
+        finally:
+            self.unet.enable_adapters()
 
     def save(self, path: str) -> None:
         """LoRA: ``pytorch_lora_weights.safetensors`` in ``path``, loadable with stock
@@ -588,55 +597,3 @@ class DiffusionPolicy:
         pipeline_cls.save_lora_weights(path, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
 
 
-class _ReferencePolicy:
-    """Reference view of a ``DiffusionPolicy``: same interface, no gradients, base weights."""
-
-    def __init__(self, policy: DiffusionPolicy, unet, adapters_off: bool) -> None:
-        self.policy, self._unet, self.adapters_off = policy, unet, adapters_off
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The module the reference runs: the policy's (possibly wrapped) UNet with adapters off, or
-        the frozen copy."""
-        return self.policy.model if self.adapters_off else self._unet
-
-    @contextlib.contextmanager
-    def _frozen(self) -> Iterator[None]:
-        with torch.no_grad():
-            if not self.adapters_off:
-                yield
-                return
-            self.policy.unet.disable_adapters()
-            try:
-                yield
-            finally:
-                self.policy.unet.enable_adapters()
-
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
-               record_logp: bool = True) -> Trajectory:
-        with self._frozen():
-            return self.policy._sample(self.model, prompts, generator)
-
-    def log_prob(self, trajectory: Trajectory) -> Tensor:
-        with self._frozen():
-            return self.policy._log_prob(self.model, trajectory, False)
-
-    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
-        with self._frozen():
-            return self.policy._log_prob(self.model, trajectory, True)
-
-    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
-        with self._frozen():
-            return self.policy._sequence_log_prob(self.model, batch)
-
-    def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
-        return self.policy.preference_batch(rows, resolution)
-
-    def reference(self) -> _ReferencePolicy:
-        return self
-
-    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
-        return []
-
-    def save(self, path: str) -> None:
-        raise NotImplementedError("the reference policy is frozen; save the policy itself")
