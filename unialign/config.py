@@ -89,6 +89,7 @@ RULES: dict[str, dict[str, Any]] = {
     "num_steps": {"group": "algorithm", "min": 1}, "guidance_scale": {"group": "algorithm", "min": 0.0},
     "eta": {"group": "algorithm", "min": 0.0}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
     "min_step_std": {"group": "algorithm", "min": 0.0}, "train_chunk_size": {"group": "optimisation", "min": 0},
+    "sample_batch_size": {"group": "optimisation", "min": 0},
     "rollout_correction": {"group": "algorithm"}, "rollout_correction_level": {"group": "algorithm"},
     "rollout_correction_cap": {"group": "algorithm", "gt": 0.0},
     # optimisation
