@@ -5,6 +5,7 @@ Importing this package imports torch only; diffusers / transformers / peft are i
 """
 
 from unialign.image.ddim import ddim_step_coefficients, ddim_step_with_logprob, gaussian_logprob_mean
+from unialign.image.flow_policy import FlowMatchingPolicy
 from unialign.image.policy import DiffusionPolicy
 
-__all__ = ["DiffusionPolicy", "ddim_step_coefficients", "ddim_step_with_logprob", "gaussian_logprob_mean"]
+__all__ = ["DiffusionPolicy", "FlowMatchingPolicy", "ddim_step_coefficients", "ddim_step_with_logprob", "gaussian_logprob_mean"]
