@@ -151,6 +151,34 @@ def test_one_grpo_step_changes_the_weights(make_flow_policy, tmp_path):
     assert moved
 
 
+def test_chunked_grpo_update_with_gaussian_kl_gives_the_whole_gradients(make_flow_policy, tmp_path):
+    policy = make_flow_policy(lora_rank=2, num_steps=3)
+    with torch.no_grad():
+        for n, p in policy.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # policy != reference, so the KL term has a gradient
+    brightness = lambda prompts, completions: [float(np.asarray(im).mean() / 255) for im in completions]  # noqa: E731
+    cfg = OnlineConfig(algorithm="grpo", num_generations=2, prompts_per_step=2, micro_batch_size=4, max_steps=1,
+                       learning_rate=1e-3, beta=0.04, kl_estimator="gaussian", report_to="none",
+                       output_dir=str(tmp_path))
+    trainer = OnlineTrainer(policy, brightness, [{"prompt": p} for p in PROMPTS], cfg)
+    traj, _ = trainer.collect()
+    traj.advantages_B_T = torch.linspace(-1, 1, traj.mask_B_T.numel()).view_as(traj.mask_B_T)
+    grads = []
+    for chunk in (0, 5):  # 12 trained pairs: one call, or chunks of 5, 5, 2
+        policy.train_chunk_size = chunk
+        assert len(policy.step_chunks(traj.mask_B_T)) == (1 if chunk == 0 else 3)
+        captured = {}
+        trainer.optimizer.step = lambda out=captured: out.update(
+            {n: p.grad.detach().clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+        trainer.update(traj)
+        grads.append(captured)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()) + 1e-12)
+    assert any(float(g.abs().max()) > 0 for g in grads[0].values())
+
+
 def test_small_eta_approaches_the_stock_pipelines_euler_sampling(make_flow_policy):
     from diffusers import StableDiffusion3Pipeline
 

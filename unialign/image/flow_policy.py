@@ -34,6 +34,7 @@ from PIL import Image
 
 from unialign.image.ddim import HALF_LOG_2PI
 from unialign.image.flow import SDE_TYPES, flow_step_coefficients, flow_step_kl, sde_step_with_logprob
+from unialign.image.policy import DiffusionPolicy
 from unialign.policy import ReferencePolicy
 from unialign.types import PreferenceBatch, Trajectory
 
@@ -64,7 +65,10 @@ class FlowMatchingPolicy:
         lora_rank: > 0 adds a peft LoRA (alpha = ``lora_alpha`` or rank) on the transformer's attention
             projections (``SD3_LORA_TARGET_MODULES``) and freezes the base; 0 trains the full transformer.
         gradient_checkpointing: transformer gradient checkpointing.
-        sample_batch_size: ``sample`` denoises this many prompts at a time (0: all at once).
+        sample_batch_size: ``sample`` denoises this many prompts at a time (0: all at once); each chunk
+            draws its own SDE window.
+        train_chunk_size: (sample, step) pairs per forward / backward in training (``step_chunks``, the
+            same split as ``DiffusionPolicy``'s); 0: all trained steps of a micro-batch in one call.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class FlowMatchingPolicy:
         lora_alpha: float | None = None,
         gradient_checkpointing: bool = False,
         sample_batch_size: int = 0,
+        train_chunk_size: int = 0,
     ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -125,6 +130,9 @@ class FlowMatchingPolicy:
         if sample_batch_size < 0:
             raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
         self.sample_batch_size = sample_batch_size
+        if train_chunk_size < 0:
+            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
+        self.train_chunk_size = train_chunk_size
 
         for module in (self.vae, text_encoder, text_encoder_2, text_encoder_3):
             if module is not None:
@@ -346,6 +354,9 @@ class FlowMatchingPolicy:
         return Trajectory(prompts=list(prompts), completions=self.decode(latents), mask_B_T=mask,
                           old_logp_B_T=torch.stack(all_logps, dim=1),
                           truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device), payload=payload)
+
+    # the trained (sample, step) pairs of a mask in chunks of ``train_chunk_size`` (the trainer's split)
+    step_chunks = DiffusionPolicy.step_chunks
 
     def log_prob(self, trajectory: Trajectory) -> Tensor:
         """Differentiable ``logp_B_T`` [B, N] of the recorded steps under the current transformer, with the
