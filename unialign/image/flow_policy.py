@@ -22,10 +22,8 @@ Payload written by ``sample`` (read only by this class), every tensor with leadi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -34,7 +32,7 @@ from PIL import Image
 
 from unialign.image.ddim import HALF_LOG_2PI
 from unialign.image.flow import SDE_TYPES, flow_step_coefficients, flow_step_kl, sde_step_with_logprob
-from unialign.image.policy import DiffusionPolicy
+from unialign.image.policy import DenoiserPolicy
 from unialign.policy import ReferencePolicy
 from unialign.types import PreferenceBatch, Trajectory
 
@@ -45,7 +43,7 @@ SD3_LORA_TARGET_MODULES = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 
 
-class FlowMatchingPolicy:
+class FlowMatchingPolicy(DenoiserPolicy):
     """SD3-family policy sampling with a stochastic flow-matching step that records per-step log-probs.
 
     Args:
@@ -67,8 +65,8 @@ class FlowMatchingPolicy:
         gradient_checkpointing: transformer gradient checkpointing.
         sample_batch_size: ``sample`` denoises this many prompts at a time (0: all at once); each chunk
             draws its own SDE window.
-        train_chunk_size: (sample, step) pairs per forward / backward in training (``step_chunks``, the
-            same split as ``DiffusionPolicy``'s); 0: all trained steps of a micro-batch in one call.
+        train_chunk_size: (sample, step) pairs per forward / backward in training (``step_chunks``, shared with
+            ``DiffusionPolicy`` in ``DenoiserPolicy``); 0: all trained steps of a micro-batch in one call.
     """
 
     def __init__(
@@ -127,30 +125,10 @@ class FlowMatchingPolicy:
         self._set_timesteps()
         # validates noise_level for the sde type at once, not at the first step
         flow_step_coefficients(self.scheduler, self.scheduler.timesteps[:1], 1, noise_level, sde_type)
-        if sample_batch_size < 0:
-            raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
-        self.sample_batch_size = sample_batch_size
-        if train_chunk_size < 0:
-            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
-        self.train_chunk_size = train_chunk_size
-
-        for module in (self.vae, text_encoder, text_encoder_2, text_encoder_3):
-            if module is not None:
-                module.requires_grad_(False).eval()
-        self.lora_rank = lora_rank
-        if lora_rank > 0:
-            from peft import LoraConfig
-
-            transformer.requires_grad_(False)
-            transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank,
-                                               init_lora_weights="gaussian", target_modules=SD3_LORA_TARGET_MODULES))
-            for p in transformer.parameters():  # trainable LoRA weights in fp32 even for a half-precision model
-                if p.requires_grad:
-                    p.data = p.data.float()
-        else:
-            transformer.requires_grad_(True)
-        if gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
+        self._setup_denoiser(transformer, (self.vae, text_encoder, text_encoder_2, text_encoder_3),
+                             lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=SD3_LORA_TARGET_MODULES,
+                             gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
+                             train_chunk_size=train_chunk_size)
         self.model = transformer  # trainers may wrap it; forward passes go through self.model
         self._frozen_transformer = None
         self._uncond_cache: dict[str, Tensor] | None = None
@@ -183,7 +161,6 @@ class FlowMatchingPolicy:
             FlowMatchEulerDiscreteScheduler,
             SD3Transformer2DModel,
         )
-        from huggingface_hub import constants as hub_constants
         from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
         from unialign.hub import require_hub
@@ -191,9 +168,7 @@ class FlowMatchingPolicy:
         if isinstance(torch_dtype, str):
             torch_dtype = getattr(torch, torch_dtype)
         require_hub(path_or_hub_id, "model")  # fail in seconds, not after a minute of retries
-        local = os.path.isdir(path_or_hub_id)
-        offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-        opts: dict[str, Any] = {"local_files_only": True} if (offline and not local) else {}
+        opts, offline = cls._hub_options(path_or_hub_id)
         try:
             config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
             model_kw = dict(opts, torch_dtype=torch_dtype, variant=variant)
@@ -239,9 +214,6 @@ class FlowMatchingPolicy:
     @property
     def _cfg(self) -> bool:
         return self.guidance_scale > 1.0
-
-    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def _clip(self, tokenizer, encoder, prompts: list[str]) -> tuple[Tensor, Tensor]:
         ids = tokenizer(list(prompts), padding="max_length", max_length=self.tokenizer.model_max_length,
@@ -312,17 +284,6 @@ class FlowMatchingPolicy:
         return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
 
     # ------------------------------------------------------------------ Policy protocol
-    @torch.no_grad()
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
-               record_logp: bool = True) -> Trajectory:
-        """One image per prompt (see the module docstring); the log-probs come free with each step, so
-        ``record_logp`` is ignored. With ``sample_batch_size`` the prompts are denoised in chunks."""
-        size = self.sample_batch_size
-        if size <= 0 or len(prompts) <= size:
-            return self._sample(self.model, prompts, generator)
-        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
-                               for i in range(0, len(prompts), size)])
-
     def _sample(self, model, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -356,7 +317,6 @@ class FlowMatchingPolicy:
                           truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device), payload=payload)
 
     # the trained (sample, step) pairs of a mask in chunks of ``train_chunk_size`` (the trainer's split)
-    step_chunks = DiffusionPolicy.step_chunks
 
     def log_prob(self, trajectory: Trajectory) -> Tensor:
         """Differentiable ``logp_B_T`` [B, N] of the recorded steps under the current transformer, with the
@@ -423,14 +383,6 @@ class FlowMatchingPolicy:
         if self._frozen_transformer is None:
             self._frozen_transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
         return ReferencePolicy(self, self._frozen_transformer)
-
-    @contextlib.contextmanager
-    def _adapters_disabled(self) -> Iterator[None]:
-        self.transformer.disable_adapters()
-        try:
-            yield
-        finally:
-            self.transformer.enable_adapters()
 
     def save(self, path: str) -> None:
         """LoRA: ``pytorch_lora_weights.safetensors`` in ``path`` (``StableDiffusion3Pipeline.save_lora_weights``),

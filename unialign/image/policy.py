@@ -43,7 +43,89 @@ Tensor = torch.Tensor
 LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-class DiffusionPolicy:
+class DenoiserPolicy:
+    """What ``DiffusionPolicy`` (UNet, DDIM) and ``FlowMatchingPolicy`` (SD3 transformer, SDE step) share: the
+    denoiser (``self.denoiser``: the one trainable module) made trainable in full or through LoRA, the frozen
+    text encoders / VAE, chunked sampling and step-chunked training, the adapters-off reference switch, and
+    the hub load options. A subclass implements ``_sample(model, prompts, generator)``."""
+
+    def _setup_denoiser(self, denoiser, frozen: tuple, *, lora_rank: int, lora_alpha: float | None,
+                        target_modules: list[str], gradient_checkpointing: bool, sample_batch_size: int,
+                        train_chunk_size: int) -> None:
+        if train_chunk_size < 0:
+            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
+        if sample_batch_size < 0:
+            raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
+        self.train_chunk_size, self.sample_batch_size = train_chunk_size, sample_batch_size
+        for module in frozen:
+            if module is not None:
+                module.requires_grad_(False).eval()
+        self.denoiser, self.lora_rank = denoiser, lora_rank
+        if lora_rank > 0:
+            from peft import LoraConfig
+
+            denoiser.requires_grad_(False)
+            denoiser.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank,
+                                            init_lora_weights="gaussian", target_modules=target_modules))
+            for p in denoiser.parameters():  # trainable LoRA weights in fp32 even for a half-precision model
+                if p.requires_grad:
+                    p.data = p.data.float()
+        else:
+            denoiser.requires_grad_(True)
+        if gradient_checkpointing:
+            denoiser.enable_gradient_checkpointing()
+
+    @staticmethod
+    def _hub_options(path_or_hub_id: str) -> tuple[dict[str, Any], bool]:
+        """(``from_pretrained`` options, offline?): ``local_files_only`` when offline and not a local folder."""
+        from huggingface_hub import constants as hub_constants
+
+        offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        return ({"local_files_only": True} if (offline and not os.path.isdir(path_or_hub_id)) else {}), offline
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
+        """One image per prompt, recording every latent, the timesteps, the conditioning and each step's
+        log-prob (the subclass's ``_sample``). The log-probs come free with each step, so ``record_logp`` is
+        ignored. With ``sample_batch_size`` the prompts are denoised in chunks of that many."""
+        size = self.sample_batch_size
+        if size <= 0 or len(prompts) <= size:
+            return self._sample(self.model, prompts, generator)
+        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
+                               for i in range(0, len(prompts), size)])
+
+    def step_chunks(self, mask_B_T: Tensor) -> list[Tensor]:
+        """The trained (sample, step) pairs of ``mask_B_T`` [B, N] split into chunks of at most
+        ``train_chunk_size``, step by step (all samples' first trained step, then the next, ...): a list of
+        {0, 1} masks [B, N] whose sum is ``mask_B_T`` (``[mask_B_T]`` when chunking is off or one chunk
+        holds everything). A trainer computes the loss of each chunk under the whole batch's normaliser and
+        runs one backward per chunk."""
+        rows, cols = (mask_B_T > 0).nonzero(as_tuple=True)
+        size = self.train_chunk_size
+        if size <= 0 or rows.numel() <= size:
+            return [mask_B_T]
+        order = torch.argsort(cols * mask_B_T.shape[0] + rows)
+        chunks = []
+        for part in order.split(size):
+            sub = torch.zeros_like(mask_B_T)
+            sub[rows[part], cols[part]] = mask_B_T[rows[part], cols[part]]
+            chunks.append(sub)
+        return chunks
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        self.denoiser.disable_adapters()
+        try:
+            yield
+        finally:
+            self.denoiser.enable_adapters()
+
+
+class DiffusionPolicy(DenoiserPolicy):
     """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs.
 
     Args:
@@ -136,30 +218,10 @@ class DiffusionPolicy:
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
-        if train_chunk_size < 0:
-            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
-        self.train_chunk_size = train_chunk_size
-        if sample_batch_size < 0:
-            raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
-        self.sample_batch_size = sample_batch_size
-
-        for module in (self.vae, text_encoder, text_encoder_2):
-            if module is not None:
-                module.requires_grad_(False).eval()
-        self.lora_rank = lora_rank
-        if lora_rank > 0:
-            from peft import LoraConfig
-
-            unet.requires_grad_(False)
-            unet.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank,
-                                        init_lora_weights="gaussian", target_modules=LORA_TARGET_MODULES))
-            for p in unet.parameters():  # trainable LoRA weights in fp32 even for a half-precision UNet
-                if p.requires_grad:
-                    p.data = p.data.float()
-        else:
-            unet.requires_grad_(True)
-        if gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
+        self._setup_denoiser(unet, (self.vae, text_encoder, text_encoder_2), lora_rank=lora_rank,
+                             lora_alpha=lora_alpha, target_modules=LORA_TARGET_MODULES,
+                             gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
+                             train_chunk_size=train_chunk_size)
         if enable_xformers:
             try:
                 import xformers  # noqa: F401
@@ -193,7 +255,6 @@ class DiffusionPolicy:
         (offline with ``HF_HUB_OFFLINE=1``, unknown id, no network).
         """
         from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, UNet2DConditionModel
-        from huggingface_hub import constants as hub_constants
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
         from unialign.hub import require_hub
@@ -203,9 +264,7 @@ class DiffusionPolicy:
         for name in (path_or_hub_id, vae_name_or_path):
             if name is not None:
                 require_hub(name, "model")  # fail in seconds, not after a minute of retries
-        local = os.path.isdir(path_or_hub_id)
-        offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-        opts: dict[str, Any] = {"local_files_only": True} if (offline and not local) else {}
+        opts, offline = cls._hub_options(path_or_hub_id)
         try:
             config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
             if sdxl is None:
@@ -247,9 +306,6 @@ class DiffusionPolicy:
         """The UNet's dtype: its first floating-point parameter's. (diffusers' ``unet.dtype`` says the same
         but walks every module per call: ~1 ms per sampling step on a small UNet, P4's whole overhead.)"""
         return next((p.dtype for p in self.unet.parameters() if p.is_floating_point()), torch.float32)
-
-    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
-        return [p for p in self.unet.parameters() if p.requires_grad]
 
     def _tokenize(self, tokenizer, prompts: list[str]) -> Tensor:
         return tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
@@ -382,19 +438,6 @@ class DiffusionPolicy:
         return PreferenceBatch(prompts=captions, chosen=sides[0], rejected=sides[1], payload=payload)
 
     # ------------------------------------------------------------------ Policy protocol
-    @torch.no_grad()
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
-               record_logp: bool = True) -> Trajectory:
-        """Sample one image per prompt with the DDIM (eta > 0) sampler and CFG; record every latent,
-        the timesteps, the conditioning and each step's log-prob (see module docstring). The log-probs
-        come free with each step, so ``record_logp`` is ignored. With ``sample_batch_size`` the prompts
-        are denoised in chunks of that many."""
-        size = self.sample_batch_size
-        if size <= 0 or len(prompts) <= size:
-            return self._sample(self.model, prompts, generator)
-        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
-                               for i in range(0, len(prompts), size)])
-
     def _sample(self, unet, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -427,24 +470,6 @@ class DiffusionPolicy:
             truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device),
             payload=payload,
         )
-
-    def step_chunks(self, mask_B_T: Tensor) -> list[Tensor]:
-        """The trained (sample, step) pairs of ``mask_B_T`` [B, N] split into chunks of at most
-        ``train_chunk_size``, step by step (all samples' first trained step, then the next, ...): a list of
-        {0, 1} masks [B, N] whose sum is ``mask_B_T`` (``[mask_B_T]`` when chunking is off or one chunk
-        holds everything). A trainer computes the loss of each chunk under the whole batch's normaliser and
-        runs one backward per chunk."""
-        rows, cols = (mask_B_T > 0).nonzero(as_tuple=True)
-        size = self.train_chunk_size
-        if size <= 0 or rows.numel() <= size:
-            return [mask_B_T]
-        order = torch.argsort(cols * mask_B_T.shape[0] + rows)
-        chunks = []
-        for part in order.split(size):
-            sub = torch.zeros_like(mask_B_T)
-            sub[rows[part], cols[part]] = mask_B_T[rows[part], cols[part]]
-            chunks.append(sub)
-        return chunks
 
     def log_prob(self, trajectory: Trajectory) -> Tensor:
         """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current UNet, with the
@@ -564,14 +589,6 @@ class DiffusionPolicy:
         if self._frozen_unet is None:
             self._frozen_unet = copy.deepcopy(self.unet).requires_grad_(False).eval()
         return ReferencePolicy(self, self._frozen_unet)
-
-    @contextlib.contextmanager
-    def _adapters_disabled(self) -> Iterator[None]:
-        self.unet.disable_adapters()
-        try:
-            yield
-        finally:
-            self.unet.enable_adapters()
 
     def save(self, path: str) -> None:
         """LoRA: ``pytorch_lora_weights.safetensors`` in ``path``, loadable with stock
