@@ -131,6 +131,8 @@ def main(out_path: str, cases: str) -> None:
     if acc.is_main_process:
         torch.save(results, out_path)  # plain tensors and strings: the test reads it with weights_only=True
     acc.wait_for_everyone()
+    if torch.distributed.is_initialized():  # an orderly gloo shutdown (else a rank can abort at exit)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ def main(out_path: str, loss_types: str) -> None:
     results = {lt: one_update(lt) for lt in loss_types.split(",")}
     if int(__import__("os").environ.get("RANK", "0")) == 0:
         torch.save(results, out_path)
+    if torch.distributed.is_initialized():  # an orderly gloo shutdown (else a rank can abort at exit)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def one_update(loss_type: str) -> dict:
