@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
-from unialign.embedded import NAME, parts
+from unialign.embedded import parts
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 from unialign.recipes import check_rewards
 
@@ -75,7 +75,7 @@ PRESETS = {
 
 def main(cfg: DDPOAestheticConfig) -> dict:
     check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
-    if cfg.model_name_or_path == NAME:
+    if cfg.model_name_or_path in parts.IMAGE_MODELS:
         return run_image_rl(cfg, **parts.image_rl_parts(cfg))
     return run_image_rl(cfg, **hub_parts(cfg))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unialign.config import exit_on_user_error, parse_config
-from unialign.embedded import NAME, parts
+from unialign.embedded import parts
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 from unialign.recipes import check_rewards
 
@@ -30,7 +30,8 @@ from unialign.recipes import check_rewards
 @dataclass
 class GRPOImageConfig(ImageRLConfig):
     model_name_or_path: str = field(default="embedded", metadata={
-        "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
+        "help": "SD1.x / SDXL / SD3 / FLUX.1 hub id or local diffusers folder, or 'embedded' (the shipped tiny "
+                "SDXL-architecture model) / 'embedded-sd3' (its flow-matching twin)"})
     prompt_set: str = field(default="embedded", metadata={
         "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
     # The embedded default, each choice measured on held-out fidelity (README, "Images"):
@@ -38,7 +39,7 @@ class GRPOImageConfig(ImageRLConfig):
     #   policy gradient is mostly noise (cosine of two independent batch gradients ~0.05, partial ~0.27);
     reward: str = field(default="shape_verifier_partial", metadata={
         "help": "comma-separated registry names (shape_verifier[_partial], aesthetic, clip_score, jpeg_compressibility, ...)"})
-    algorithm: str = field(default="grpo", metadata={"help": "grpo | dapo | dr_grpo | gspo | gspo_token | rloo | reinforce"})
+    algorithm: str = field(default="grpo", metadata={"help": "grpo | flow_grpo | dapo | dr_grpo | gspo | gspo_token | rloo | reinforce"})
     # * no CFG: half the UNet calls, and RL learns what CFG 3 buys (the base model's fidelity at CFG 3)
     guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
     # * the last two of 8 steps (sigma 0.04, 0.02) never trained (min_step_std 0.05, ImageRLConfig's
@@ -72,12 +73,35 @@ PRESETS = {
         num_generations=16, micro_batch_size=4, train_chunk_size=4, max_steps=300, num_eval=64, torch_dtype="float16",
         timestep_fraction=0.5, num_mini_batches=1, epsilon=1e-4, beta=0.04, eval_steps=50, num_threads=0,
         output_dir="outputs/grpo_sd15_clip"),
+    # Flow-GRPO on SD3.5-Medium (Liu et al. 2025, arXiv 2505.05470; yifan123/flow_grpo config/grpo.py, geneval
+    # configs): 10 SDE steps at 512 px, CFG 4.5, noise level 0.7, groups of 24, LoRA r32 / alpha 64 on the attention
+    # projections, lr 3e-4, the flow_grpo preset (clip 1e-4, advantages +-5, batch std, beta 0.04, Gaussian KL).
+    # GenEval itself needs object detectors that Flow-GRPO runs as a separate server; unialign ships no GenEval
+    # scorer, so give yours with TRL's signature: --reward my_pkg.geneval:score --prompt_set geneval_prompts.txt
+    # (the default below is Flow-GRPO's CLIP-score reward on ddpo-pytorch's prompts).
+    "sd3.5-medium-geneval": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set="animals",
+        reward="clip_score", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
+        resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
+        lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
+        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
+        num_threads=0, output_dir="outputs/grpo_sd35m_geneval"),
+    # FLUX.1-dev on PickScore (flow_grpo config/grpo.py pickscore_flux; DanceGRPO's FLUX runs (XueZeyue/DanceGRPO)
+    # share the group / clip / advantage-clip choices but use a constant-eta SDE and HPS): 6 SDE steps at 512 px,
+    # guidance embedding 3.5 (no CFG), groups of 24, T5 512 tokens, PickScore / 26, beta 0.01 (PickScore's).
+    "flux.1-dev-pickscore": dict(
+        model_name_or_path="black-forest-labs/FLUX.1-dev", model_family="flux", prompt_set="animals",
+        reward="pickscore", algorithm="flow_grpo", beta=0.01, num_steps=6, guidance_scale=3.5, noise_level=0.7,
+        sde_type="sde", resolution=512, max_sequence_length=512, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
+        lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
+        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
+        num_threads=0, output_dir="outputs/grpo_flux_pickscore"),
 }
 
 
 def main(cfg: GRPOImageConfig) -> dict:
     check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
-    if cfg.model_name_or_path == NAME:
+    if cfg.model_name_or_path in parts.IMAGE_MODELS:
         return run_image_rl(cfg, **parts.image_rl_parts(cfg))
     return run_image_rl(cfg, **hub_parts(cfg))
 

@@ -71,6 +71,48 @@ def test_grpo_math_preset_fails_fast_offline(monkeypatch, capsys):
     assert exit_info.value.code == 2 and "openai/gsm8k" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("preset,names", [("sd3.5-medium-geneval", "vit_base_patch32_clip_224"),  # its CLIP reward
+                                          ("flux.1-dev-pickscore", "PickScore_v1")])
+def test_flow_matching_presets_fail_fast_offline(monkeypatch, capsys, preset, names):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    module = load_script("grpo_image")
+    from unialign.config import exit_on_user_error, parse_config
+
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
+        module.main(parse_config(module.GRPOImageConfig, ["--preset", preset], presets=module.PRESETS))
+    assert exit_info.value.code == 2 and names in capsys.readouterr().err
+    assert time.perf_counter() - start < 30  # seconds, not a minute of retries
+
+
+def test_model_family_from_folder_and_name(tmp_path):
+    from unialign.image.recipe import ImageRLConfig, model_family, policy_kwargs, window_range
+
+    def family(name, **kw):
+        return model_family(ImageRLConfig(model_name_or_path=name, **kw))
+
+    assert family("stabilityai/stable-diffusion-3.5-medium") == "sd3"
+    assert family("black-forest-labs/FLUX.1-dev") == "flux"
+    assert family("stabilityai/stable-diffusion-xl-base-1.0") == "sdxl"
+    assert family("runwayml/stable-diffusion-v1-5") == "sd"
+    assert family("runwayml/stable-diffusion-v1-5", model_family="flux") == "flux"
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    assert family(str(tmp_path)) == "sd3"
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    with pytest.raises(ValueError, match="model_name_or_path"):
+        family(str(tmp_path))
+    cfg = ImageRLConfig(sde_window_size=2, sde_window_range="1,5", num_steps=8)
+    assert window_range(cfg) == (1, 5)
+    flow, ddim = policy_kwargs(cfg, "sd3"), policy_kwargs(cfg, "sd")
+    assert flow["sde_window_size"] == 2 and flow["sde_window_range"] == (1, 5) and "eta" not in flow
+    assert "max_sequence_length" not in flow  # the policy's own unless set
+    assert "noise_level" not in ddim and ddim["eta"] == 1.0
+    with pytest.raises(ValueError, match="sde_window_range"):
+        window_range(ImageRLConfig(sde_window_range="1-5"))
+
+
 def test_dpo_text_two_steps(tmp_path):
     run("dpo_text", ["--max_steps", "2", "--num_eval", "16", "--batch_size", "8", "--micro_batch_size", "4",
                      "--output_dir", str(tmp_path), "--report_to", "none"])

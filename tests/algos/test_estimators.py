@@ -113,3 +113,23 @@ def test_a_registered_policy_loss_is_what_the_trainer_calls(tmp_path, monkeypatc
 
     with pytest.raises(ValueError, match="already registered"):
         register_aggregation("token_mean", lambda m, n: m.sum())(lambda x, m, n: x.sum())
+
+
+def test_flow_grpo_preset_is_flow_grpos_published_recipe():
+    """Flow-GRPO (yifan123/flow_grpo, config/grpo.py + train_sd3.py): clip 1e-4, advantages clipped to +-5, KL 0.04
+    in the loss with the closed-form Gaussian step KL, per-prompt group means divided by the std of all rewards
+    (``global_std``; here the unbiased std, Flow-GRPO's np.std is the population one: a factor sqrt(B/(B-1)))."""
+    import numpy as np
+
+    spec = get_algorithm("flow_grpo")
+    assert (spec.epsilon, spec.epsilon_high, spec.advantage_clip, spec.beta, spec.kl_estimator, spec.kl_in_reward) == \
+        (1e-4, None, 5.0, 0.04, "gaussian", False)
+    rng = np.random.default_rng(0)
+    r = rng.normal(size=(3, 4))  # 3 prompts x a group of 4
+    r[2] = 0.7  # a group with one reward: advantage 0
+    want = (r - r.mean(axis=1, keepdims=True)) / (r.std(ddof=1) + 1e-4)
+    out = algos.get_estimator(spec.advantage).fn(algos.AdvantageInputs(
+        rewards_B=torch.tensor(r.reshape(-1)), prompts=[p for p in "abc" for _ in range(4)], group_size=4,
+        rows=slice(0, 12), mask_B_T=torch.ones(12, 2, dtype=torch.float64)), spec)
+    assert out.advantages_B_T[:, 0].tolist() == pytest.approx(want.reshape(-1).tolist(), rel=1e-9)
+    assert (out.advantages_B_T[:, 0] == out.advantages_B_T[:, 1]).all()  # the same advantage at every step

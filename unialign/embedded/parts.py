@@ -8,14 +8,17 @@ from typing import Any
 from unialign.embedded import shapes_world as world
 from unialign.embedded.shape_verifier import parse_shape_prompt, verify
 from unialign.image.data import normalize_pickapic, synthetic_pairs
-from unialign.image.recipe import check_prompts, load_prompts, policy_kwargs, reward_names
+from unialign.image.recipe import check_prompts, load_prompts, policy_kwargs, reward_names, window_range
 from unialign.rewards import CombinedReward, get_reward
 
 NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
+NAME_SD3 = "embedded-sd3"  # the shapes world's flow-matching (SD3-architecture) model
+IMAGE_MODELS = (NAME, NAME_SD3)
 
 
 def image_rl_parts(cfg) -> dict[str, Any]:
-    """What ``unialign.image.recipe.run_image_rl`` needs for the shapes world's model: the policy (``cfg``'s
+    """What ``unialign.image.recipe.run_image_rl`` needs for the shapes world's model (``cfg.model_name_or_path``:
+    "embedded", the SDXL-architecture DDIM model, or "embedded-sd3", the SD3-architecture flow-matching one): the policy (``cfg``'s
     sampling knobs), the rewards (the shipped tiny CLIP / head for the model-based ones), the train and
     held-out prompts (``cfg.prompt_set``: "embedded" or a file), the gold score and, when every held-out
     prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
@@ -30,9 +33,14 @@ def image_rl_parts(cfg) -> dict[str, Any]:
         verifier = verify
     except ValueError:
         verifier = None  # prompts from elsewhere: no fidelity to read
+    window_range(cfg)  # bad input named before any model loads
     reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights)
-    return dict(policy=world.load_embedded(**policy_kwargs(cfg)), reward=reward, train_prompts=train,
-                eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
+    if cfg.model_name_or_path == NAME_SD3:
+        policy = world.load_embedded_sd3(**policy_kwargs(cfg, "sd3"))
+    else:
+        policy = world.load_embedded(**policy_kwargs(cfg))
+    return dict(policy=policy, reward=reward, train_prompts=train, eval_prompts=held_out, gold=world.gold_score,
+                verifier=verifier)
 
 
 def image_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:

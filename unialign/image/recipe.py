@@ -34,7 +34,10 @@ class ImageRLConfig(OnlineConfig):
     preset: str | None = field(default=None, metadata={"help": "a named recipe of the script (see its PRESETS)"})
     config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
     model_name_or_path: str = field(default="runwayml/stable-diffusion-v1-5", metadata={
-        "help": "SD1.x / SDXL hub id or local diffusers folder"})
+        "help": "SD1.x / SDXL / SD3 / FLUX.1 hub id or local diffusers folder"})
+    model_family: str = field(default="auto", metadata={
+        "help": "auto (a folder's model_index.json, else the hub id's name) | sd | sdxl (DDIM, DiffusionPolicy) | "
+                "sd3 | flux (flow matching with Flow-GRPO's SDE step)", "choices": ("auto", "sd", "sdxl", "sd3", "flux")})
     prompt_set: str = field(default="animals", metadata={
         "help": "'animals' (ddpo-pytorch's list) or a .txt file (one prompt per line)"})
     reward: str = field(default="aesthetic", metadata={
@@ -42,13 +45,29 @@ class ImageRLConfig(OnlineConfig):
     reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats, one per reward"})
     num_steps: int = field(default=8, metadata={"help": "denoising steps per sample"})
     guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
-    eta: float = field(default=1.0, metadata={"help": "DDIM eta (> 0: the stochastic steps RL needs)"})
+    eta: float = field(default=1.0, metadata={"help": "DDIM eta (> 0: the stochastic steps RL needs; SD1.x / SDXL)"})
+    noise_level: float = field(default=0.7, metadata={
+        "help": "flow matching (SD3 / FLUX): the SDE step's noise level eta (Flow-GRPO: 0.7 for sde, 0.8 for cps)",
+        "min": 0.0})
+    sde_type: str = field(default="sde", metadata={
+        "help": "flow matching: sde (Flow-GRPO's marginal-preserving SDE) | cps (coefficient-preserving sampling)",
+        "choices": ("sde", "cps")})
+    sde_window_size: int = field(default=0, metadata={
+        "help": "flow matching: only a window of this many consecutive steps per sampling call is stochastic and "
+                "trained, the rest deterministic Euler steps (Flow-GRPO-Fast / MixGRPO); 0: every step", "min": 0})
+    sde_window_range: str | None = field(default=None, metadata={
+        "help": "flow matching: 'lo,hi' -- the window starts uniformly in [lo, hi - size] (default: 0,num_steps)"})
+    max_sequence_length: int | None = field(default=None, metadata={
+        "help": "flow matching: T5 prompt tokens (default: the policy's, SD3's stock 256; FLUX.1-dev 512)", "min": 1})
     resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the model's)"})
-    timestep_fraction: float = field(default=0.25, metadata={"help": "share of the trainable steps trained per sample"})
+    timestep_fraction: float = field(default=0.25, metadata={
+        "help": "share of the trainable steps trained per sample (SD1.x / SDXL; flow matching trains its SDE window)"})
     min_step_std: float = field(default=0.05, metadata={
         "help": "never train steps whose noise std sigma_t is below this (their 1/sigma gradients are mostly noise; "
-                "SD's DDIM schedule at eta 1 ends in two steps of sigma 0.04 / 0.02 at any step count)"})
-    lora_rank: int = field(default=0, metadata={"help": "> 0: train a LoRA of this rank instead of the full UNet"})
+                "SD's DDIM schedule at eta 1 ends in two steps of sigma 0.04 / 0.02 at any step count; SD1.x / SDXL)"})
+    lora_rank: int = field(default=0, metadata={
+        "help": "> 0: train a LoRA of this rank instead of the full UNet / transformer"})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)", "gt": 0.0})
     train_chunk_size: int = field(default=0, metadata={
         "help": "(sample, step) pairs per forward/backward in training: a micro-batch's trained steps in chunks of "
                 "this many, one backward each, the same update (0: all in one UNet call; memory only)"})
@@ -78,11 +97,58 @@ def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:
     return names, weights
 
 
-def policy_kwargs(cfg: ImageRLConfig) -> dict[str, Any]:
+FLOW_FAMILIES = ("sd3", "flux")
+# diffusers pipeline class (model_index.json "_class_name") -> family
+PIPELINE_FAMILIES = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
+                     "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+
+
+def model_family(cfg: ImageRLConfig) -> str:
+    """``cfg.model_family``, or with "auto": a local folder's ``model_index.json`` pipeline class, else the
+    hub id's name ("stable-diffusion-3" -> sd3, "flux" -> flux, "xl" -> sdxl, otherwise sd)."""
+    if cfg.model_family != "auto":
+        return cfg.model_family
+    index = Path(cfg.model_name_or_path) / "model_index.json"
+    if index.is_file():
+        import json
+
+        name = json.loads(index.read_text()).get("_class_name", "")
+        if name not in PIPELINE_FAMILIES:
+            raise ValueError(f"model_name_or_path: {cfg.model_name_or_path!r} holds a {name!r}; this script trains "
+                             f"{', '.join(PIPELINE_FAMILIES)} (or set --model_family)")
+        return PIPELINE_FAMILIES[name]
+    lowered = cfg.model_name_or_path.lower()
+    if "stable-diffusion-3" in lowered or "sd3" in lowered:
+        return "sd3"
+    if "flux" in lowered:
+        return "flux"
+    return "sdxl" if "xl" in lowered else "sd"
+
+
+def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
+    """``cfg.sde_window_range`` ("lo,hi") as a tuple (ValueError naming the field)."""
+    if cfg.sde_window_range is None:
+        return None
+    try:
+        lo, hi = (int(v) for v in cfg.sde_window_range.split(","))
+    except ValueError:
+        raise ValueError(f"sde_window_range: {cfg.sde_window_range!r} is not 'lo,hi' (two integers)") from None
+    return lo, hi
+
+
+def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
+    """The policy constructor's knobs from ``cfg``: ``DiffusionPolicy``'s (sd / sdxl) or the flow-matching
+    policies' (sd3 / flux)."""
     sizes = {} if cfg.resolution is None else {"height": cfg.resolution, "width": cfg.resolution}
-    return dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, eta=cfg.eta,
-                timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std, lora_rank=cfg.lora_rank,
-                train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, seed=cfg.seed, **sizes)
+    common = dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, lora_rank=cfg.lora_rank,
+                  lora_alpha=cfg.lora_alpha,
+                  train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, **sizes)
+    if family in FLOW_FAMILIES:
+        flow = dict(common, noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
+                    sde_window_range=window_range(cfg))
+        return flow if cfg.max_sequence_length is None else dict(flow, max_sequence_length=cfg.max_sequence_length)
+    return dict(common, eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std,
+                seed=cfg.seed)
 
 
 def load_prompts(name: str) -> tuple[list[str], list[str]]:
@@ -99,15 +165,30 @@ def load_prompts(name: str) -> tuple[list[str], list[str]]:
     return lines, lines
 
 
+def load_policy(cfg: ImageRLConfig):
+    """The policy of ``cfg.model_name_or_path`` for its family: ``DiffusionPolicy`` (SD1.x / SDXL, DDIM),
+    ``FlowMatchingPolicy`` (SD3 family) or ``FluxPolicy`` (FLUX.1); each fails in seconds offline."""
+    family = model_family(cfg)
+    kwargs = policy_kwargs(cfg, family)
+    if family == "sd3":
+        from unialign.image.flow_policy import FlowMatchingPolicy as cls
+    elif family == "flux":
+        from unialign.image.flux_policy import FluxPolicy as cls
+    else:
+        from unialign.image import DiffusionPolicy
+
+        sdxl = None if cfg.model_family == "auto" else family == "sdxl"  # None: DiffusionPolicy reads the parts
+        return DiffusionPolicy.from_pretrained(cfg.model_name_or_path, sdxl=sdxl, torch_dtype=cfg.torch_dtype, **kwargs)
+    return cls.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, **kwargs)
+
+
 def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     """Policy, reward and prompts for a hub / local model (rewards with their published weights)."""
-    from unialign.image import DiffusionPolicy
-
     names, weights = reward_names(cfg)
+    window_range(cfg)  # bad input named before any model loads
     train, held_out = load_prompts(cfg.prompt_set)
     reward = CombinedReward([get_reward(n) for n in names], weights)
-    policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, **policy_kwargs(cfg))
-    return dict(policy=policy, reward=reward, train_prompts=train, eval_prompts=held_out)
+    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out)
 
 
 def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: str) -> None:
