@@ -216,3 +216,51 @@ def test_bad_window_and_offline_load_fail_clearly(make_flow_policy, monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(Exception, match="stabilityai/not-a-real-sd3"):
         FlowMatchingPolicy.from_pretrained("stabilityai/not-a-real-sd3")
+
+
+def dpo_pairs(n: int = 3) -> list[dict]:
+    from PIL import Image
+
+    return [{"prompt": PROMPTS[i % 2], "chosen": Image.new("RGB", (16, 16), (200, 30 * i, 30)),
+             "rejected": Image.new("RGB", (24, 16), (40, 90, 10 * i))} for i in range(n)]
+
+
+def test_dpo_surrogate_against_a_hand_restatement(make_flow_policy):
+    policy = make_flow_policy()  # guidance 3.0: the surrogate must still run without CFG
+    batch = policy.preference_batch(dpo_pairs())
+    pay = batch.payload
+    assert pay["timesteps"].shape == pay["sigmas"].shape == (3,) and pay["noise"].shape == (3, 4, 8, 8)
+    # uniform over the scheduler's 1000 training timesteps, shifted by shift=3 (SD3: no dynamic shifting)
+    u = torch.arange(1000, 0, -1, dtype=torch.float64) / 1000
+    table = 3.0 * u / (1 + 2.0 * u)
+    assert all(bool(((table - s).abs() < 1e-6).any()) for s in pay["sigmas"].double())
+    torch.testing.assert_close(pay["timesteps"], pay["sigmas"] * 1000)
+    chosen, rejected = policy.sequence_log_prob(batch)
+    assert chosen.requires_grad and chosen.shape == rejected.shape == (3,)
+    s = pay["sigmas"].view(-1, 1, 1, 1)
+    for side, got in ((batch.chosen, chosen), (batch.rejected, rejected)):
+        x0 = side["latents"]
+        with torch.no_grad():
+            v = policy.transformer(hidden_states=(1 - s) * x0 + s * pay["noise"], timestep=pay["timesteps"],
+                                   encoder_hidden_states=pay["prompt_embeds"],
+                                   pooled_projections=pay["pooled_prompt_embeds"]).sample
+        torch.testing.assert_close(got.detach(), -0.5 * ((v - (pay["noise"] - x0)) ** 2).mean(dim=(1, 2, 3)),
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_dpo_identical_pair_gives_ln2_and_caption_dropout(make_flow_policy):
+    import math
+
+    from unialign import algos
+
+    policy = make_flow_policy(lora_rank=2, caption_dropout=1.0)
+    policy.transformer.eval()
+    batch = policy.preference_batch(dpo_pairs())
+    assert batch.prompts == [p["prompt"] for p in dpo_pairs()]  # eval mode: no dropout
+    batch.rejected = dict(batch.chosen)
+    c, r = policy.sequence_log_prob(batch)
+    ref_c, ref_r = policy.reference().sequence_log_prob(batch)
+    loss, _, _ = algos.dpo_loss(c, r, ref_c, ref_r, beta=5000.0)
+    torch.testing.assert_close(loss.detach(), torch.full((3,), math.log(2)), atol=1e-4, rtol=0)
+    policy.transformer.train()
+    assert policy.preference_batch(dpo_pairs()).prompts == [""] * 3

@@ -1,11 +1,14 @@
-"""Diffusion side of unialign: the DDIM step with log-probability and ``DiffusionPolicy`` (SD1.x / SDXL).
+"""Diffusion side of unialign: the DDIM step with log-probability and ``DiffusionPolicy`` (SD1.x / SDXL),
+the flow-matching policies ``FlowMatchingPolicy`` (SD3 family) and ``FluxPolicy`` (FLUX.1) on ``FlowPolicyBase``.
 
 Importing this package imports torch only; diffusers / transformers / peft are imported when a
-``DiffusionPolicy`` is built (``import unialign`` never imports this package).
+policy is built (``import unialign`` never imports this package).
 """
 
 from unialign.image.ddim import ddim_step_coefficients, ddim_step_with_logprob, gaussian_logprob_mean
-from unialign.image.flow_policy import FlowMatchingPolicy
+from unialign.image.flow_policy import FlowMatchingPolicy, FlowPolicyBase
+from unialign.image.flux_policy import FluxPolicy
 from unialign.image.policy import DiffusionPolicy
 
-__all__ = ["DiffusionPolicy", "FlowMatchingPolicy", "ddim_step_coefficients", "ddim_step_with_logprob", "gaussian_logprob_mean"]
+__all__ = ["DiffusionPolicy", "FlowMatchingPolicy", "FlowPolicyBase", "FluxPolicy", "ddim_step_coefficients",
+           "ddim_step_with_logprob", "gaussian_logprob_mean"]
