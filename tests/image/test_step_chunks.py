@@ -72,7 +72,7 @@ def test_chunked_update_gives_the_unchunked_gradients(make_policy, tmp_path, alg
     assert whole.keys() == chunked.keys() and len(whole) > 0
     for name in whole:  # equal up to float32 summation order (batch 24 vs 10 in each conv / matmul)
         scale = float(whole[name].abs().max())
-        torch.testing.assert_close(chunked[name], whole[name], rtol=1e-4, atol=1e-5 * scale + 1e-12)
+        torch.testing.assert_close(chunked[name], whole[name], rtol=1e-4, atol=1e-4 * scale + 1e-12)
     assert loss_chunked == pytest.approx(loss_whole, rel=1e-5, abs=1e-9)
     assert any(float(g.abs().max()) > 0 for g in whole.values())
 
