@@ -59,6 +59,13 @@ The models
   right; at the first build's 200 steps, 53 %), the UNet only to half-learn shapes: held-out prompt
   fidelity 0.51 without CFG, 0.69 at CFG 3 (``BUILD.md``), the room an RL demo needs.
 
+* flow-matching model (``sd3/``, ``load_embedded_sd3``): the SD3 architecture in miniature for
+  ``FlowMatchingPolicy`` (Flow-GRPO): ``SD3Transformer2DModel`` (4x8x8 latents, patch 2, width 64, 2 joint
+  blocks), two ``CLIPTextModelWithProjection`` and no T5 (``SD3_MAX_SEQUENCE_LENGTH`` zero tokens), the VAE
+  above with ``shift_factor`` 0, ``FlowMatchEulerDiscreteScheduler`` (shift 1); rectified-flow training on the
+  same images with 10% empty-prompt dropout. Saved with ``StableDiffusion3Pipeline.save_pretrained``; like the
+  UNet it half-learns shapes (held-out fidelity ~0.5 at CFG 1, ~0.74 at CFG 3 with the SDE sampler, ``BUILD.md``).
+
 Prompt fidelity is read by the verifiable reward ``unialign.embedded.shape_verifier`` (``shape_verifier``), which
 decides background colour, object colour and shape from pixels alone.
 
@@ -66,6 +73,7 @@ CLI (``unialign.embedded.shapes_build``)::
 
     python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image   # deterministic rebuild
     python -m unialign.embedded.shapes_build build-head --out unialign/embedded/assets/image   # only the (last) head stage
+    python -m unialign.embedded.shapes_build build-sd3 --out unialign/embedded/assets/image    # the SD3 model (after build)
     python -m unialign.embedded.shapes_build eval [--path DIR] [--n 64]           # reward / gold statistics
 """
 
@@ -99,6 +107,13 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's, as every open_
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # What a DDPO script should use with this model (see BUILD.md for the measured reward statistics).
 SAMPLING_DEFAULTS = dict(num_steps=16, guidance_scale=3.0, eta=1.0, height=IMAGE_SIZE, width=IMAGE_SIZE)
+# The embedded SD3-architecture (flow-matching) model: its folder, the length of the T5 zero block it was
+# trained with (no T5 ships: the stock pipeline and FlowMatchingPolicy fill max_sequence_length zero tokens,
+# so a stock call must pass max_sequence_length=SD3_MAX_SEQUENCE_LENGTH), and what a Flow-GRPO script should use.
+SD3_DIR = DEFAULT_ASSET_DIR / "sd3"
+SD3_MAX_SEQUENCE_LENGTH = 8
+SD3_SAMPLING_DEFAULTS = dict(num_steps=10, guidance_scale=1.0, noise_level=0.7, sde_type="sde", height=IMAGE_SIZE,
+                             width=IMAGE_SIZE, max_sequence_length=SD3_MAX_SEQUENCE_LENGTH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,6 +374,30 @@ def load_embedded(path: str | Path | None = None, device: str | torch.device | N
 
     kwargs = {**SAMPLING_DEFAULTS, **policy_kwargs}
     return DiffusionPolicy.from_pretrained(str(pipeline_dir(path)), device=device, **kwargs)
+
+
+def sd3_dir(path: str | Path | None = None) -> Path:
+    """The diffusers ``StableDiffusion3Pipeline`` folder of the embedded flow-matching model: ``path`` itself
+    when it holds a ``model_index.json``, else ``path / "sd3"`` (``path``: an asset root; default ``SD3_DIR``)."""
+    if path is None:
+        folder = SD3_DIR
+    else:
+        folder = Path(path) if (Path(path) / "model_index.json").exists() else Path(path) / "sd3"
+    if not (folder / "model_index.json").exists():
+        raise FileNotFoundError(f"no embedded SD3 model in {folder}; build it with "
+                                f"`python -m unialign.embedded.shapes_build build-sd3 --out {folder.parent}`")
+    return folder
+
+
+def load_embedded_sd3(path: str | Path | None = None, device: str | torch.device | None = None,
+                      **policy_kwargs: Any):
+    """The shipped tiny SD3-architecture model as a ``FlowMatchingPolicy`` (``SD3_SAMPLING_DEFAULTS`` unless
+    overridden by ``policy_kwargs``: 10 steps, Flow-GRPO's SDE step at noise level 0.7, CFG 1, the T5 zero
+    block it was trained with). ``path``: an asset root or the SD3 folder itself (``sd3_dir``)."""
+    from unialign.image.flow_policy import FlowMatchingPolicy
+
+    kwargs = {**SD3_SAMPLING_DEFAULTS, **policy_kwargs}
+    return FlowMatchingPolicy.from_pretrained(str(sd3_dir(path)), device=device, **kwargs)
 
 
 def aesthetic_reward(path: str | Path | None = None, device: str | torch.device | None = None,
