@@ -9,7 +9,9 @@ P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sa
 recording vs plain diffusers; P5 Diffusion-DPO memory with the adapter-disabled reference vs a frozen
 copy; P6 the math reward's agreement with labelled truth and time per 1,000 completions vs math-verify;
 P9 DDPO end to end (time per epoch split into sampling / training, peak memory) vs TRL 0.23's DDPOTrainer
-in its own cached environment.
+in its own cached environment; P10 the SD3 family (``FlowMatchingPolicy``): P10a sampling with Flow-GRPO's
+SDE log-prob recording vs the stock ``StableDiffusion3Pipeline``, P10b a GRPO step's time and working memory
+with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says).
 Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
 "target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
 """
@@ -34,7 +36,8 @@ if __package__ in (None, ""):
 from benchmarks.common import error_row, machine_info, markdown_table, row  # noqa: E402
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
-           "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo"}
+           "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
+           "P10": "p10_flow"}
 
 
 def p1_rows(quick: bool) -> list[dict]:
