@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-SD15_SCHEDULER = dict(  # the SD1.5 / SDXL DDIM config (diffusion_anchors.md 1.1)
+SD15_SCHEDULER = dict(  # the SD1.5 / SDXL DDIM config (runwayml/stable-diffusion-v1-5 scheduler_config.json)
     num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
     clip_sample=False, set_alpha_to_one=False, steps_offset=1,
 )

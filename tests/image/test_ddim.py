@@ -13,7 +13,8 @@ from tests.helpers import assert_close
 from tests.image.conftest import SD15_SCHEDULER
 from unialign.image import ddim_step_coefficients, ddim_step_with_logprob, gaussian_logprob_mean
 
-# diffusion_anchors.md 1.1 (SD1.5 config, N = 50, eta = 1), computed there in float64 numpy:
+# DDIM (Song et al. 2021, eqs. 12 and 16) as ddpo-pytorch's ddim_with_logprob.py (SD1.5 config, N = 50, eta = 1),
+# computed independently in float64 numpy:
 # t: (a_t, a_prev, sigma^2, sigma, ln sigma, coef on eps_hat)
 ANCHORS = {
     981: (0.0057755, 0.0072817, 0.206537, 0.454463, -0.788638, 0.886669),

@@ -1,5 +1,5 @@
 """Flow-matching SDE step with log-prob (unialign/image/flow.py) against an independent float64 numpy
-restatement of Flow-GRPO's formulas (diffusion_anchors.md 1.4), against diffusers' Euler step as eta -> 0,
+restatement of Flow-GRPO's formulas (arXiv 2505.05470; yifan123/flow_grpo sd3_sde_with_logprob.py), against diffusers' Euler step as eta -> 0,
 and against torch.distributions' Gaussian log-density."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_matches_float64_restatement(sde_type, eta, shift, which):
 
 @pytest.mark.parametrize("shift", [1.0, 3.0])
 def test_first_sde_step_has_std_equal_to_noise_level(shift):
-    """Anchor (diffusion_anchors.md 1.4): at sigma = 1, g^2 = eta^2 / (1 - sigmas[1]) and -dt = 1 - sigmas[1],
+    """Anchor (Flow-GRPO's SDE step): at sigma = 1, g^2 = eta^2 / (1 - sigmas[1]) and -dt = 1 - sigmas[1],
     so the step's std is eta exactly."""
     scheduler = _scheduler(shift)
     x, v = _inputs(2)

@@ -2,7 +2,7 @@
 
 Origin: restated (not copied) from Flow-GRPO ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``
 (yifan123/flow_grpo, ``sde_step_with_logprob``, both its ``sde_type`` branches; math in
-/work/shared/reference/diffusion_anchors.md section 1.4), on diffusers' ``FlowMatchEulerDiscreteScheduler``
+Liu et al. 2025, Flow-GRPO, arXiv 2505.05470, section 4), on diffusers' ``FlowMatchEulerDiscreteScheduler``
 (``sigmas`` with the terminal 0 appended by ``set_timesteps``, ``index_for_timestep``); checked against an
 independent float64 restatement and against ``FlowMatchEulerDiscreteScheduler.step`` in
 ``tests/image/test_flow.py``.

@@ -145,7 +145,7 @@ def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
                   train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, **sizes)
     if family in FLOW_FAMILIES:
         flow = dict(common, noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
-                    sde_window_range=window_range(cfg))
+                    sde_window_range=window_range(cfg), seed=cfg.seed)
         return flow if cfg.max_sequence_length is None else dict(flow, max_sequence_length=cfg.max_sequence_length)
     return dict(common, eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std,
                 seed=cfg.seed)

@@ -12,7 +12,7 @@ Preprocessing (pinned, ``clip_preprocess``): each image is turned into an 8-bit 
 resampling, **center-cropped** (top-left offset ``round((H - S) / 2)``, torchvision's rule), scaled to
 [0, 1] and normalised with the CLIP mean/std. This is open_clip's eval transform for the "openai" models
 (``resize_mode="shortest"``, ``interpolation="bicubic"``); transformers' ``CLIPProcessor`` (used by
-ddpo-pytorch / TRL) differs slightly per pixel (diffusion_anchors.md section 6). ``PickScoreReward`` uses
+ddpo-pytorch / TRL) differs slightly per pixel. ``PickScoreReward`` uses
 that processor (its PIL backend), as PickScore was published with it; HPSv2's ``preprocess_val`` is the
 pinned transform.
 
