@@ -1,5 +1,12 @@
 """``DiffusionPolicy``: Stable Diffusion 1.x / SDXL behind the modality-neutral ``Policy`` protocol.
 
+The policy is one shared DDIM part (trajectory recording, per-step log-probs over the trained steps, the
+reference, LoRA, saving, preference batches) and one small family adapter chosen at construction:
+``SD1Family`` (one CLIP encoder, the UNet conditions on ``prompt_embeds`` only) or ``SDXLFamily`` (two CLIP
+encoders, plus ``added_cond_kwargs`` with the pooled embedding and the size micro-conditioning ``time_ids``).
+The adapter encodes prompts, builds the UNet's extra conditioning, names the payload's condition keys and
+the diffusers pipeline class; the shared code never asks which family it runs.
+
 A trajectory is the N denoising transitions x_T -> ... -> x_0 of a DDIM sampler with eta > 0 (DDPO,
 Black et al. 2023); ``logp_B_T`` is each transition's Gaussian log-density averaged over C,H,W
 (``unialign.image.ddim``). For preference pairs ``sequence_log_prob`` returns the Diffusion-DPO ELBO
@@ -125,6 +132,178 @@ class DenoiserPolicy:
             self.denoiser.enable_adapters()
 
 
+def tokenize(tokenizer, prompts: list[str], device: torch.device) -> Tensor:
+    """Token ids [B, L] of ``prompts``, padded / truncated to the tokenizer's ``model_max_length``, on ``device``."""
+    return tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
+                     truncation=True, return_tensors="pt").input_ids.to(device)
+
+
+def time_ids_from_rows(rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """SDXL micro-conditioning [B, 6] from one row (orig_h, orig_w, crop_top, crop_left, target_h, target_w)
+    per image (Podell et al. 2023, sec. 2.2; diffusers ``StableDiffusionXLPipeline._get_add_time_ids``)."""
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
+class UNetFamily:
+    """What ``DiffusionPolicy``'s shared DDIM code asks of a pipeline family (``SD1Family``, ``SDXLFamily``):
+    the frozen text encoders and how to encode prompts, the per-image size micro-conditioning, the UNet's
+    ``added_cond_kwargs``, the payload's condition keys and the stock diffusers pipeline class.
+
+    Class attributes:
+        is_sdxl: which family (for callers; the shared code does not read it).
+        text_keys: what ``encode_prompts`` returns (``prompt_embeds`` [B, L, D], ...).
+        micro_keys: what ``micro_cond`` returns (per-image size conditioning).
+        cond_keys: ``text_keys + micro_keys``, the conditioning a trajectory payload carries.
+    """
+
+    is_sdxl: bool = False
+    text_keys: tuple[str, ...] = ()
+    micro_keys: tuple[str, ...] = ()
+    cond_keys: tuple[str, ...] = ()
+
+    def __init__(self, text_encoder, tokenizer, text_encoder_2=None, tokenizer_2=None) -> None:
+        self.text_encoder, self.tokenizer = text_encoder, tokenizer
+        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
+
+    @property
+    def text_encoders(self) -> tuple:
+        """The text encoders the family uses (frozen by the policy)."""
+        return tuple(e for e in (self.text_encoder, self.text_encoder_2) if e is not None)
+
+    def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+        """``text_keys`` tensors for ``prompts``, each with leading B, in ``dtype`` on ``device``."""
+        raise NotImplementedError
+
+    def micro_cond(self, rows_B_6: list[list[int]], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+        """``micro_keys`` tensors from one row (orig_h, orig_w, crop_top, crop_left, target_h, target_w) per image."""
+        raise NotImplementedError
+
+    def added_cond_kwargs(self, cond: dict[str, Tensor], uncond: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        """The UNet's ``added_cond_kwargs`` for the R rows of ``cond`` (``cond_keys``); with ``uncond`` (CFG: the
+        empty prompt's ``text_keys``, batch 1) for the 2R rows [uncond x R; cond]."""
+        raise NotImplementedError
+
+    @staticmethod
+    def pipeline_class():
+        """The stock diffusers pipeline of the family (``save_lora_weights``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any]) -> dict[str, Any]:
+        """Text components a pipeline folder holds beyond ``text_encoder`` / ``tokenizer`` (``from_pretrained``)."""
+        return {}
+
+    @staticmethod
+    def load_defaults(config: dict[str, Any]) -> dict[str, Any]:
+        """Constructor defaults read from the folder's ``model_index.json`` (``from_pretrained``)."""
+        return {}
+
+
+class SD1Family(UNetFamily):
+    """Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``): one CLIP text encoder; the UNet takes
+    ``encoder_hidden_states`` = ``prompt_embeds`` [B, L, D] and no ``added_cond_kwargs``."""
+
+    is_sdxl = False
+    text_keys = ("prompt_embeds",)
+    micro_keys = ()
+    cond_keys = text_keys + micro_keys
+
+    def __init__(self, text_encoder, tokenizer) -> None:
+        super().__init__(text_encoder, tokenizer)
+
+    def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+        """``prompt_embeds`` [B, L, D]: the encoder's last hidden state."""
+        out = self.text_encoder(tokenize(self.tokenizer, prompts, device))
+        return {"prompt_embeds": out[0].to(dtype)}
+
+    def micro_cond(self, rows_B_6: list[list[int]], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+        """SD1.x has no size micro-conditioning."""
+        return {}
+
+    def added_cond_kwargs(self, cond: dict[str, Tensor], uncond: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        """None: the SD1.x UNet takes no added conditioning."""
+        return None
+
+    @staticmethod
+    def pipeline_class():
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline
+
+
+class SDXLFamily(UNetFamily):
+    """SDXL (``StableDiffusionXLPipeline``; Podell et al. 2023): two CLIP text encoders, the 2nd with a
+    projection. ``prompt_embeds`` [B, L, D1 + D2] is both encoders' penultimate hidden states side by side;
+    the UNet also takes ``added_cond_kwargs`` = {"text_embeds": ``pooled_prompt_embeds`` [B, P] (the 2nd
+    encoder's projected pooled output), "time_ids": [B, 6] (original size, crop top-left, target size)}."""
+
+    is_sdxl = True
+    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    micro_keys = ("time_ids",)
+    cond_keys = text_keys + micro_keys
+
+    def __init__(self, text_encoder, tokenizer, text_encoder_2, tokenizer_2) -> None:
+        if text_encoder_2 is None:
+            raise ValueError("an SDXL UNet (addition_embed_type='text_time') needs text_encoder_2 and tokenizer_2")
+        super().__init__(text_encoder, tokenizer, text_encoder_2, tokenizer_2)
+
+    @staticmethod
+    def describes(config: dict[str, Any]) -> bool:
+        """Whether a pipeline folder's ``model_index.json`` is an SDXL one."""
+        return "XL" in config.get("_class_name", "") or "text_encoder_2" in config
+
+    def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+        """``prompt_embeds`` [B, L, D1 + D2] (penultimate hidden states of both encoders) and
+        ``pooled_prompt_embeds`` [B, P] (the 2nd encoder's projected pooled output)."""
+        hidden, pooled = [], None
+        for tok, enc in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
+            out = enc(tokenize(tok, prompts, device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled = out.text_embeds if getattr(out, "text_embeds", None) is not None else out.pooler_output
+        return {"prompt_embeds": torch.cat(hidden, dim=-1).to(dtype), "pooled_prompt_embeds": pooled.to(dtype)}
+
+    def micro_cond(self, rows_B_6: list[list[int]], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+        """{"time_ids": [B, 6]}."""
+        return {"time_ids": time_ids_from_rows(rows_B_6, dtype, device)}
+
+    def added_cond_kwargs(self, cond: dict[str, Tensor], uncond: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        """{"text_embeds": [R or 2R, P], "time_ids": [R or 2R, 6]}; under CFG both halves share the time_ids,
+        as the stock pipeline."""
+        text, time_ids = cond["pooled_prompt_embeds"], cond["time_ids"]
+        if uncond is not None:
+            text = torch.cat([uncond["pooled_prompt_embeds"].expand(text.shape[0], -1), text])
+            time_ids = torch.cat([time_ids, time_ids])
+        return {"text_embeds": text, "time_ids": time_ids}
+
+    @staticmethod
+    def pipeline_class():
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline
+
+    @staticmethod
+    def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any]) -> dict[str, Any]:
+        """``text_encoder_2`` (``CLIPTextModelWithProjection``) and ``tokenizer_2``."""
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        encoder = CLIPTextModelWithProjection.from_pretrained(path_or_hub_id, subfolder="text_encoder_2", **model_kw)
+        return {"text_encoder_2": encoder,
+                "tokenizer_2": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_2", **opts)}
+
+    @staticmethod
+    def load_defaults(config: dict[str, Any]) -> dict[str, Any]:
+        """``force_zeros_for_empty_prompt`` as the folder says (stock SDXL: True)."""
+        return {"force_zeros_for_empty_prompt": config.get("force_zeros_for_empty_prompt", False)}
+
+
+def choose_family(unet, text_encoder, tokenizer, text_encoder_2=None, tokenizer_2=None) -> UNetFamily:
+    """``SDXLFamily`` when a second text encoder is given or the UNet has SDXL's
+    ``addition_embed_type="text_time"`` (which then needs ``text_encoder_2``), else ``SD1Family``."""
+    if text_encoder_2 is not None or unet.config.get("addition_embed_type") == "text_time":
+        return SDXLFamily(text_encoder, tokenizer, text_encoder_2, tokenizer_2)
+    return SD1Family(text_encoder, tokenizer)
+
+
 class DiffusionPolicy(DenoiserPolicy):
     """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs.
 
@@ -133,6 +312,7 @@ class DiffusionPolicy(DenoiserPolicy):
             is converted to a ``DDIMScheduler`` with the same config.
         text_encoder_2, tokenizer_2: the second (``CLIPTextModelWithProjection``) encoder of SDXL. The
             policy is SDXL when given (or when the UNet has ``addition_embed_type="text_time"``).
+            The family adapter (``self.family``: ``SD1Family`` or ``SDXLFamily``) is chosen here, once.
         num_steps: N denoising steps.  guidance_scale: CFG weight w (> 1 turns CFG on; the
             unconditional branch uses the empty prompt's embeddings, or zeros when
             ``force_zeros_for_empty_prompt``, as stock SDXL does).  eta: DDIM eta (> 0).
@@ -198,11 +378,7 @@ class DiffusionPolicy(DenoiserPolicy):
         self.unet = unet
         # decode / encode in fp32 (half-precision SD VAEs overflow to NaN)
         self.vae = vae if vae.dtype == torch.float32 else vae.to(torch.float32)
-        self.text_encoder, self.tokenizer = text_encoder, tokenizer
-        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-        self.is_sdxl = text_encoder_2 is not None or unet.config.get("addition_embed_type") == "text_time"
-        if self.is_sdxl and text_encoder_2 is None:
-            raise ValueError("an SDXL UNet (addition_embed_type='text_time') needs text_encoder_2 and tokenizer_2")
+        self.family = choose_family(unet, text_encoder, tokenizer, text_encoder_2, tokenizer_2)
         self.scheduler = DDIMScheduler.from_config(scheduler.config)
         self.num_steps, self.guidance_scale, self.eta = num_steps, guidance_scale, eta
         self.scheduler.set_timesteps(num_steps)
@@ -218,7 +394,7 @@ class DiffusionPolicy(DenoiserPolicy):
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
-        self._setup_denoiser(unet, (self.vae, text_encoder, text_encoder_2), lora_rank=lora_rank,
+        self._setup_denoiser(unet, (self.vae, *self.family.text_encoders), lora_rank=lora_rank,
                              lora_alpha=lora_alpha, target_modules=LORA_TARGET_MODULES,
                              gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
                              train_chunk_size=train_chunk_size)
@@ -255,7 +431,7 @@ class DiffusionPolicy(DenoiserPolicy):
         (offline with ``HF_HUB_OFFLINE=1``, unknown id, no network).
         """
         from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, UNet2DConditionModel
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+        from transformers import CLIPTextModel, CLIPTokenizer
 
         from unialign.hub import require_hub
 
@@ -268,7 +444,8 @@ class DiffusionPolicy(DenoiserPolicy):
         try:
             config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
             if sdxl is None:
-                sdxl = "XL" in config.get("_class_name", "") or "text_encoder_2" in config
+                sdxl = SDXLFamily.describes(config)
+            family = SDXLFamily if sdxl else SD1Family
             model_kw = dict(opts, torch_dtype=torch_dtype, variant=variant)
             parts = {
                 "unet": UNet2DConditionModel.from_pretrained(path_or_hub_id, subfolder="unet", **model_kw),
@@ -278,11 +455,9 @@ class DiffusionPolicy(DenoiserPolicy):
                 "tokenizer": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer", **opts),
                 "scheduler": DDIMScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler", **opts),
             }
-            if sdxl:
-                parts["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
-                    path_or_hub_id, subfolder="text_encoder_2", **model_kw)
-                parts["tokenizer_2"] = CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_2", **opts)
-                kwargs.setdefault("force_zeros_for_empty_prompt", config.get("force_zeros_for_empty_prompt", False))
+            parts.update(family.load_text_parts(path_or_hub_id, opts, model_kw))
+            for key, value in family.load_defaults(config).items():
+                kwargs.setdefault(key, value)
         except (OSError, ValueError) as e:  # hub errors (offline, 404, bad id) subclass OSError/ValueError
             raise RuntimeError(
                 f"could not load diffusion weights {path_or_hub_id!r}: they are not in a local folder or the "
@@ -307,25 +482,38 @@ class DiffusionPolicy(DenoiserPolicy):
         but walks every module per call: ~1 ms per sampling step on a small UNet, P4's whole overhead.)"""
         return next((p.dtype for p in self.unet.parameters() if p.is_floating_point()), torch.float32)
 
+    @property
+    def is_sdxl(self) -> bool:
+        """Whether the family adapter is ``SDXLFamily`` (read-only; the shared code never branches on it)."""
+        return self.family.is_sdxl
+
+    @property
+    def text_encoder(self):
+        return self.family.text_encoder
+
+    @property
+    def tokenizer(self):
+        return self.family.tokenizer
+
+    @property
+    def text_encoder_2(self):
+        """SDXL's second text encoder (``CLIPTextModelWithProjection``); None for SD1.x."""
+        return self.family.text_encoder_2
+
+    @property
+    def tokenizer_2(self):
+        return self.family.tokenizer_2
+
     def _tokenize(self, tokenizer, prompts: list[str]) -> Tensor:
-        return tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
-                         truncation=True, return_tensors="pt").input_ids.to(self.device)
+        return tokenize(tokenizer, prompts, self.device)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
-        """Text conditioning for ``prompts`` (no grad). SD1.x: ``prompt_embeds`` = last hidden state
-        [B, L, D]. SDXL (as the stock pipeline): ``prompt_embeds`` = concatenated penultimate hidden
-        states of both encoders [B, L, D1 + D2] and ``pooled_prompt_embeds`` = the 2nd encoder's
-        projected pooled output [B, P]."""
-        if not self.is_sdxl:
-            out = self.text_encoder(self._tokenize(self.tokenizer, prompts))
-            return {"prompt_embeds": out[0].to(self.dtype)}
-        hidden, pooled = [], None
-        for tok, enc in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
-            out = enc(self._tokenize(tok, prompts), output_hidden_states=True)
-            hidden.append(out.hidden_states[-2])
-            pooled = out.text_embeds if getattr(out, "text_embeds", None) is not None else out.pooler_output
-        return {"prompt_embeds": torch.cat(hidden, dim=-1).to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
+        """Text conditioning for ``prompts`` (no grad), the family's ``encode_prompts``. SD1.x:
+        ``prompt_embeds`` = last hidden state [B, L, D]. SDXL (as the stock pipeline): ``prompt_embeds`` =
+        concatenated penultimate hidden states of both encoders [B, L, D1 + D2] and ``pooled_prompt_embeds`` =
+        the 2nd encoder's projected pooled output [B, P]."""
+        return self.family.encode_prompts(prompts, self.device, self.dtype)
 
     def _uncond(self) -> dict[str, Tensor]:
         """Embeddings of the empty prompt (batch 1), cached: the CFG unconditional branch."""
@@ -336,24 +524,26 @@ class DiffusionPolicy(DenoiserPolicy):
             self._uncond_cache = cond
         return self._uncond_cache
 
+    def _size_rows(self, batch: int, original_size=None, crop_top_left=(0, 0), target_size=None) -> list[list[int]]:
+        """``batch`` equal rows (orig_h, orig_w, crop_top, crop_left, target_h, target_w); target defaults to
+        the policy's (height, width), original to the target."""
+        target = tuple(target_size or (self.height, self.width))
+        return [list(original_size or target) + list(crop_top_left) + list(target)] * batch
+
     def time_ids(self, batch: int, original_size=None, crop_top_left=(0, 0), target_size=None) -> Tensor:
         """SDXL micro-conditioning [B, 6]: (orig_h, orig_w, crop_top, crop_left, target_h, target_w)."""
-        target = tuple(target_size or (self.height, self.width))
-        row = list(original_size or target) + list(crop_top_left) + list(target)
-        return torch.tensor([row] * batch, dtype=self.dtype, device=self.device)
+        return time_ids_from_rows(self._size_rows(batch, original_size, crop_top_left, target_size),
+                                  self.dtype, self.device)
 
     def _predict(self, unet, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool) -> Tensor:
         """UNet output at (latents, t) under ``cond``; with ``cfg`` the guided u + w (c - u)."""
         embeds = cond["prompt_embeds"]
-        added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": cond["time_ids"]} if self.is_sdxl else None
-        if cfg:
+        uncond = self._uncond() if cfg else None
+        added = self.family.added_cond_kwargs(cond, uncond)
+        if uncond is not None:
             b = latents.shape[0]
-            uncond = self._uncond()
             latents, t_B = torch.cat([latents, latents]), torch.cat([t_B, t_B])
             embeds = torch.cat([uncond["prompt_embeds"].expand(b, -1, -1), embeds])
-            if added is not None:
-                added = {"text_embeds": torch.cat([uncond["pooled_prompt_embeds"].expand(b, -1), added["text_embeds"]]),
-                         "time_ids": torch.cat([added["time_ids"], added["time_ids"]])}
         out = unet(latents.to(self.dtype), t_B, encoder_hidden_states=embeds, added_cond_kwargs=added).sample
         if not cfg:
             return out
@@ -365,8 +555,8 @@ class DiffusionPolicy(DenoiserPolicy):
         return self.guidance_scale > 1.0
 
     def _cond_from_payload(self, payload: dict[str, Any], rows: Tensor | None = None) -> dict[str, Tensor]:
-        keys = ("prompt_embeds", "pooled_prompt_embeds", "time_ids") if self.is_sdxl else ("prompt_embeds",)
-        return {k: payload[k] if rows is None else payload[k][rows] for k in keys}
+        """The family's conditioning tensors (``family.cond_keys``) of a trajectory payload, all rows or ``rows``."""
+        return {k: payload[k] if rows is None else payload[k][rows] for k in self.family.cond_keys}
 
     def _trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """mask_B_T: K = max(1, int(M * timestep_fraction)) of the M trainable steps per sample, chosen by an
@@ -424,11 +614,8 @@ class DiffusionPolicy(DenoiserPolicy):
         for key in ("chosen", "rejected"):
             pix, sizes, crops = zip(*(to_pixels(r[key], res) for r in rows))
             latents = self.encode_images(torch.stack(pix), generator=self.generator)
-            side = {"latents": latents}
-            if self.is_sdxl:
-                side["time_ids"] = torch.tensor([[*s, *c, res, res] for s, c in zip(sizes, crops)],
-                                                dtype=self.dtype, device=self.device)
-            sides.append(side)
+            rows_6 = [[*s, *c, res, res] for s, c in zip(sizes, crops)]
+            sides.append({"latents": latents, **self.family.micro_cond(rows_6, self.dtype, self.device)})
         b = len(rows)
         payload = {"timesteps": torch.randint(0, self.scheduler.config.num_train_timesteps, (b,),
                                               generator=self.generator),
@@ -442,9 +629,7 @@ class DiffusionPolicy(DenoiserPolicy):
         from diffusers.utils.torch_utils import randn_tensor
 
         batch = len(prompts)
-        cond = self.encode_prompts(prompts)
-        if self.is_sdxl:
-            cond["time_ids"] = self.time_ids(batch)
+        cond = {**self.encode_prompts(prompts), **self.family.micro_cond(self._size_rows(batch), self.dtype, self.device)}
         channels = self.unet.config.in_channels
         shape = (batch, channels, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
         latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
@@ -554,16 +739,16 @@ class DiffusionPolicy(DenoiserPolicy):
         noise = noise.to(self.device, torch.float32)
 
         if "prompt_embeds" in batch.payload:
-            cond = {k: batch.payload[k].to(self.device, self.dtype) for k in ("prompt_embeds", "pooled_prompt_embeds")
-                    if k in batch.payload}
+            cond = {k: batch.payload[k].to(self.device, self.dtype) for k in self.family.text_keys if k in batch.payload}
         else:
             cond = self.encode_prompts(batch.prompts)
         cond = {k: torch.cat([v, v]) for k, v in cond.items()}
-        if self.is_sdxl:
-            size = (chosen.shape[-2] * self.vae_scale_factor, chosen.shape[-1] * self.vae_scale_factor)
-            sides = [side.get("time_ids") for side in (batch.chosen, batch.rejected)]
-            sides = [self.time_ids(b, target_size=size) if s is None else s.to(self.device, self.dtype) for s in sides]
-            cond["time_ids"] = torch.cat(sides)
+        # per-side micro-conditioning (SDXL time_ids), default: the latent's pixel size, no crop
+        size = (chosen.shape[-2] * self.vae_scale_factor, chosen.shape[-1] * self.vae_scale_factor)
+        default = self.family.micro_cond(self._size_rows(b, target_size=size), self.dtype, self.device)
+        for key, value in default.items():
+            sides = [side.get(key) for side in (batch.chosen, batch.rejected)]
+            cond[key] = torch.cat([value if s is None else s.to(self.device, self.dtype) for s in sides])
 
         x0 = torch.cat([chosen, rejected])
         eps, t2 = torch.cat([noise, noise]), torch.cat([t_B, t_B])
@@ -603,14 +788,12 @@ class DiffusionPolicy(DenoiserPolicy):
         if self.lora_rank == 0:
             self.unet.save_pretrained(os.path.join(path, "unet"))
             return
-        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
         metadata = self.unet.peft_config["default"].to_dict()
         metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-        pipeline_cls = StableDiffusionXLPipeline if self.is_sdxl else StableDiffusionPipeline
-        pipeline_cls.save_lora_weights(path, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
+        self.family.pipeline_class().save_lora_weights(path, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
 
 
