@@ -182,3 +182,27 @@ def test_every_algorithm_knob_is_a_flag_declared_once_in_the_registry(tmp_path):
                           (["--gamma", "1.5"], "--gamma: must be <= 1")]:
         with pytest.raises(UserError, match=message):
             parse_config(OnlineConfig, argv + out)
+
+
+def test_script_knob_defaults_follow_only_the_scripts_algorithm():
+    """A script tunes knobs for its default algorithm (grpo_image: clip 1e-2, beta 0.1); picking another algorithm
+    gives that algorithm's published knobs unless a flag / preset / YAML sets them."""
+    from dataclasses import dataclass, field
+
+    from unialign.trainers import OnlineConfig
+
+    @dataclass
+    class ScriptConfig(OnlineConfig):
+        preset: str | None = field(default=None, metadata={"help": "x"})
+        algorithm: str = field(default="grpo", metadata={"help": "x"})
+        epsilon: float | None = field(default=1e-2, metadata={"help": "x"})
+        beta: float | None = field(default=0.1, metadata={"help": "x"})
+
+    default = parse_config(ScriptConfig, []).algo_spec()
+    assert (default.epsilon, default.beta) == (1e-2, 0.1)
+    ddpo = parse_config(ScriptConfig, ["--algorithm", "ddpo"]).algo_spec()
+    assert (ddpo.epsilon, ddpo.beta, ddpo.advantage_clip) == (1e-4, 0.0, 5.0)
+    flow = parse_config(ScriptConfig, ["--algorithm", "flow_grpo", "--beta", "0.5"]).algo_spec()
+    assert (flow.epsilon, flow.beta) == (1e-4, 0.5)
+    preset = parse_config(ScriptConfig, ["--preset", "p"], presets={"p": {"algorithm": "dapo", "epsilon": 0.3}}).algo_spec()
+    assert (preset.epsilon, preset.epsilon_high, preset.beta) == (0.3, 0.28, 0.0)

@@ -65,6 +65,7 @@ RULES: dict[str, dict[str, Any]] = {
     "vllm_gpu_memory_utilization": {"group": "model", "gt": 0.0, "max": 1.0},
     "num_threads": {"group": "model"}, "system_prompt": {"group": "model"},
     "reward_model_path": {"group": "model"}, "resolution": {"group": "model", "min": 8},
+    "model_family": {"group": "model"}, "lora_alpha": {"group": "model"}, "max_sequence_length": {"group": "model"},
     # data
     "dataset_name": {"group": "data"}, "dataset_config": {"group": "data"}, "train_split": {"group": "data"},
     "eval_split": {"group": "data"}, "eval_dataset_name": {"group": "data"},
@@ -76,7 +77,10 @@ RULES: dict[str, dict[str, Any]] = {
     "min_gap": {"group": "data", "min": 0.0}, "num_eval_images": {"group": "data", "min": 1},
     "caption_dropout": {"group": "data", "min": 0.0, "max": 1.0},
     # algorithm
-    "algorithm": {"group": "algorithm", "choices": _algorithms, "help": 'algorithm preset (unialign.registry); its knobs below override it one by one'},
+    "algorithm": {"group": "algorithm", "choices": _algorithms,
+                  "help": "algorithm preset (unialign.registry); its knobs below override it one by one (a script's "
+                          "own knob defaults apply to its default algorithm only: with another algorithm, unset knobs "
+                          "take that algorithm's values)"},
     "reward_funcs": {"group": "algorithm"}, "reward": {"group": "algorithm"}, "reward_weights": {"group": "algorithm"},
     "reward_errors": {"group": "algorithm"}, "eval_reward": {"group": "algorithm"},
     "num_generations": {"group": "algorithm", "min": 1, "help": 'samples per prompt (G, the group)'}, "prompts_per_step": {"group": "algorithm", "min": 1, "help": 'prompts per step (P); each step samples P x G completions'},
@@ -87,7 +91,8 @@ RULES: dict[str, dict[str, Any]] = {
     "label_smoothing": {"group": "algorithm", "min": 0.0, "lt": 0.5}, "rpo_alpha": {"group": "algorithm", "min": 0.0},
     "center_coef": {"group": "algorithm", "min": 0.0}, "precompute_ref_log_probs": {"group": "algorithm"},
     "num_steps": {"group": "algorithm", "min": 1}, "guidance_scale": {"group": "algorithm", "min": 0.0},
-    "eta": {"group": "algorithm", "min": 0.0}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
+    "eta": {"group": "algorithm", "min": 0.0}, "noise_level": {"group": "algorithm"}, "sde_type": {"group": "algorithm"},
+    "sde_window_size": {"group": "algorithm"}, "sde_window_range": {"group": "algorithm"}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
     "min_step_std": {"group": "algorithm", "min": 0.0}, "train_chunk_size": {"group": "optimisation", "min": 0},
     "sample_batch_size": {"group": "optimisation", "min": 0},
     "rollout_correction": {"group": "algorithm"}, "rollout_correction_level": {"group": "algorithm"},
@@ -253,6 +258,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
     if config_file:
         values.update(_read_yaml(config_file, fields))
     values.update(given)
+    _algorithm_knobs_follow_the_algorithm(cls, fields, values)
     out = {}
     for name, value in values.items():
         try:
@@ -265,6 +271,22 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
     if check is not None:
         check(cfg)
     return cfg
+
+
+def _algorithm_knobs_follow_the_algorithm(cls: type, fields: dict[str, dataclasses.Field], values: dict[str, Any]) -> None:
+    """A script's own defaults for algorithm knobs (``grpo_image.py``'s clip 1e-2 and beta 0.1, ...) are tuned for
+    the script's default ``algorithm``. When a preset, YAML or the command line picks another algorithm, every knob
+    nobody set falls back to None: the chosen algorithm's published value (``unialign.registry``), so
+    ``--algorithm flow_grpo`` trains Flow-GRPO, not Flow-GRPO with the script's GRPO clip. Only online configs
+    (those with ``algo_spec``); ``values`` (what was set, by name) is updated in place."""
+    algorithm = fields.get("algorithm")
+    if not hasattr(cls, "algo_spec") or algorithm is None or values.get("algorithm", algorithm.default) == algorithm.default:
+        return
+    from unialign.registry import AlgoSpec
+
+    for knob in (f.name for f in dataclasses.fields(AlgoSpec) if f.name != "name"):
+        if knob in fields and knob not in values and fields[knob].default is not None:
+            values[knob] = None
 
 
 def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
