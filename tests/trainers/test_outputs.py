@@ -36,7 +36,9 @@ def test_summary_is_strict_json_and_printed_as_json_with_the_folder(tmp_path, ca
     out = capsys.readouterr().out
     assert f"outputs in {tmp_path.resolve()}" in out
     printed = strict_loads(out[out.index("{"):])
-    assert printed["before"] is None and "config" not in printed
+    assert printed["before"] is None and "config" not in printed and "algorithm_spec" not in printed
+    spec = trainer.cfg.algo_spec()  # the knobs as run, resolved from the preset (config keeps only what was set)
+    assert saved["algorithm_spec"]["name"] == spec.name and saved["algorithm_spec"]["epsilon"] == spec.epsilon
 
 
 def test_json_safe_by_hand():

@@ -146,6 +146,8 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
     outputs are and the summary as JSON. Returns the summary."""
     summary.update({k: v for k, v in (counters or {}).items() if v})  # e.g. reward_errors skipped, nonfinite rewards
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
+    if callable(getattr(cfg, "algo_spec", None)):  # the algorithm as run: preset + overrides, every knob resolved
+        summary["algorithm_spec"] = asdict(cfg.algo_spec())
     out = Path(cfg.output_dir)
     ckpt = find_checkpoint(out, "latest", required=False)
     changes = read_trainer_state(ckpt).get("config_changes") if ckpt is not None else None
@@ -160,8 +162,8 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
 
 
 def print_summary(acc, output_dir: str | Path, summary: dict) -> None:
-    """Print the output folder and the summary (without its config) as JSON, on the main process."""
-    shown = json_safe({k: v for k, v in summary.items() if k != "config"})
+    """Print the output folder and the summary (without its config and algorithm spec) as JSON, on the main process."""
+    shown = json_safe({k: v for k, v in summary.items() if k not in ("config", "algorithm_spec")})
     acc.print(f"outputs in {Path(output_dir).resolve()} (final/ weights, summary.json, curves, checkpoints)")
     acc.print(json.dumps(shown, indent=1))
 
