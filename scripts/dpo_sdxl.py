@@ -1,6 +1,8 @@
-"""Diffusion-DPO (Wallace et al. 2023) on SDXL / SD1.x: the same ``dpo_loss`` as text DPO, on the ELBO surrogate.
+"""Diffusion-DPO (Wallace et al. 2023) on SDXL / SD1.x, and on flow matching (SD3 / FLUX.1): the same ``dpo_loss``
+as text DPO, on the ELBO surrogate (noise- or velocity-prediction MSE at one shared t and noise per pair).
 
     accelerate launch scripts/dpo_sdxl.py                          # offline: embedded tiny SDXL, pairs ranked by gold score
+    accelerate launch scripts/dpo_sdxl.py --model_name_or_path embedded-sd3   # its flow-matching (SD3) twin
     accelerate launch scripts/dpo_sdxl.py --preset sdxl-pickapic --dataset_name PATH_OR_ID
 
 Data in Pick-a-Pic's schema (caption, jpg_0, jpg_1, label_0; ties dropped and counted). Writes
@@ -23,12 +25,11 @@ import torch
 
 from unialign.algos.preference import DPO_LOSS_TYPES
 from unialign.config import UserError, arg, exit_on_user_error, parse_config
-from unialign.embedded import NAME, shapes_world
-from unialign.embedded.parts import image_pairs
+from unialign.embedded import NAME, parts, shapes_world
 from unialign.embedded.shape_verifier import verify
-from unialign.image import DiffusionPolicy
 from unialign.image.data import load_pickapic
 from unialign.image.grid import save_grid
+from unialign.image.recipe import load_denoiser
 from unialign.trainers import finish_run
 from unialign.trainers.preference import (
     DPOObjective,
@@ -42,7 +43,10 @@ from unialign.trainers.preference import (
 class DiffusionDPOConfig(PreferenceConfig):
     preset: str | None = arg(None, "named recipe: sdxl-pickapic (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
-    model_name_or_path: str = arg("embedded", "SDXL / SD1.x Hub id or local diffusers folder, or 'embedded'")
+    model_name_or_path: str = arg("embedded", "SDXL / SD1.x / SD3 / FLUX.1 Hub id or local diffusers folder, or "
+                                  "'embedded' / 'embedded-sd3' (the shapes world's SDXL- / SD3-architecture models)")
+    model_family: str = arg("auto", "auto (the folder's model_index.json, else the hub id) | sd | sdxl | sd3 | flux",
+                            choices=("auto", "sd", "sdxl", "sd3", "flux"))
     vae_name_or_path: str | None = arg(None, "a VAE to use instead of the model's (e.g. the fp16-fix SDXL VAE)")
     dataset_name: str = arg("embedded", "Pick-a-Pic-schema Hub id, .jsonl/.json/.parquet file or folder (images as "
                             "bytes or paths), or 'embedded' (pairs of the model's samples ranked by a gold score)")
@@ -92,7 +96,7 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     start = time.time()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    embedded = cfg.model_name_or_path == NAME
+    embedded = cfg.model_name_or_path in parts.IMAGE_MODELS
     if cfg.dataset_name == NAME and not embedded:
         raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
                         "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")
@@ -100,11 +104,10 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                 gradient_checkpointing=cfg.gradient_checkpointing)
     if embedded:
-        policy = shapes_world.load_embedded(**opts)
+        policy = parts.embedded_policy(cfg.model_name_or_path, **opts)
     else:
-        policy = DiffusionPolicy.from_pretrained(cfg.model_name_or_path, vae_name_or_path=cfg.vae_name_or_path,
-                                                 torch_dtype=cfg.torch_dtype, **opts)
-    train, held_out, ties, data_info = data or image_pairs(policy, cfg)
+        policy = load_denoiser(cfg.model_name_or_path, cfg.model_family, cfg.torch_dtype, cfg.vae_name_or_path, **opts)
+    train, held_out, ties, data_info = data or parts.image_pairs(policy, cfg)
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
     trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
 

@@ -190,6 +190,24 @@ def test_grpo_image_embedded_sd3_lora_window_loads_in_the_stock_pipeline(tmp_pat
     assert (tuned - base).abs().max() > 1e-6  # the adapters were loaded and trained
 
 
+def test_dpo_sdxl_on_the_flow_matching_embedded_model(tmp_path):
+    """Diffusion-DPO through the script on embedded-sd3: the velocity-MSE surrogate, ln 2 at init, fidelity kept."""
+    run("dpo_sdxl", ["--model_name_or_path", "embedded-sd3", "--max_steps", "2", "--num_prompts", "4",
+                     "--num_eval_images", "8", "--eval_timestep_samples", "1", "--output_dir", str(tmp_path),
+                     "--report_to", "none"])
+    s = check_summary(tmp_path, "gold_score")
+    assert abs(s["first_loss"] - math.log(2)) < 1e-4 and s["implicit_accuracy_before"] == 0.5
+    assert 0.0 <= s["fidelity_after"] <= 1.0
+
+
+def test_a_replacement_vae_is_refused_for_flow_matching_before_loading(tmp_path):
+    from unialign.image.recipe import load_denoiser
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    with pytest.raises(ValueError, match="vae_name_or_path"):
+        load_denoiser(str(tmp_path), vae_name_or_path="madebyollin/sdxl-vae-fp16-fix")
+
+
 def test_image_scripts_reject_bad_input_before_loading(tmp_path, capsys):
     from unialign.config import exit_on_user_error, parse_config
 

@@ -35,12 +35,17 @@ def image_rl_parts(cfg) -> dict[str, Any]:
         verifier = None  # prompts from elsewhere: no fidelity to read
     window_range(cfg)  # bad input named before any model loads
     reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights)
-    if cfg.model_name_or_path == NAME_SD3:
-        policy = world.load_embedded_sd3(**policy_kwargs(cfg, "sd3"))
-    else:
-        policy = world.load_embedded(**policy_kwargs(cfg))
-    return dict(policy=policy, reward=reward, train_prompts=train, eval_prompts=held_out, gold=world.gold_score,
-                verifier=verifier)
+    family = "sd3" if cfg.model_name_or_path == NAME_SD3 else "sdxl"
+    return dict(policy=embedded_policy(cfg.model_name_or_path, **policy_kwargs(cfg, family)), reward=reward,
+                train_prompts=train, eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
+
+
+def embedded_policy(name: str, **kwargs: Any):
+    """The shapes world's model ``name`` ("embedded": SDXL-architecture ``DiffusionPolicy``; "embedded-sd3": the
+    SD3-architecture ``FlowMatchingPolicy``) with ``kwargs`` over its sampling defaults."""
+    if name not in IMAGE_MODELS:
+        raise ValueError(f"model_name_or_path: {name!r} is not one of the embedded image models {IMAGE_MODELS}")
+    return world.load_embedded_sd3(**kwargs) if name == NAME_SD3 else world.load_embedded(**kwargs)
 
 
 def image_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:

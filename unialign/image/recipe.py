@@ -103,26 +103,52 @@ PIPELINE_FAMILIES = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline
                      "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 
 
-def model_family(cfg: ImageRLConfig) -> str:
-    """``cfg.model_family``, or with "auto": a local folder's ``model_index.json`` pipeline class, else the
-    hub id's name ("stable-diffusion-3" -> sd3, "flux" -> flux, "xl" -> sdxl, otherwise sd)."""
-    if cfg.model_family != "auto":
-        return cfg.model_family
-    index = Path(cfg.model_name_or_path) / "model_index.json"
+def family_of(model_name_or_path: str, family: str = "auto") -> str:
+    """``family``, or with "auto": a local folder's ``model_index.json`` pipeline class, else the hub id's
+    name ("stable-diffusion-3" / "sd3" -> sd3, "flux" -> flux, "xl" -> sdxl, otherwise sd)."""
+    if family != "auto":
+        return family
+    index = Path(model_name_or_path) / "model_index.json"
     if index.is_file():
         import json
 
         name = json.loads(index.read_text()).get("_class_name", "")
         if name not in PIPELINE_FAMILIES:
-            raise ValueError(f"model_name_or_path: {cfg.model_name_or_path!r} holds a {name!r}; this script trains "
+            raise ValueError(f"model_name_or_path: {model_name_or_path!r} holds a {name!r}; this script trains "
                              f"{', '.join(PIPELINE_FAMILIES)} (or set --model_family)")
         return PIPELINE_FAMILIES[name]
-    lowered = cfg.model_name_or_path.lower()
+    lowered = model_name_or_path.lower()
     if "stable-diffusion-3" in lowered or "sd3" in lowered:
         return "sd3"
     if "flux" in lowered:
         return "flux"
     return "sdxl" if "xl" in lowered else "sd"
+
+
+def model_family(cfg: ImageRLConfig) -> str:
+    """The family of ``cfg.model_name_or_path`` (``family_of`` with ``cfg.model_family``)."""
+    return family_of(cfg.model_name_or_path, cfg.model_family)
+
+
+def load_denoiser(model_name_or_path: str, family: str = "auto", torch_dtype: str | None = None,
+                  vae_name_or_path: str | None = None, **kwargs: Any):
+    """The policy of a hub id / diffusers folder for its family (``family_of``): ``DiffusionPolicy`` (SD1.x /
+    SDXL, DDIM), ``FlowMatchingPolicy`` (SD3 family) or ``FluxPolicy`` (FLUX.1); ``kwargs`` go to its
+    constructor. Each fails in seconds offline. ``vae_name_or_path`` (a replacement VAE) is for SD1.x / SDXL."""
+    resolved = family_of(model_name_or_path, family)
+    if resolved in FLOW_FAMILIES:
+        if vae_name_or_path is not None:
+            raise ValueError(f"vae_name_or_path: a replacement VAE is for SD1.x / SDXL, not {resolved}")
+        if resolved == "sd3":
+            from unialign.image.flow_policy import FlowMatchingPolicy as cls
+        else:
+            from unialign.image.flux_policy import FluxPolicy as cls
+        return cls.from_pretrained(model_name_or_path, torch_dtype=torch_dtype, **kwargs)
+    from unialign.image import DiffusionPolicy
+
+    sdxl = None if family == "auto" else resolved == "sdxl"  # None: DiffusionPolicy reads the parts
+    extra = {} if vae_name_or_path is None else {"vae_name_or_path": vae_name_or_path}
+    return DiffusionPolicy.from_pretrained(model_name_or_path, sdxl=sdxl, torch_dtype=torch_dtype, **extra, **kwargs)
 
 
 def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
@@ -166,20 +192,9 @@ def load_prompts(name: str) -> tuple[list[str], list[str]]:
 
 
 def load_policy(cfg: ImageRLConfig):
-    """The policy of ``cfg.model_name_or_path`` for its family: ``DiffusionPolicy`` (SD1.x / SDXL, DDIM),
-    ``FlowMatchingPolicy`` (SD3 family) or ``FluxPolicy`` (FLUX.1); each fails in seconds offline."""
-    family = model_family(cfg)
-    kwargs = policy_kwargs(cfg, family)
-    if family == "sd3":
-        from unialign.image.flow_policy import FlowMatchingPolicy as cls
-    elif family == "flux":
-        from unialign.image.flux_policy import FluxPolicy as cls
-    else:
-        from unialign.image import DiffusionPolicy
-
-        sdxl = None if cfg.model_family == "auto" else family == "sdxl"  # None: DiffusionPolicy reads the parts
-        return DiffusionPolicy.from_pretrained(cfg.model_name_or_path, sdxl=sdxl, torch_dtype=cfg.torch_dtype, **kwargs)
-    return cls.from_pretrained(cfg.model_name_or_path, torch_dtype=cfg.torch_dtype, **kwargs)
+    """The policy of ``cfg.model_name_or_path`` with ``cfg``'s sampling knobs (``load_denoiser``)."""
+    return load_denoiser(cfg.model_name_or_path, cfg.model_family, cfg.torch_dtype,
+                         **policy_kwargs(cfg, model_family(cfg)))
 
 
 def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
