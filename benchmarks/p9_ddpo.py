@@ -126,9 +126,11 @@ def jpeg_kb(pixels_B_3_H_W) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- one side, one process
-def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: int = 0, chunk: int = CHUNK) -> dict:
+def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: int = 0, chunk: int = CHUNK,
+         uncond_grad: bool = True) -> dict:
     """Train ``epochs`` + 1 (warm-up) DDPO epochs with ``which`` in ("ours", "trl"); returns per-epoch times
-    (total, sampling, training), the peak RSS over post-import RSS and the rewards."""
+    (total, sampling, training), the peak RSS over post-import RSS and the rewards. ``uncond_grad`` False (ours
+    only): CFG's unconditional branch under no_grad in training (``cfg_uncond_grad``, Flow-GRPO's layout)."""
     rss_tracks_tensors()
     import torch
 
@@ -164,7 +166,8 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
         policy = DiffusionPolicy.from_pretrained(folder, num_steps=s["num_steps"], guidance_scale=s["guidance"],
                                                  eta=s["eta"], timestep_fraction=s["fraction"],
                                                  lora_rank=4 if lora else 0, train_chunk_size=chunk,
-                                                 sample_batch_size=s["micro_batch"] if chunk else 0, seed=seed)
+                                                 sample_batch_size=s["micro_batch"] if chunk else 0, seed=seed,
+                                                 cfg_uncond_grad=uncond_grad)
         cfg = OnlineConfig(algorithm="ddpo", num_generations=s["per_prompt"], prompts_per_step=s["prompts"],
                            micro_batch_size=s["micro_batch"], num_mini_batches=1, max_steps=epochs + 1,
                            learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=1.0, epsilon=s["clip"],
@@ -244,11 +247,14 @@ def measure(lora: bool, runs: int = 3, epochs: int = 2, threads: int = 1, folder
     """``runs`` alternating fresh-process runs per side; medians of the per-run medians."""
     trl_py = trl_python()
     folder = folder or str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
-    res = {"ours": [], "trl": []}
+    res = {"ours": [], "trl": [], "ours_detached": []}
     for i in range(runs):
-        for which in (("ours", "trl") if i % 2 == 0 else ("trl", "ours")):
+        for name in (("ours", "trl", "ours_detached") if i % 2 == 0 else ("ours_detached", "trl", "ours")):
+            which = "trl" if name == "trl" else "ours"
             py = Path(sys.executable) if which == "ours" else trl_py
-            res[which].append(_launch(py, dict(which=which, folder=folder, lora=lora, epochs=epochs, threads=threads)))
+            extra = {"uncond_grad": False} if name == "ours_detached" else {}
+            res[name].append(_launch(py, dict(which=which, folder=folder, lora=lora, epochs=epochs, threads=threads,
+                                              **extra)))
     med = {w: {k: statistics.median(r[k] for r in rs) for k in ("epoch_s", "sample_s", "train_s", "peak_bytes")}
            for w, rs in res.items()}
     return {"median": med, "runs": res}
@@ -280,6 +286,13 @@ def run(quick: bool = False) -> list[dict]:
                          "lower", None, note),
                      row(f"P9-{tag}-mem", f"DDPO peak RSS over imports ({tag})", o["peak_bytes"], t["peak_bytes"],
                          "bytes", "lower", 0.8, note)]
+            d = r["median"]["ours_detached"]
+            detached = (note + "; ours with --cfg_uncond_grad false: CFG's unconditional branch under no_grad in "
+                        "training (Flow-GRPO's layout; NOT DDPO's gradient, which also flows through it)")
+            rows += [row(f"P9-{tag}-detached-time", f"DDPO time per epoch, uncond no_grad ({tag})", d["epoch_s"],
+                         t["epoch_s"], "s", "lower", None, detached + f"; training {d['train_s']:.2f} s"),
+                     row(f"P9-{tag}-detached-mem", f"DDPO peak RSS, uncond no_grad ({tag})", d["peak_bytes"],
+                         t["peak_bytes"], "bytes", "lower", None, detached)]
         except Exception as e:  # noqa: BLE001
             rows.append(error_row(f"P9-{tag}", f"DDPO vs TRL DDPOTrainer ({tag})", e))
     return rows

@@ -450,6 +450,8 @@ class FlowMatchingPolicy(FlowPolicyBase):
             ``sequence_log_prob`` when a batch carries no timesteps / noise (``DiffusionPolicy``'s name).
         caption_dropout: probability of training a preference pair on the empty caption (Diffusion-DPO
             uses 0.2), so classifier-free guidance keeps working (``DiffusionPolicy``'s name).
+        cfg_uncond_grad: with CFG in training, the gradient also flows through the unconditional branch;
+            default False: Flow-GRPO's training step computes it under no_grad (``DenoiserPolicy._guided``).
     """
 
     family = "sd3"
@@ -482,6 +484,7 @@ class FlowMatchingPolicy(FlowPolicyBase):
         train_chunk_size: int = 0,
         seed: int = 0,
         caption_dropout: float = 0.0,
+        cfg_uncond_grad: bool = False,
     ) -> None:
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 and tokenizer_3 go together (both None: no T5, zeros as the stock pipeline)")
@@ -498,6 +501,7 @@ class FlowMatchingPolicy(FlowPolicyBase):
                          target_modules=SD3_LORA_TARGET_MODULES, gradient_checkpointing=gradient_checkpointing,
                          sample_batch_size=sample_batch_size, train_chunk_size=train_chunk_size, seed=seed,
                          caption_dropout=caption_dropout)
+        self.cfg_uncond_grad = cfg_uncond_grad
 
     def _set_timesteps(self) -> None:
         """``set_timesteps(N)`` with the stock pipeline's dynamic-shift ``mu`` when the config asks for it."""
@@ -595,15 +599,16 @@ class FlowMatchingPolicy(FlowPolicyBase):
         one doubled batch [uncond; cond] and u + w (c - u), as the stock pipeline."""
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         x = latents.to(self.dtype)
-        guided = cfg and self._cfg
-        if guided:
-            b, uncond = x.shape[0], self._uncond()
-            x, t_B = torch.cat([x, x]), torch.cat([t_B, t_B])
-            embeds = torch.cat([uncond["prompt_embeds"].expand(b, -1, -1), embeds])
-            pooled = torch.cat([uncond["pooled_prompt_embeds"].expand(b, -1), pooled])
-        out = model(hidden_states=x, timestep=t_B, encoder_hidden_states=embeds, pooled_projections=pooled,
-                    return_dict=False)[0]
-        if not guided:
-            return out
-        out_uncond, out_cond = out.chunk(2)
-        return out_uncond + self.guidance_scale * (out_cond - out_uncond)
+
+        def call(hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
+                 pooled_projections: Tensor) -> Tensor:
+            return model(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                         pooled_projections=pooled_projections, return_dict=False)[0]
+
+        if not (cfg and self._cfg):
+            return call(x, t_B, embeds, pooled)
+        b, uncond = x.shape[0], self._uncond()
+        doubled = dict(hidden_states=torch.cat([x, x]), timestep=torch.cat([t_B, t_B]),
+                       encoder_hidden_states=torch.cat([uncond["prompt_embeds"].expand(b, -1, -1), embeds]),
+                       pooled_projections=torch.cat([uncond["pooled_prompt_embeds"].expand(b, -1), pooled]))
+        return self._guided(call, doubled, b)

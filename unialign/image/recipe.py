@@ -68,6 +68,10 @@ class ImageRLConfig(OnlineConfig):
     lora_rank: int = field(default=0, metadata={
         "help": "> 0: train a LoRA of this rank instead of the full UNet / transformer"})
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)", "gt": 0.0})
+    cfg_uncond_grad: bool | None = field(default=None, metadata={
+        "help": "with CFG in training: true = gradients through both branches (DDPO as published, the SD1.x / SDXL "
+                "default), false = the unconditional branch under no_grad (Flow-GRPO, the SD3 default; less compute "
+                "and memory, a different gradient); unset: the policy's default", "group": "model"})
     train_chunk_size: int = field(default=0, metadata={
         "help": "(sample, step) pairs per forward/backward in training: a micro-batch's trained steps in chunks of "
                 "this many, one backward each, the same update (0: all in one UNet call; memory only)"})
@@ -166,6 +170,8 @@ def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
     """The policy constructor's knobs from ``cfg``: ``DiffusionPolicy``'s (sd / sdxl) or the flow-matching
     policies' (sd3 / flux)."""
     sizes = {} if cfg.resolution is None else {"height": cfg.resolution, "width": cfg.resolution}
+    if cfg.cfg_uncond_grad is not None:
+        sizes["cfg_uncond_grad"] = cfg.cfg_uncond_grad
     common = dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, lora_rank=cfg.lora_rank,
                   lora_alpha=cfg.lora_alpha,
                   train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, **sizes)
