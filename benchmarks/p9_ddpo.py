@@ -298,8 +298,25 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
+def curve(epochs: int = 20, seeds: tuple[int, ...] = (0, 1, 2), lora: bool = False, last: int = 5) -> dict:
+    """Learning curves of ours in P9's setting with the default CFG gradient and with ``cfg_uncond_grad`` off:
+    per seed the training reward (-kB) of every epoch and the mean of the ``last`` epochs."""
+    folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
+    out: dict[str, dict] = {}
+    for grad in (True, False):
+        key = "both_branches" if grad else "uncond_no_grad"
+        runs = [_launch(Path(sys.executable), dict(which="ours", folder=folder, lora=lora, epochs=epochs - 1,
+                                                   threads=1, seed=seed, uncond_grad=grad), timeout=3600)
+                for seed in seeds]
+        out[key] = {"rewards": [r["rewards"] for r in runs],
+                    "last_mean": [statistics.mean(r["rewards"][-last:]) for r in runs]}
+    return out
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--side":  # one side, for profiling: --side ours|trl full|lora
+    if len(sys.argv) > 1 and sys.argv[1] == "--curve":  # learning curves: --curve [epochs]
+        print(json.dumps(curve(int(sys.argv[2]) if len(sys.argv) > 2 else 20), indent=1))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--side":  # one side, for profiling: --side ours|trl full|lora
         folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
         which, tag, chunk = sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else CHUNK
         py = Path(sys.executable) if which == "ours" else trl_python()
