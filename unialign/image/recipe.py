@@ -169,18 +169,17 @@ def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
 def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
     """The policy constructor's knobs from ``cfg``: ``DiffusionPolicy``'s (sd / sdxl) or the flow-matching
     policies' (sd3 / flux)."""
-    sizes = {} if cfg.resolution is None else {"height": cfg.resolution, "width": cfg.resolution}
-    if cfg.cfg_uncond_grad is not None:
-        sizes["cfg_uncond_grad"] = cfg.cfg_uncond_grad
     common = dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, lora_rank=cfg.lora_rank,
-                  lora_alpha=cfg.lora_alpha,
-                  train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, **sizes)
+                  lora_alpha=cfg.lora_alpha, train_chunk_size=cfg.train_chunk_size,
+                  sample_batch_size=cfg.sample_batch_size, seed=cfg.seed)
+    optional = dict(height=cfg.resolution, width=cfg.resolution, cfg_uncond_grad=cfg.cfg_uncond_grad)
     if family in FLOW_FAMILIES:
-        flow = dict(common, noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
-                    sde_window_range=window_range(cfg), seed=cfg.seed)
-        return flow if cfg.max_sequence_length is None else dict(flow, max_sequence_length=cfg.max_sequence_length)
-    return dict(common, eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std,
-                seed=cfg.seed)
+        common.update(noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
+                      sde_window_range=window_range(cfg))
+        optional["max_sequence_length"] = cfg.max_sequence_length
+    else:
+        common.update(eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std)
+    return {**common, **{k: v for k, v in optional.items() if v is not None}}  # unset: the policy's default
 
 
 def load_prompts(name: str) -> tuple[list[str], list[str]]:
