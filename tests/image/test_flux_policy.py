@@ -221,3 +221,21 @@ def test_identical_pair_gives_ln2(make_flux_policy):
     ref_c, ref_r = policy.reference().sequence_log_prob(batch)
     loss, _, _ = algos.dpo_loss(c, r, ref_c, ref_r, beta=5000.0)
     torch.testing.assert_close(loss.detach(), torch.full((3,), math.log(2)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("uncond_grad", [None, False])
+def test_the_image_scripts_load_a_flux_folder_with_their_knobs(tokenizer_dir, tmp_path, uncond_grad):
+    """``recipe.load_policy`` (grpo_image / ddpo_aesthetic's hub route, the flux.1-dev-pickscore preset's knobs)
+    detects FLUX from model_index.json and builds a FluxPolicy; --cfg_uncond_grad is accepted (FLUX has no CFG)."""
+    from diffusers import FluxPipeline
+
+    from unialign.image.recipe import ImageRLConfig, load_policy
+
+    FluxPipeline(**flux_components(tokenizer_dir)).save_pretrained(str(tmp_path / "flux"))
+    cfg = ImageRLConfig(model_name_or_path=str(tmp_path / "flux"), num_steps=3, guidance_scale=3.5, resolution=16,
+                        max_sequence_length=T5_TOKENS, lora_rank=2, lora_alpha=4.0, sde_window_size=2,
+                        sde_window_range="0,3", cfg_uncond_grad=uncond_grad, torch_dtype="float32")
+    policy = load_policy(cfg)
+    assert isinstance(policy, FluxPolicy) and policy.sde_window_size == 2 and policy.lora_rank == 2
+    traj = policy.sample(["a cat"], generator=torch.Generator().manual_seed(0))
+    assert traj.mask_B_T.sum() == 2 and torch.isfinite(traj.old_logp_B_T).all()

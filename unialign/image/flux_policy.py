@@ -77,6 +77,7 @@ class FluxPolicy(FlowPolicyBase):
             default 3.5); ignored for a transformer without ``guidance_embeds``. Never CFG.
         noise_level, sde_type, sde_window_size, sde_window_range, lora_alpha, gradient_checkpointing,
             sample_batch_size, train_chunk_size, seed, caption_dropout: as ``FlowMatchingPolicy``.
+        cfg_uncond_grad: accepted for the image scripts' one interface; FLUX-dev has no CFG to detach.
         height, width: image size in pixels, multiples of 2 x the VAE factor (default: the stock pipeline's
             128 x VAE factor = 1024).
         max_sequence_length: T5 tokens (stock default 512).
@@ -112,6 +113,7 @@ class FluxPolicy(FlowPolicyBase):
         train_chunk_size: int = 0,
         seed: int = 0,
         caption_dropout: float = 0.0,
+        cfg_uncond_grad: bool = False,
     ) -> None:
         if getattr(vae.config, "shift_factor", None) is None:
             raise ValueError("FluxPolicy needs a VAE with shift_factor in its config (FLUX's AutoencoderKL has one)")
@@ -129,6 +131,7 @@ class FluxPolicy(FlowPolicyBase):
                          lora_alpha=lora_alpha, target_modules=FLUX_LORA_TARGET_MODULES,
                          gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
                          train_chunk_size=train_chunk_size, seed=seed, caption_dropout=caption_dropout)
+        self.cfg_uncond_grad = cfg_uncond_grad  # no CFG in FLUX: kept for the one interface of the image policies
 
     # ------------------------------------------------------------------ family hooks
     def _latent_shape(self, batch: int) -> tuple[int, int, int, int]:
