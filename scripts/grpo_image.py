@@ -1,11 +1,13 @@
 """The GRPO family on images, with any image reward: Flow-GRPO's GenEval experiment in miniature.
 
     accelerate launch scripts/grpo_image.py                                  # offline embedded default, CPU
+    accelerate launch scripts/grpo_image.py --model_name_or_path embedded-sd3 # its flow-matching (SD3) twin
     accelerate launch scripts/grpo_image.py --beta 0.04 --lora_rank 4         # KL to the reference, LoRA
     accelerate launch scripts/grpo_image.py --reward aesthetic,shape_verifier --reward_weights 1,1
     accelerate launch scripts/grpo_image.py --preset sd15-clip --prompt_set my_prompts.txt
 
-The same ``OnlineTrainer`` as ``scripts/grpo_math.py`` trains a ``DiffusionPolicy`` whose steps are
+The same ``OnlineTrainer`` as ``scripts/grpo_math.py`` trains a ``DiffusionPolicy`` (SD1.x / SDXL, DDIM) or a
+flow-matching policy (SD3 / FLUX.1, Flow-GRPO's SDE step; ``--algorithm flow_grpo``) whose steps are
 denoising transitions, with group-normalised advantages (``--algorithm grpo | dapo | dr_grpo | gspo |
 rloo | reinforce``). The default reward is the *verifiable* ``shape_verifier`` (what the prompt asks
 for -- background colour, object colour, shape -- read from the pixels, ``unialign/embedded/shape_verifier.py``),
