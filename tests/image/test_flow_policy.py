@@ -64,6 +64,22 @@ def test_sample_records_the_window(make_flow_policy):
     assert (full.mask_B_T == 1).all()
 
 
+def test_the_deterministic_last_cps_step_is_never_trained(make_flow_policy):
+    """CPS's last step has std sigma' sin(eta pi / 2) = 0: no Gaussian, so mask 0 there (Flow-GRPO never trains
+    its last step), and the closed-form KL over the trained steps is finite where it would refuse that step."""
+    cps = make_flow_policy(sde_type="cps", noise_level=0.8, num_steps=4)
+    traj = cps.sample(PROMPTS, generator=torch.Generator().manual_seed(0))
+    assert traj.mask_B_T[:, :3].eq(1).all() and traj.mask_B_T[:, 3].eq(0).all()
+    cps.reference()
+    with torch.no_grad():
+        for p in cps.trainable_parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    _, entropy, kl = cps.log_prob_and_kl(traj)
+    assert torch.isfinite(kl).all() and (kl[:, :3] > 0).all() and (kl[:, 3] == 0).all() and (entropy[:, 3] == 0).all()
+    sde = make_flow_policy(num_steps=4).sample(PROMPTS, generator=torch.Generator().manual_seed(0))
+    assert sde.mask_B_T.eq(1).all()  # every "sde" step has std > 0
+
+
 @pytest.mark.parametrize("sde_type,guidance", [("sde", 3.0), ("sde", 1.0), ("cps", 3.0), ("cps", 1.0)])
 def test_ratio_one_and_the_step_kernel(make_flow_policy, sde_type, guidance):
     noise = 0.7 if sde_type == "sde" else 0.8

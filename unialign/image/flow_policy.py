@@ -7,6 +7,7 @@ stochastic by Flow-GRPO's SDE step (``unialign.image.flow.sde_step_with_logprob`
 per-step log-prob is that step's Gaussian log-density averaged over C,H,W (the DDPO convention of
 ``DiffusionPolicy``). With an SDE window (Flow-GRPO-Fast / MixGRPO) only the steps inside the window are
 stochastic and trained (``mask_B_T`` 1); the others are deterministic Euler steps x + v dt (mask 0, log-prob 0).
+A step of std 0 (the last "cps" step) is deterministic too: mask 0, as Flow-GRPO never trains its last step.
 The transformer (``self.model``) is the only trainable module; VAE and text encoders are frozen.
 
 A family is a small adapter over ``FlowPolicyBase``: ``encode_prompts`` (the conditioning dict),
@@ -257,6 +258,9 @@ class FlowPolicyBase(DenoiserPolicy):
             all_logps.append(logp)
         mask = torch.zeros(batch, self.num_steps, device=self.device)
         mask[:, start:end] = 1.0
+        # a step of std 0 (the last "cps" step, sigma' = 0) is deterministic: no Gaussian to train or to take
+        # a KL of (Flow-GRPO trains int(0.99 N) steps, never the last)
+        mask[:, coefs["std"].to(self.device) <= 0] = 0.0
         payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
         return Trajectory(prompts=list(prompts), completions=self.decode(latents), mask_B_T=mask,
                           old_logp_B_T=torch.stack(all_logps, dim=1),
