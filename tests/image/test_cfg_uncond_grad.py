@@ -31,10 +31,10 @@ def test_ddim_policy_detached_uncond_is_the_guided_value_with_u_constant(make_po
     t = torch.tensor([901, 501])
     cond = policy.encode_prompts(["a cat", "a dog"])
     unet = policy.unet
-    both = policy._predict(unet, x, t, cond, cfg=True)
+    both = policy._denoise(unet, x, t, cond, cfg=True)
     grads_both = _grads(unet, both.square().sum())
     policy.cfg_uncond_grad = False
-    detached = policy._predict(unet, x, t, cond, cfg=True)
+    detached = policy._denoise(unet, x, t, cond, cfg=True)
     grads_detached = _grads(unet, detached.square().sum())
 
     def one(x_, t_, c):
@@ -49,7 +49,7 @@ def test_ddim_policy_detached_uncond_is_the_guided_value_with_u_constant(make_po
     gap = max(float((grads_both[n] - grads_ref[n]).abs().max()) for n in grads_ref)
     assert gap > 1e-3  # the default's gradient also flows through u: a different update
     with torch.no_grad():  # sampling / recomputed log-probs: one doubled batch either way
-        torch.testing.assert_close(policy._predict(unet, x, t, cond, cfg=True), both.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(policy._denoise(unet, x, t, cond, cfg=True), both.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_flow_policy_detaches_uncond_by_default_as_flow_grpo(make_flow_policy):  # noqa: F811
@@ -59,7 +59,7 @@ def test_flow_policy_detaches_uncond_by_default_as_flow_grpo(make_flow_policy): 
     t = policy.scheduler.timesteps[:2].clone()
     cond = policy.encode_prompts(["a cat", "a red circle"])
     model = policy.model
-    detached = policy._velocity(model, x, t, cond)
+    detached = policy._denoise(model, x, t, cond)
     grads = _grads(model, detached.square().sum())
 
     def one(x_, t_, c):

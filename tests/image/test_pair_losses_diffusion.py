@@ -42,4 +42,4 @@ def test_reference_free_pair_losses_on_the_elbo_surrogate(make_policy, tmp_path,
     history = PreferenceTrainer(objective, pairs, cfg).train()
     assert all(math.isfinite(h["loss"]) for h in history if "loss" in h)
     assert history[1]["loss"] != history[0]["loss"]
-    assert policy._frozen_unet is None  # no frozen copy of the UNet was made
+    assert policy._frozen_denoiser is None  # no frozen copy of the UNet was made

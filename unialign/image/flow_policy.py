@@ -10,11 +10,12 @@ stochastic and trained (``mask_B_T`` 1); the others are deterministic Euler step
 A step of std 0 (the last "cps" step) is deterministic too: mask 0, as Flow-GRPO never trains its last step.
 The transformer (``self.model``) is the only trainable module; VAE and text encoders are frozen.
 
-A family is a small adapter over ``FlowPolicyBase``: ``encode_prompts`` (the conditioning dict),
-``_velocity`` (one transformer call: CFG, packing, guidance embedding), ``_latent_shape``,
+``FlowPolicyBase`` is the flow-matching step on the shared denoiser part (``unialign.image.denoiser``:
+sampling, the step log-probs, the KL to the reference, the Diffusion-DPO surrogate, the reference and saving
+are written once there). A family is a small adapter over it: ``encode_prompts`` (the conditioning dict),
+``_denoise`` (the velocity: one transformer call with CFG, packing, guidance embedding), ``_latent_shape``,
 ``_set_timesteps`` (the sampling sigmas), ``_pipeline_class`` (the stock pipeline whose
-``save_lora_weights`` writes the LoRA) and ``from_pretrained``. Sampling, the step log-probs, the KL to the
-reference, the Diffusion-DPO surrogate, the reference and saving are written once here.
+``save_lora_weights`` writes the LoRA) and ``from_pretrained``.
 
 SD3 prompt encoding restates ``StableDiffusion3Pipeline.encode_prompt``: the penultimate hidden states of
 CLIP-L and CLIP-G concatenated on features and zero-padded to the T5 width, then concatenated on tokens
@@ -37,20 +38,12 @@ Payload written by ``preference_batch`` (the Diffusion-DPO surrogate, ``sequence
 
 from __future__ import annotations
 
-import copy
-import os
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
-from unialign.image.ddim import HALF_LOG_2PI
+from unialign.image.denoiser import DenoiserPolicy
 from unialign.image.flow import SDE_TYPES, flow_step_coefficients, flow_step_kl, sde_step_with_logprob
-from unialign.image.policy import DenoiserPolicy
-from unialign.policy import ReferencePolicy
-from unialign.types import PreferenceBatch, Trajectory
 
 Tensor = torch.Tensor
 
@@ -60,19 +53,14 @@ SD3_LORA_TARGET_MODULES = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
-def flow_dpo_logp(velocity_B_C_H_W: Tensor, x0_B_C_H_W: Tensor, noise_B_C_H_W: Tensor) -> Tensor:
-    """The flow-matching Diffusion-DPO surrogate of one sample [B]: -1/2 mean_CHW (v - (eps - x0))^2, the
-    rectified-flow loss at x_t = (1 - sigma) x0 + sigma eps whose target velocity is eps - x0."""
-    target = noise_B_C_H_W.float() - x0_B_C_H_W.float()
-    return -0.5 * ((velocity_B_C_H_W.float() - target) ** 2).mean(dim=tuple(range(1, target.dim())))
-
-
 class FlowPolicyBase(DenoiserPolicy):
-    """What every flow-matching family shares (module docstring); a family implements ``encode_prompts``,
-    ``_velocity``, ``_latent_shape``, ``_set_timesteps``, ``_pipeline_class`` and ``from_pretrained``, and
-    calls ``_setup_flow`` from its constructor."""
+    """The flow-matching step on the shared denoiser part (``DenoiserPolicy``: module docstring); a family
+    implements ``encode_prompts``, ``_denoise`` (the velocity), ``_latent_shape``, ``_set_timesteps``,
+    ``_pipeline_class`` and ``from_pretrained``, and calls ``_setup_flow`` from its constructor."""
 
     family = "flow"
+    denoiser_subfolder = "transformer"
+    cond_keys = text_keys = COND_KEYS
 
     def _setup_flow(self, transformer, vae, scheduler, frozen: tuple, *, num_steps: int, guidance_scale: float,
                     noise_level: float, sde_type: str, sde_window_size: int, sde_window_range: tuple[int, int] | None,
@@ -114,16 +102,13 @@ class FlowPolicyBase(DenoiserPolicy):
         self._setup_denoiser(transformer, (self.vae, *frozen), lora_rank=lora_rank, lora_alpha=lora_alpha,
                              target_modules=target_modules, gradient_checkpointing=gradient_checkpointing,
                              sample_batch_size=sample_batch_size, train_chunk_size=train_chunk_size)
-        self.model = transformer  # trainers may wrap it; forward passes go through self.model
-        self._frozen_transformer = None
-        self._uncond_cache: dict[str, Tensor] | None = None
 
     # ------------------------------------------------------------------ family hooks
     def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
         """``prompt_embeds`` [B, L, D] and ``pooled_prompt_embeds`` [B, P] (no grad)."""
         raise NotImplementedError
 
-    def _velocity(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
+    def _denoise(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
         """The velocity v [B, C, H, W] (unpacked) of ``model`` at (latents [B, C, H, W], scheduler timesteps
         t_B [B]); ``cfg=False`` turns classifier-free guidance off (the DPO surrogate)."""
         raise NotImplementedError
@@ -141,54 +126,6 @@ class FlowPolicyBase(DenoiserPolicy):
         """The stock diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights``)."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ helpers
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next((p.dtype for p in self.transformer.parameters() if p.is_floating_point()), torch.float32)
-
-    @property
-    def _cfg(self) -> bool:
-        return self.guidance_scale > 1.0
-
-    def _uncond(self) -> dict[str, Tensor]:
-        """Embeddings of the empty prompt (batch 1), cached: the CFG unconditional branch."""
-        if self._uncond_cache is None:
-            self._uncond_cache = self.encode_prompts([""])
-        return self._uncond_cache
-
-    @staticmethod
-    def _hub_error(path_or_hub_id: str, what: str, layout: str, offline: bool, err: Exception) -> RuntimeError:
-        return RuntimeError(
-            f"could not load {what} weights {path_or_hub_id!r}: they are not in a local folder or the Hugging Face "
-            f"cache and cannot be downloaded here (offline={offline}). Pass a local directory holding a diffusers "
-            f"{layout}. Cause: {type(err).__name__}: {err}")
-
-    @classmethod
-    def _load_parts(cls, path_or_hub_id: str, build: Callable[[dict, dict], dict[str, Any]], what: str, layout: str,
-                    torch_dtype: torch.dtype | str | None, variant: str | None,
-                    device: str | torch.device | None) -> dict[str, Any]:
-        """``build(opts, model_kw)`` -> the pipeline's parts, after ``require_hub`` (fails in seconds offline)
-        and with hub errors turned into one clear RuntimeError; models moved to ``device``."""
-        from unialign.hub import require_hub
-
-        if isinstance(torch_dtype, str):
-            torch_dtype = getattr(torch, torch_dtype)
-        require_hub(path_or_hub_id, "model")  # fail in seconds, not after a minute of retries
-        opts, offline = cls._hub_options(path_or_hub_id)
-        try:
-            parts = build(opts, dict(opts, torch_dtype=torch_dtype, variant=variant))
-        except (OSError, ValueError) as e:  # hub errors (offline, 404, bad id) subclass OSError/ValueError
-            raise cls._hub_error(path_or_hub_id, what, layout, offline, e) from e
-        if device is not None:
-            for part in parts.values():
-                if isinstance(part, torch.nn.Module):
-                    part.to(device)
-        return parts
-
     def sde_window(self, generator: torch.Generator | None = None) -> tuple[int, int]:
         """[start, end) of the stochastic, trained steps: all N without a window; else a window of
         ``sde_window_size`` steps starting uniformly in [lo, hi - size] (one draw from ``generator``)."""
@@ -200,29 +137,6 @@ class FlowPolicyBase(DenoiserPolicy):
                                        device=device).item())
         return start, start + self.sde_window_size
 
-    def decode(self, latents_B_C_H_W: Tensor) -> list[Image.Image]:
-        """VAE-decode (fp32) unpacked latents to PIL images (latents / scaling_factor + shift_factor, as the
-        stock SD3 and FLUX pipelines)."""
-        z = latents_B_C_H_W.float() / self.vae.config.scaling_factor
-        if getattr(self.vae.config, "shift_factor", None):
-            z = z + self.vae.config.shift_factor
-        with torch.no_grad():
-            pixels = self.vae.decode(z).sample
-        arr = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
-
-    @torch.no_grad()
-    def encode_images(self, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
-                      generator: torch.Generator | None = None) -> Tensor:
-        """Pixels in [-1, 1] -> latents (z - shift_factor) x scaling_factor [B, C, H, W] (VAE in fp32; the
-        stock SD3 / FLUX training convention). ``sample_posterior=True`` draws from the VAE posterior as
-        Diffusion-DPO does; False takes its mean."""
-        dist = self.vae.encode(pixels_B_3_H_W.to(self.device, torch.float32)).latent_dist
-        z = dist.sample(generator) if sample_posterior else dist.mean
-        if getattr(self.vae.config, "shift_factor", None):
-            z = z - self.vae.config.shift_factor
-        return z * self.vae.config.scaling_factor
-
     def draw_training_timesteps(self, batch: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """(timesteps [B], sigmas [B]) float32 drawn uniformly over the scheduler's ``num_train_timesteps``
         training timesteps: diffusers' train_dreambooth_sd3.py / train_dreambooth_lora_flux.py with
@@ -232,198 +146,81 @@ class FlowPolicyBase(DenoiserPolicy):
         index = torch.randint(0, len(self.train_timesteps), (batch,), generator=generator or self.generator)
         return self.train_timesteps[index], self.train_sigmas[index]
 
-    # ------------------------------------------------------------------ Policy protocol
-    def _sample(self, model, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
+    # ------------------------------------------------------------------ the SDE step (DenoiserPolicy hooks)
+    def _sampling_cond(self, prompts: list[Any]) -> dict[str, Tensor]:
+        return self.encode_prompts(prompts)
+
+    def _initial_latents(self, batch: int, generator: torch.Generator | None) -> Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
-        batch = len(prompts)
-        cond = self.encode_prompts(prompts)
-        latents = randn_tensor(self._latent_shape(batch), generator=generator, device=self.device, dtype=torch.float32)
-        start, end = self.sde_window(generator)
-        timesteps = self.scheduler.timesteps.to(self.device)
-        sigmas = self.scheduler.sigmas.to(self.device, torch.float32)
+        return randn_tensor(self._latent_shape(batch), generator=generator, device=self.device, dtype=torch.float32)
+
+    def _stochastic_window(self, generator: torch.Generator | None) -> tuple[int, int]:
+        return self.sde_window(generator)
+
+    def _step_plan(self) -> tuple[dict[str, Tensor], Tensor]:
         coefs = flow_step_coefficients(self.scheduler, self.scheduler.timesteps, self.num_steps, self.noise_level,
                                        self.sde_type)
-        all_latents, all_logps = [latents], []
-        for i, t in enumerate(timesteps):
-            t_B = t.expand(batch)
-            v = self._velocity(model, latents, t_B, cond).float()
-            if start <= i < end:
-                latents, logp, _, _ = sde_step_with_logprob(
-                    self.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
-                    coefficients={k: c[i].expand(batch) for k, c in coefs.items()})
-            else:  # deterministic Euler step (FlowMatchEulerDiscreteScheduler.step), not trained
-                latents, logp = latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=self.device)
-            all_latents.append(latents)
-            all_logps.append(logp)
+        return coefs, self.scheduler.sigmas.to(self.device, torch.float32)
+
+    def _transition(self, i: int, out: Tensor, t_B: Tensor, latents: Tensor, generator: torch.Generator | None,
+                    plan: tuple[dict[str, Tensor], Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
+        coefs, sigmas = plan
+        v, batch = out.float(), latents.shape[0]
+        if stochastic:
+            latents, logp, _, _ = sde_step_with_logprob(
+                self.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
+                coefficients={k: c[i].expand(batch) for k, c in coefs.items()})
+            return latents, logp
+        # a deterministic Euler step (FlowMatchEulerDiscreteScheduler.step), not trained
+        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=self.device)
+
+    def _trained_mask(self, batch: int, generator: torch.Generator | None, window: tuple[int, int],
+                      plan: tuple[dict[str, Tensor], Tensor]) -> Tensor:
+        start, end = window
         mask = torch.zeros(batch, self.num_steps, device=self.device)
         mask[:, start:end] = 1.0
         # a step of std 0 (the last "cps" step, sigma' = 0) is deterministic: no Gaussian to train or to take
         # a KL of (Flow-GRPO trains int(0.99 N) steps, never the last)
-        mask[:, coefs["std"].to(self.device) <= 0] = 0.0
-        payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
-        return Trajectory(prompts=list(prompts), completions=self.decode(latents), mask_B_T=mask,
-                          old_logp_B_T=torch.stack(all_logps, dim=1),
-                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device), payload=payload)
+        mask[:, plan[0]["std"].to(self.device) <= 0] = 0.0
+        return mask
 
-    def log_prob(self, trajectory: Trajectory) -> Tensor:
-        """Differentiable ``logp_B_T`` [B, N] of the recorded steps under the current transformer, with the
-        sampling guidance; only steps with ``mask_B_T == 1`` are computed (all in one call), the others are 0."""
-        return self._log_prob(self.model, trajectory, False)
+    def _step_logprob(self, out: Tensor, t_R: Tensor, x_R: Tensor, next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        _, logp, mean, std = sde_step_with_logprob(self.scheduler, out, t_R, x_R, self.noise_level,
+                                                   prev_sample=next_R, sde_type=self.sde_type)
+        return logp, mean, std
 
-    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
-        """``(logp_B_T, entropy_B_T)``: the entropy per element of the step Gaussian, 0.5 log(2 pi e std^2)
-        (independent of theta; 0 where masked or where the step is deterministic, std 0: the last "cps" step)."""
-        return self._log_prob(self.model, trajectory, True)
+    def _step_std(self, timesteps_B_T: Tensor) -> Tensor:
+        std = flow_step_coefficients(self.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
+                                     self.noise_level, self.sde_type)["std"]
+        return std.view(timesteps_B_T.shape).to(torch.float32)
 
-    def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logp_B_T, entropy_B_T, kl_B_T)`` with the closed-form step KL to ``reference()`` at the same x
-        (``flow_step_kl``), differentiable through the policy's mean; 0 where masked."""
-        return self._log_prob(self.model, trajectory, True, reference=self.reference())
+    def _step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+        return flow_step_kl(mean, ref_mean, std)  # refuses a step of std 0
 
-    def _log_prob(self, model, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
-        payload = trajectory.payload
-        latents, timesteps = payload["latents"], payload["timesteps"]
-        batch, steps = timesteps.shape
-        logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
-        kl_B_T = torch.zeros_like(logp_B_T)
-        rows, cols = (trajectory.mask_B_T.to(latents.device) > 0).nonzero(as_tuple=True)
-        if rows.numel() > 0:
-            t_R, x_R = timesteps[rows, cols], latents[rows, cols]
-            cond = {k: payload[k][rows] for k in COND_KEYS}
-            v = self._velocity(model, x_R, t_R, cond)
-            _, logp, mean, std = sde_step_with_logprob(self.scheduler, v, t_R, x_R, self.noise_level,
-                                                       prev_sample=latents[rows, cols + 1], sde_type=self.sde_type)
-            logp_B_T = logp_B_T.index_put((rows, cols), logp)
-            if reference is not None:
-                with reference._frozen():
-                    ref_v = self._velocity(reference.model, x_R, t_R, cond)
-                _, _, ref_mean, _ = sde_step_with_logprob(self.scheduler, ref_v, t_R, x_R, self.noise_level,
-                                                          prev_sample=latents[rows, cols + 1], sde_type=self.sde_type)
-                kl_B_T = kl_B_T.index_put((rows, cols), flow_step_kl(mean, ref_mean, std))
-        if not with_entropy:
-            return logp_B_T
-        std_B_T = flow_step_coefficients(self.scheduler, timesteps.reshape(-1).cpu(), batch * steps, self.noise_level,
-                                         self.sde_type)["std"].view(batch, steps).to(logp_B_T.device, torch.float32)
-        live = (trajectory.mask_B_T.to(logp_B_T.device) > 0) & (std_B_T > 0)
-        entropy_B_T = torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
-                                  torch.zeros_like(std_B_T))
-        if reference is None:
-            return logp_B_T, entropy_B_T
-        return logp_B_T, entropy_B_T, kl_B_T
+    # ------------------------------------------------------------------ Diffusion-DPO pairs (hooks)
+    def _draw_pair_times(self, batch: int) -> dict[str, Tensor]:
+        timesteps, sigmas = self.draw_training_timesteps(batch)
+        return {"timesteps": timesteps, "sigmas": sigmas}
 
-    @torch.no_grad()
-    def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
-        """Pairs from ``unialign.image.data.normalize_pickapic`` (``prompt``, ``chosen``, ``rejected`` PIL images)
-        -> a ``PreferenceBatch``: each image resized / centre-cropped to ``resolution`` (default: the policy's
-        height), VAE-encoded (posterior sample, fp32, (z - shift_factor) x scaling_factor) into
-        ``chosen["latents"]`` / ``rejected["latents"]`` [B, C, H, W]; ONE training timestep / sigma and ONE
-        noise per pair in ``payload`` (``draw_training_timesteps``; shared by chosen, rejected, policy and
-        reference); the prompt embeddings, each caption replaced by "" with probability ``caption_dropout``
-        while the transformer is in training mode (as ``DiffusionPolicy``)."""
-        from diffusers.utils.torch_utils import randn_tensor
-
-        from unialign.image.data import to_pixels
-
-        res = resolution or self.height
-        multiple = self._pixel_multiple()
-        if res % multiple:
-            raise ValueError(f"resolution {res} must be a multiple of {multiple} for {type(self).__name__}")
-        captions = [r["prompt"] for r in rows]
-        if self.caption_dropout and self.transformer.training:
-            drop = torch.rand(len(rows), generator=self.generator) < self.caption_dropout
-            captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-        sides = []
-        for key in ("chosen", "rejected"):
-            pixels = torch.stack([to_pixels(r[key], res)[0] for r in rows])
-            sides.append({"latents": self.encode_images(pixels, generator=self.generator)})
-        timesteps, sigmas = self.draw_training_timesteps(len(rows))
-        payload = {"timesteps": timesteps, "sigmas": sigmas,
-                   "noise": randn_tensor(tuple(sides[0]["latents"].shape), generator=self.generator,
-                                         dtype=torch.float32),
-                   **self.encode_prompts(captions)}
-        return PreferenceBatch(prompts=captions, chosen=sides[0], rejected=sides[1], payload=payload)
-
-    def _pixel_multiple(self) -> int:
-        """Image sizes must be multiples of this (the VAE factor; x2 where latents are packed 2x2)."""
-        return self.vae_scale_factor
-
-    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
-        """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023) for rectified flow, NOT the image's
-        log-likelihood:
-
-            logp = -1/2 * mean_CHW || v_theta(x_t, t, c) - (eps - x0) ||^2,   x_t = (1 - sigma) x0 + sigma eps
-
-        i.e. minus half the flow-matching training loss of SD3 / FLUX (diffusers' train_dreambooth_sd3.py:
-        target = noise - model_input, uniform weighting), in place of the eps-MSE of the UNet version. One
-        (t, sigma) and one eps per pair shared by chosen and rejected (identical images give identical
-        values), both sides in one doubled transformer call, no CFG (FLUX-dev keeps its guidance embedding at
-        the policy's ``guidance_scale``: ``FluxPolicy``). Reads ``batch.chosen["latents"]`` /
-        ``batch.rejected["latents"]`` [B, C, H, W] (``encode_images``), optionally ``payload["timesteps"]``
-        / ``["sigmas"]`` [B] (else drawn: ``draw_training_timesteps``; sigma = t / num_train_timesteps when
-        only t is given), ``["noise"]`` [B, C, H, W] (else drawn from the policy's generator) and the prompt
-        embeddings (else the prompts are encoded). ``length_normalize`` is ignored (already a mean).
-        Returns (chosen_B, rejected_B)."""
-        return self._sequence_log_prob(self.model, batch, length_normalize)
-
-    def _sequence_log_prob(self, model, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
-        from diffusers.utils.torch_utils import randn_tensor
-
-        chosen = batch.chosen["latents"].to(self.device, torch.float32)
-        rejected = batch.rejected["latents"].to(self.device, torch.float32)
-        b = chosen.shape[0]
-        t_B, sigma_B = batch.payload.get("timesteps"), batch.payload.get("sigmas")
+    def _pair_times(self, payload: dict[str, Any], batch: int) -> tuple[Tensor, Tensor]:
+        """(t [B], sigma [B]) of the payload, drawn when missing (``draw_training_timesteps``); sigma =
+        t / num_train_timesteps when only t is given."""
+        t_B, sigma_B = payload.get("timesteps"), payload.get("sigmas")
         if t_B is None:
-            t_B, sigma_B = self.draw_training_timesteps(b)
+            t_B, sigma_B = self.draw_training_timesteps(batch)
         elif sigma_B is None:
             sigma_B = torch.as_tensor(t_B, dtype=torch.float32) / self.scheduler.config.num_train_timesteps
-        t_B = torch.as_tensor(t_B, dtype=torch.float32).to(self.device)
-        sigma_B = torch.as_tensor(sigma_B, dtype=torch.float32).to(self.device)
-        noise = batch.payload.get("noise")
-        if noise is None:
-            noise = randn_tensor(chosen.shape, generator=self.generator, dtype=torch.float32)
-        noise = noise.to(self.device, torch.float32)
-        if all(k in batch.payload for k in COND_KEYS):
-            cond = {k: batch.payload[k].to(self.device, self.dtype) for k in COND_KEYS}
-        else:
-            cond = self.encode_prompts(batch.prompts)
-        cond = {k: torch.cat([v, v]) for k, v in cond.items()}
-        x0, eps = torch.cat([chosen, rejected]), torch.cat([noise, noise])
+        return (torch.as_tensor(t_B, dtype=torch.float32).to(self.device),
+                torch.as_tensor(sigma_B, dtype=torch.float32).to(self.device))
+
+    def _noised(self, x0: Tensor, eps: Tensor, times: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """x_t = (1 - sigma) x0 + sigma eps and the rectified-flow target velocity eps - x0 (the flow-matching
+        loss of SD3 / FLUX: diffusers' train_dreambooth_sd3.py, target = noise - model_input, uniform
+        weighting), for the doubled batch."""
+        t_B, sigma_B = times
         sigma = torch.cat([sigma_B, sigma_B]).view(-1, *([1] * (x0.dim() - 1)))
-        x_t = (1 - sigma) * x0 + sigma * eps
-        v = self._velocity(model, x_t, torch.cat([t_B, t_B]), cond, cfg=False)
-        logp = flow_dpo_logp(v, x0, eps)
-        return logp[:b], logp[b:]
-
-    def reference(self) -> ReferencePolicy:
-        """The frozen reference: the same transformer with LoRA adapters disabled, or (full fine-tuning) a
-        frozen deep copy made on the first call; call it before training starts."""
-        if self.lora_rank > 0:
-            return ReferencePolicy(self, None, self._adapters_disabled)
-        if self._frozen_transformer is None:
-            self._frozen_transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
-        return ReferencePolicy(self, self._frozen_transformer)
-
-    def save(self, path: str) -> None:
-        """LoRA: ``pytorch_lora_weights.safetensors`` in ``path`` (the stock pipeline's ``save_lora_weights``:
-        ``StableDiffusion3Pipeline`` / ``FluxPipeline``), loadable with its stock ``load_lora_weights(path)``.
-        Full fine-tuning: the transformer in ``path/transformer``. Called on every process; the main
-        process writes."""
-        from unialign.dist import is_main_rank
-
-        if not is_main_rank():
-            return
-        os.makedirs(path, exist_ok=True)
-        if self.lora_rank == 0:
-            self.transformer.save_pretrained(os.path.join(path, "transformer"))
-            return
-        from peft.utils import get_peft_model_state_dict
-
-        layers = get_peft_model_state_dict(self.transformer)
-        metadata = self.transformer.peft_config["default"].to_dict()
-        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-        self._pipeline_class().save_lora_weights(path, transformer_lora_layers=layers,
-                                                 transformer_lora_adapter_metadata=metadata)
+        return (1 - sigma) * x0 + sigma * eps, torch.cat([t_B, t_B]), eps.float() - x0.float()
 
 
 class FlowMatchingPolicy(FlowPolicyBase):
@@ -598,7 +395,7 @@ class FlowMatchingPolicy(FlowPolicyBase):
         embeds = torch.cat([clip.to(t5.dtype), t5], dim=-2)
         return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": torch.cat([p1, p2], dim=-1).to(self.dtype)}
 
-    def _velocity(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
+    def _denoise(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
         """The (guided) velocity v [B, C, H, W] at (latents, t); with CFG (``cfg`` and guidance_scale > 1)
         one doubled batch [uncond; cond] and u + w (c - u), as the stock pipeline."""
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]

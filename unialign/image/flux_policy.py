@@ -1,6 +1,7 @@
 """``FluxPolicy``: FLUX.1 (dev / schnell) behind the ``Policy`` protocol, a small adapter over
 ``FlowPolicyBase`` (sampling, step log-probs, KL, the Diffusion-DPO surrogate, reference and saving are the
-base's; ``unialign.image.flow_policy`` explains them and the payload).
+shared ``unialign.image.denoiser.DenoiserPolicy``'s; ``unialign.image.flow_policy`` explains the SDE step and
+the payload).
 
 What differs from SD3, restated from diffusers' ``FluxPipeline`` (pipelines/flux/pipeline_flux.py):
 
@@ -178,7 +179,7 @@ class FluxPolicy(FlowPolicyBase):
         embeds = self.text_encoder_2(ids_2, output_hidden_states=False)[0]
         return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
 
-    def _velocity(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
+    def _denoise(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
         """Velocity v [B, C, H, W] of ``model`` at unpacked ``latents`` and scheduler timesteps ``t_B`` [B]:
         one call on the packed tokens with timestep / 1000, zero ``txt_ids``, ``img_ids`` and the guidance
         embedding (``guidance_scale``, whatever ``cfg`` says: FLUX has no CFG to turn off)."""

@@ -1,11 +1,12 @@
 """``DiffusionPolicy``: Stable Diffusion 1.x / SDXL behind the modality-neutral ``Policy`` protocol.
 
-The policy is one shared DDIM part (trajectory recording, per-step log-probs over the trained steps, the
-reference, LoRA, saving, preference batches) and one small family adapter chosen at construction:
-``SD1Family`` (one CLIP encoder, the UNet conditions on ``prompt_embeds`` only) or ``SDXLFamily`` (two CLIP
-encoders, plus ``added_cond_kwargs`` with the pooled embedding and the size micro-conditioning ``time_ids``).
-The adapter encodes prompts, builds the UNet's extra conditioning, names the payload's condition keys and
-the diffusers pipeline class; the shared code never asks which family it runs.
+The policy is the DDIM step on the shared denoiser part (``unialign.image.denoiser.DenoiserPolicy``:
+trajectory recording, per-step log-probs over the trained steps, the reference, LoRA, saving, preference
+batches) and one small family adapter chosen at construction: ``SD1Family`` (one CLIP encoder, the UNet
+conditions on ``prompt_embeds`` only) or ``SDXLFamily`` (two CLIP encoders, plus ``added_cond_kwargs`` with the
+pooled embedding and the size micro-conditioning ``time_ids``). The adapter encodes prompts, builds the UNet's
+extra conditioning, names the payload's condition keys and the diffusers pipeline class; the shared code
+never asks which family it runs.
 
 A trajectory is the N denoising transitions x_T -> ... -> x_0 of a DDIM sampler with eta > 0 (DDPO,
 Black et al. 2023); ``logp_B_T`` is each transition's Gaussian log-density averaged over C,H,W
@@ -24,137 +25,22 @@ Payload written by ``sample`` (read only by this class), every tensor with leadi
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import os
-from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
-from unialign.algos.kl import gaussian_kl
 from unialign.image.ddim import (
-    HALF_LOG_2PI,
     ddim_step_coefficients,
     ddim_step_mean,
     ddim_step_with_logprob,
     gaussian_logprob_mean,
 )
-from unialign.policy import ReferencePolicy
-from unialign.types import PreferenceBatch, Trajectory
+from unialign.image.denoiser import DenoiserPolicy
+from unialign.types import PreferenceBatch
 
 Tensor = torch.Tensor
 
 LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
-
-
-class DenoiserPolicy:
-    """What ``DiffusionPolicy`` (UNet, DDIM) and ``FlowMatchingPolicy`` (SD3 transformer, SDE step) share: the
-    denoiser (``self.denoiser``: the one trainable module) made trainable in full or through LoRA, the frozen
-    text encoders / VAE, chunked sampling and step-chunked training, the adapters-off reference switch, and
-    the hub load options. A subclass implements ``_sample(model, prompts, generator)``."""
-
-    def _setup_denoiser(self, denoiser, frozen: tuple, *, lora_rank: int, lora_alpha: float | None,
-                        target_modules: list[str], gradient_checkpointing: bool, sample_batch_size: int,
-                        train_chunk_size: int) -> None:
-        if train_chunk_size < 0:
-            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
-        if sample_batch_size < 0:
-            raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
-        self.train_chunk_size, self.sample_batch_size = train_chunk_size, sample_batch_size
-        for module in frozen:
-            if module is not None:
-                module.requires_grad_(False).eval()
-        self.denoiser, self.lora_rank = denoiser, lora_rank
-        if lora_rank > 0:
-            from peft import LoraConfig
-
-            denoiser.requires_grad_(False)
-            denoiser.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank,
-                                            init_lora_weights="gaussian", target_modules=target_modules))
-            for p in denoiser.parameters():  # trainable LoRA weights in fp32 even for a half-precision model
-                if p.requires_grad:
-                    p.data = p.data.float()
-        else:
-            denoiser.requires_grad_(True)
-        if gradient_checkpointing:
-            denoiser.enable_gradient_checkpointing()
-
-    @staticmethod
-    def _hub_options(path_or_hub_id: str) -> tuple[dict[str, Any], bool]:
-        """(``from_pretrained`` options, offline?): ``local_files_only`` when offline and not a local folder."""
-        from huggingface_hub import constants as hub_constants
-
-        offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-        return ({"local_files_only": True} if (offline and not os.path.isdir(path_or_hub_id)) else {}), offline
-
-    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
-        return [p for p in self.denoiser.parameters() if p.requires_grad]
-
-    @torch.no_grad()
-    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
-               record_logp: bool = True) -> Trajectory:
-        """One image per prompt, recording every latent, the timesteps, the conditioning and each step's
-        log-prob (the subclass's ``_sample``). The log-probs come free with each step, so ``record_logp`` is
-        ignored. With ``sample_batch_size`` the prompts are denoised in chunks of that many."""
-        size = self.sample_batch_size
-        if size <= 0 or len(prompts) <= size:
-            return self._sample(self.model, prompts, generator)
-        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
-                               for i in range(0, len(prompts), size)])
-
-    #: classifier-free guidance in training: True computes the gradient through both branches of u + w (c - u)
-    #: (DDPO as published, one doubled batch); False computes the unconditional u under no_grad on its own
-    #: (Flow-GRPO's training step: no gradient through u, its activations never kept). Sampling and the
-    #: recomputed log-prob values are the same either way. Set by the subclasses' constructors.
-    cfg_uncond_grad: bool = True
-
-    def _guided(self, call, doubled: dict[str, Any], rows: int) -> Tensor:
-        """u + w (c - u) from ``call(**doubled)`` on a doubled batch [uncond x R; cond x R]: every tensor input
-        (and every tensor of a dict input) has 2R rows. With ``cfg_uncond_grad`` False and gradients enabled,
-        the two halves run separately, the unconditional one under ``torch.no_grad``."""
-        if self.cfg_uncond_grad or not torch.is_grad_enabled():
-            out_uncond, out_cond = call(**doubled).chunk(2)
-        else:
-            def half(rows_slice: slice) -> dict[str, Any]:
-                def cut(v: Any) -> Any:
-                    if torch.is_tensor(v):
-                        return v[rows_slice]
-                    return {k: cut(x) for k, x in v.items()} if isinstance(v, dict) else v
-                return {k: cut(v) for k, v in doubled.items()}
-
-            with torch.no_grad():
-                out_uncond = call(**half(slice(0, rows)))
-            out_cond = call(**half(slice(rows, None)))
-        return out_uncond + self.guidance_scale * (out_cond - out_uncond)
-
-    def step_chunks(self, mask_B_T: Tensor) -> list[Tensor]:
-        """The trained (sample, step) pairs of ``mask_B_T`` [B, N] split into chunks of at most
-        ``train_chunk_size``, step by step (all samples' first trained step, then the next, ...): a list of
-        {0, 1} masks [B, N] whose sum is ``mask_B_T`` (``[mask_B_T]`` when chunking is off or one chunk
-        holds everything). A trainer computes the loss of each chunk under the whole batch's normaliser and
-        runs one backward per chunk."""
-        rows, cols = (mask_B_T > 0).nonzero(as_tuple=True)
-        size = self.train_chunk_size
-        if size <= 0 or rows.numel() <= size:
-            return [mask_B_T]
-        order = torch.argsort(cols * mask_B_T.shape[0] + rows)
-        chunks = []
-        for part in order.split(size):
-            sub = torch.zeros_like(mask_B_T)
-            sub[rows[part], cols[part]] = mask_B_T[rows[part], cols[part]]
-            chunks.append(sub)
-        return chunks
-
-    @contextlib.contextmanager
-    def _adapters_disabled(self) -> Iterator[None]:
-        self.denoiser.disable_adapters()
-        try:
-            yield
-        finally:
-            self.denoiser.enable_adapters()
 
 
 def tokenize(tokenizer, prompts: list[str], device: torch.device) -> Tensor:
@@ -330,7 +216,8 @@ def choose_family(unet, text_encoder, tokenizer, text_encoder_2=None, tokenizer_
 
 
 class DiffusionPolicy(DenoiserPolicy):
-    """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs.
+    """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs (the DDIM hooks of
+    ``DenoiserPolicy``).
 
     Args:
         unet, vae, text_encoder, tokenizer, scheduler: diffusers / transformers components. Any scheduler
@@ -369,6 +256,8 @@ class DiffusionPolicy(DenoiserPolicy):
             the sampling activations of one chunk are alive, not the whole batch's. 0: all at once. The
             chunks draw their noise one after the other from the same generator.
     """
+
+    denoiser_subfolder = "unet"
 
     def __init__(
         self,
@@ -435,9 +324,6 @@ class DiffusionPolicy(DenoiserPolicy):
                 raise RuntimeError("enable_xformers=True but xformers is not installed "
                                    "(pip install xformers, or leave it off: PyTorch SDPA is the default)") from e
             unet.enable_xformers_memory_efficient_attention()
-        self.model = unet  # trainers may wrap it (DDP/FSDP); forward passes go through self.model
-        self._frozen_unet = None
-        self._uncond_cache: dict[str, Tensor] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -460,23 +346,13 @@ class DiffusionPolicy(DenoiserPolicy):
         Fails at once with a RuntimeError when the weights are neither local nor downloadable
         (offline with ``HF_HUB_OFFLINE=1``, unknown id, no network).
         """
-        from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, UNet2DConditionModel
-        from transformers import CLIPTextModel, CLIPTokenizer
 
-        from unialign.hub import require_hub
+        def build(opts: dict, model_kw: dict) -> dict[str, Any]:
+            from diffusers import AutoencoderKL, DDIMScheduler, DiffusionPipeline, UNet2DConditionModel
+            from transformers import CLIPTextModel, CLIPTokenizer
 
-        if isinstance(torch_dtype, str):
-            torch_dtype = getattr(torch, torch_dtype)
-        for name in (path_or_hub_id, vae_name_or_path):
-            if name is not None:
-                require_hub(name, "model")  # fail in seconds, not after a minute of retries
-        opts, offline = cls._hub_options(path_or_hub_id)
-        try:
             config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
-            if sdxl is None:
-                sdxl = SDXLFamily.describes(config)
-            family = SDXLFamily if sdxl else SD1Family
-            model_kw = dict(opts, torch_dtype=torch_dtype, variant=variant)
+            family = SDXLFamily if (SDXLFamily.describes(config) if sdxl is None else sdxl) else SD1Family
             parts = {
                 "unet": UNet2DConditionModel.from_pretrained(path_or_hub_id, subfolder="unet", **model_kw),
                 "vae": (AutoencoderKL.from_pretrained(vae_name_or_path, **opts) if vae_name_or_path
@@ -488,34 +364,27 @@ class DiffusionPolicy(DenoiserPolicy):
             parts.update(family.load_text_parts(path_or_hub_id, opts, model_kw))
             for key, value in family.load_defaults(config).items():
                 kwargs.setdefault(key, value)
-        except (OSError, ValueError) as e:  # hub errors (offline, 404, bad id) subclass OSError/ValueError
-            raise RuntimeError(
-                f"could not load diffusion weights {path_or_hub_id!r}: they are not in a local folder or the "
-                f"Hugging Face cache and cannot be downloaded here (offline={offline}). Pass a local directory "
-                f"holding a diffusers pipeline (model_index.json, unet/, vae/, text_encoder/, tokenizer/, "
-                f"scheduler/[, text_encoder_2/, tokenizer_2/]). Cause: {type(e).__name__}: {e}"
-            ) from e
-        if device is not None:
-            for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
-                if key in parts:
-                    parts[key].to(device)
+            return parts
+
+        layout = ("pipeline (model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/[, "
+                  "text_encoder_2/, tokenizer_2/])")
+        parts = cls._load_parts(path_or_hub_id, build, "diffusion", layout, torch_dtype, variant, device,
+                                also_required=(vae_name_or_path,) if vae_name_or_path else ())
         return cls(**parts, lora_rank=lora_rank, **kwargs)
 
-    # ------------------------------------------------------------------ helpers
-    @property
-    def device(self) -> torch.device:
-        return next(self.unet.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The UNet's dtype: its first floating-point parameter's. (diffusers' ``unet.dtype`` says the same
-        but walks every module per call: ~1 ms per sampling step on a small UNet, P4's whole overhead.)"""
-        return next((p.dtype for p in self.unet.parameters() if p.is_floating_point()), torch.float32)
-
+    # ------------------------------------------------------------------ family
     @property
     def is_sdxl(self) -> bool:
         """Whether the family adapter is ``SDXLFamily`` (read-only; the shared code never branches on it)."""
         return self.family.is_sdxl
+
+    @property
+    def cond_keys(self) -> tuple[str, ...]:
+        return self.family.cond_keys
+
+    @property
+    def text_keys(self) -> tuple[str, ...]:
+        return self.family.text_keys
 
     @property
     def text_encoder(self):
@@ -545,15 +414,6 @@ class DiffusionPolicy(DenoiserPolicy):
         the 2nd encoder's projected pooled output [B, P]."""
         return self.family.encode_prompts(prompts, self.device, self.dtype)
 
-    def _uncond(self) -> dict[str, Tensor]:
-        """Embeddings of the empty prompt (batch 1), cached: the CFG unconditional branch."""
-        if self._uncond_cache is None:
-            cond = self.encode_prompts([""])
-            if self.force_zeros_for_empty_prompt:
-                cond = {k: torch.zeros_like(v) for k, v in cond.items()}
-            self._uncond_cache = cond
-        return self._uncond_cache
-
     def _size_rows(self, batch: int, original_size=None, crop_top_left=(0, 0), target_size=None) -> list[list[int]]:
         """``batch`` equal rows (orig_h, orig_w, crop_top, crop_left, target_h, target_w); target defaults to
         the policy's (height, width), original to the target."""
@@ -565,7 +425,7 @@ class DiffusionPolicy(DenoiserPolicy):
         return time_ids_from_rows(self._size_rows(batch, original_size, crop_top_left, target_size),
                                   self.dtype, self.device)
 
-    def _predict(self, unet, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool) -> Tensor:
+    def _denoise(self, unet, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool) -> Tensor:
         """UNet output at (latents, t) under ``cond``; with ``cfg`` the guided u + w (c - u)."""
         embeds = cond["prompt_embeds"]
         uncond = self._uncond() if cfg else None
@@ -583,13 +443,39 @@ class DiffusionPolicy(DenoiserPolicy):
                        added_cond_kwargs=added)
         return self._guided(call, doubled, b)
 
-    @property
-    def _cfg(self) -> bool:
-        return self.guidance_scale > 1.0
+    def _pipeline_class(self):
+        return self.family.pipeline_class()
 
-    def _cond_from_payload(self, payload: dict[str, Any], rows: Tensor | None = None) -> dict[str, Tensor]:
-        """The family's conditioning tensors (``family.cond_keys``) of a trajectory payload, all rows or ``rows``."""
-        return {k: payload[k] if rows is None else payload[k][rows] for k in self.family.cond_keys}
+    # ------------------------------------------------------------------ the DDIM step (DenoiserPolicy hooks)
+    def _sampling_cond(self, prompts: list[Any]) -> dict[str, Tensor]:
+        return {**self.encode_prompts(prompts),
+                **self.family.micro_cond(self._size_rows(len(prompts)), self.dtype, self.device)}
+
+    def _initial_latents(self, batch: int, generator: torch.Generator | None) -> Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (batch, self.unet.config.in_channels, self.height // self.vae_scale_factor,
+                 self.width // self.vae_scale_factor)
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
+        return latents * self.scheduler.init_noise_sigma
+
+    def _stochastic_window(self, generator: torch.Generator | None) -> tuple[int, int]:
+        return 0, self.num_steps  # every DDIM step (eta > 0) is stochastic; which are trained: _trained_mask
+
+    def _step_plan(self) -> dict[str, Tensor]:
+        # every step's coefficients at once (float64 on the host, then one copy): no host sync per step
+        coefs = ddim_step_coefficients(self.scheduler, self.scheduler.timesteps, self.eta)
+        return {k: v.to(self.device) for k, v in coefs.items()}
+
+    def _transition(self, i: int, out: Tensor, t_B: Tensor, latents: Tensor, generator: torch.Generator | None,
+                    plan: dict[str, Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
+        batch = latents.shape[0]
+        return ddim_step_with_logprob(self.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
+                                      coefficients={k: v[i].expand(batch) for k, v in plan.items()})
+
+    def _trained_mask(self, batch: int, generator: torch.Generator | None, window: tuple[int, int],
+                      plan: dict[str, Tensor]) -> Tensor:
+        return self._trained_steps_mask(batch, generator).to(self.device)
 
     def _trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """mask_B_T: K = max(1, int(M * timestep_fraction)) of the M trainable steps per sample, chosen by an
@@ -605,188 +491,34 @@ class DiffusionPolicy(DenoiserPolicy):
             mask[i, steps[torch.randperm(len(steps), generator=generator, device=gen_device)[:k].cpu()]] = 1.0
         return mask
 
-    def decode(self, latents_B_C_H_W: Tensor) -> list[Image.Image]:
-        """VAE-decode (fp32) latents to PIL images."""
-        z = latents_B_C_H_W.float() / self.vae.config.scaling_factor
-        if getattr(self.vae.config, "shift_factor", None):
-            z = z + self.vae.config.shift_factor
-        with torch.no_grad():
-            pixels = self.vae.decode(z).sample
-        arr = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+    def _step_logprob(self, out: Tensor, t_R: Tensor, x_R: Tensor, next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mean, std = ddim_step_mean(self.scheduler, out, t_R, x_R, self.eta)
+        return gaussian_logprob_mean(next_R.detach().float(), mean, std), mean, std
 
-    @torch.no_grad()
-    def encode_images(self, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
-                      generator: torch.Generator | None = None) -> Tensor:
-        """Pixels in [-1, 1] -> latents x scaling_factor (VAE in fp32). ``sample_posterior=True`` draws
-        from the VAE posterior as Diffusion-DPO does; False takes its mean (deterministic)."""
-        dist = self.vae.encode(pixels_B_3_H_W.to(self.device, torch.float32)).latent_dist
-        z = dist.sample(generator) if sample_posterior else dist.mean
-        if getattr(self.vae.config, "shift_factor", None):
-            z = z - self.vae.config.shift_factor
-        return z * self.vae.config.scaling_factor
+    def _step_std(self, timesteps_B_T: Tensor) -> Tensor:
+        return ddim_step_coefficients(self.scheduler, timesteps_B_T.reshape(-1), self.eta)["std"].view(
+            timesteps_B_T.shape)
 
-    @torch.no_grad()
-    def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
-        """Pairs from ``unialign.image.data.normalize_pickapic`` (PIL images) -> a ``PreferenceBatch``:
-        each image resized / centre-cropped to ``resolution`` (default: the policy's height), VAE-encoded
-        (posterior sample, fp32), SDXL ``time_ids`` from its real original size and crop; ONE timestep and
-        ONE noise per pair in ``payload`` (shared by chosen, rejected, policy and reference); the prompt
-        embeddings, with each caption replaced by "" with probability ``caption_dropout`` while the UNet
-        is in training mode (keeps classifier-free guidance usable)."""
-        from diffusers.utils.torch_utils import randn_tensor
+    # ------------------------------------------------------------------ Diffusion-DPO pairs (hooks)
+    def _side_cond(self, sizes: tuple, crops: tuple, resolution: int) -> dict[str, Tensor]:
+        rows_6 = [[*s, *c, resolution, resolution] for s, c in zip(sizes, crops)]
+        return self.family.micro_cond(rows_6, self.dtype, self.device)
 
-        from unialign.image.data import to_pixels
+    def _draw_pair_times(self, batch: int) -> dict[str, Tensor]:
+        """One DDPM training timestep t ~ U{0..T-1} per pair (Diffusion-DPO)."""
+        return {"timesteps": torch.randint(0, self.scheduler.config.num_train_timesteps, (batch,),
+                                           generator=self.generator)}
 
-        res = resolution or self.height
-        captions = [r["prompt"] for r in rows]
-        if self.caption_dropout and self.unet.training:
-            drop = torch.rand(len(rows), generator=self.generator) < self.caption_dropout
-            captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-        sides = []
-        for key in ("chosen", "rejected"):
-            pix, sizes, crops = zip(*(to_pixels(r[key], res) for r in rows))
-            latents = self.encode_images(torch.stack(pix), generator=self.generator)
-            rows_6 = [[*s, *c, res, res] for s, c in zip(sizes, crops)]
-            sides.append({"latents": latents, **self.family.micro_cond(rows_6, self.dtype, self.device)})
-        b = len(rows)
-        payload = {"timesteps": torch.randint(0, self.scheduler.config.num_train_timesteps, (b,),
-                                              generator=self.generator),
-                   "noise": randn_tensor(tuple(sides[0]["latents"].shape), generator=self.generator,
-                                         dtype=torch.float32),
-                   **self.encode_prompts(captions)}
-        return PreferenceBatch(prompts=captions, chosen=sides[0], rejected=sides[1], payload=payload)
-
-    # ------------------------------------------------------------------ Policy protocol
-    def _sample(self, unet, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
-        from diffusers.utils.torch_utils import randn_tensor
-
-        batch = len(prompts)
-        cond = {**self.encode_prompts(prompts), **self.family.micro_cond(self._size_rows(batch), self.dtype, self.device)}
-        channels = self.unet.config.in_channels
-        shape = (batch, channels, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
-        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
-        latents = latents * self.scheduler.init_noise_sigma
-        timesteps = self.scheduler.timesteps.to(self.device)
-        # every step's coefficients at once (float64 on the host, then one copy): no host sync per step
-        coefs = ddim_step_coefficients(self.scheduler, self.scheduler.timesteps, self.eta)
-        coefs = {k: v.to(self.device) for k, v in coefs.items()}
-        all_latents, all_logps = [latents], []
-        for i, t in enumerate(timesteps):
-            t_B = t.expand(batch)
-            out = self._predict(unet, latents, t_B, cond, self._cfg)
-            latents, logp = ddim_step_with_logprob(self.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
-                                                   coefficients={k: v[i].expand(batch) for k, v in coefs.items()})
-            all_latents.append(latents)
-            all_logps.append(logp)
-        payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
-        return Trajectory(
-            prompts=list(prompts),
-            completions=self.decode(latents),
-            mask_B_T=self._trained_steps_mask(batch, generator).to(self.device),
-            old_logp_B_T=torch.stack(all_logps, dim=1),
-            truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device),
-            payload=payload,
-        )
-
-    def log_prob(self, trajectory: Trajectory) -> Tensor:
-        """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current UNet, with the
-        same CFG as sampling (gradients through both CFG branches, as ddpo-pytorch). Only steps with
-        ``mask_B_T == 1`` are computed (all of them in one UNet call); the others are 0."""
-        return self._log_prob(self.model, trajectory, False)
-
-    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
-        """``(logp_B_T, entropy_B_T)``: ``log_prob`` and the entropy of the step Gaussian per element,
-        0.5 * log(2 pi e sigma_t^2) (the same for every element, so equal to its mean over C,H,W). It does
-        not depend on theta (sigma_t is fixed by the scheduler), so it carries no gradient; 0 where masked."""
-        return self._log_prob(self.model, trajectory, True)
-
-    def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logp_B_T, entropy_B_T, kl_B_T)``: ``log_prob_and_entropy(trajectory)`` plus the closed-form
-        KL of each trained step to the reference's step at the same x_t (``algos.gaussian_kl``: both are
-        Gaussians with the step's sigma_t, so KL_t = mean_CHW (mu_theta - mu_ref)^2 / (2 sigma_t^2)),
-        differentiable through mu_theta; 0 where masked. The reference (``reference()``: adapters off, or
-        the frozen copy) runs here, without gradients, with the same CFG -- as Flow-GRPO's training step
-        does -- so the trainer needs no reference pass of its own."""
-        return self._log_prob(self.model, trajectory, True, reference=self.reference())
-
-    def _log_prob(self, unet, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
-        """Every trained (sample, step) pair of the batch in ONE UNet call (each row its own x_t, t and
-        conditioning): a micro-batch's trained steps are scattered over the N columns, and a call per
-        column runs the UNet on a few rows at a time."""
-        payload = trajectory.payload
-        latents, timesteps = payload["latents"], payload["timesteps"]
-        mask = trajectory.mask_B_T
-        batch, steps = timesteps.shape
-        logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
-        kl_B_T = torch.zeros_like(logp_B_T)
-        rows, cols = (mask.to(latents.device) > 0).nonzero(as_tuple=True)
-        if rows.numel() > 0:
-            t_R, x_R, cond = timesteps[rows, cols], latents[rows, cols], self._cond_from_payload(payload, rows)
-            out = self._predict(unet, x_R, t_R, cond, self._cfg)
-            mean, std = ddim_step_mean(self.scheduler, out, t_R, x_R, self.eta)
-            logp_B_T = logp_B_T.index_put((rows, cols), gaussian_logprob_mean(latents[rows, cols + 1].detach().float(),
-                                                                              mean, std))
-            if reference is not None:
-                with reference._frozen():
-                    ref_out = self._predict(reference.model, x_R, t_R, cond, self._cfg)
-                ref_mean, _ = ddim_step_mean(self.scheduler, ref_out, t_R, x_R, self.eta)
-                kl_B_T = kl_B_T.index_put((rows, cols), gaussian_kl(mean, ref_mean, std))
-        if not with_entropy:
-            return logp_B_T
-        std_B_T = ddim_step_coefficients(self.scheduler, timesteps.reshape(-1), self.eta)["std"].view(batch, steps)
-        entropy_B_T = (0.5 + HALF_LOG_2PI + torch.log(std_B_T.to(logp_B_T.device))) * (mask > 0)
-        if reference is None:
-            return logp_B_T, entropy_B_T
-        return logp_B_T, entropy_B_T, kl_B_T
-
-    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
-        """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023, eq. 14 as implemented in
-        SalesforceAIResearch/DiffusionDPO ``train.py``), NOT the log-likelihood of the image:
-
-            logp = -1/2 * mean_CHW || target - UNet(x_t, t, c) ||^2,   x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps
-
-        with target = eps (v = sqrt(a_t) eps - sqrt(1 - a_t) x0 for v-prediction). One t ~ U{0..T-1} and one
-        eps per pair are shared by the chosen and rejected latents, so identical images give identical
-        values. Reads ``batch.chosen["latents"]`` / ``batch.rejected["latents"]`` [B, C, H, W] (VAE-encoded
-        x scaling_factor, see ``encode_images``), optionally ``batch.payload["timesteps"]`` [B] and
-        ``["noise"]`` [B, C, H, W] (else drawn from the policy's generator), ``["prompt_embeds"]``
-        (+ ``pooled_prompt_embeds`` for SDXL; else the prompts are encoded) and per-side SDXL
-        ``time_ids`` [B, 6] (default: the latent size, no crop). No CFG. Returns (chosen_B, rejected_B).
-        """
-        return self._sequence_log_prob(self.model, batch, length_normalize)
-
-    def _sequence_log_prob(self, unet, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
-        from diffusers.utils.torch_utils import randn_tensor
-
-        chosen = batch.chosen["latents"].to(self.device, torch.float32)
-        rejected = batch.rejected["latents"].to(self.device, torch.float32)
-        b = chosen.shape[0]
-        t_B = batch.payload.get("timesteps")
+    def _pair_times(self, payload: dict[str, Any], batch: int) -> Tensor:
+        t_B = payload.get("timesteps")
         if t_B is None:
-            t_B = torch.randint(0, self.scheduler.config.num_train_timesteps, (b,), generator=self.generator)
-        t_B = torch.as_tensor(t_B).long().to(self.device)
-        noise = batch.payload.get("noise")
-        if noise is None:
-            noise = randn_tensor(chosen.shape, generator=self.generator, dtype=torch.float32)
-        noise = noise.to(self.device, torch.float32)
+            t_B = self._draw_pair_times(batch)["timesteps"]
+        return torch.as_tensor(t_B).long().to(self.device)
 
-        if "prompt_embeds" in batch.payload:
-            cond = {k: batch.payload[k].to(self.device, self.dtype) for k in self.family.text_keys if k in batch.payload}
-        else:
-            cond = self.encode_prompts(batch.prompts)
-        cond = {k: torch.cat([v, v]) for k, v in cond.items()}
-        # per-side micro-conditioning (SDXL time_ids), default: the latent's pixel size, no crop
-        size = (chosen.shape[-2] * self.vae_scale_factor, chosen.shape[-1] * self.vae_scale_factor)
-        default = self.family.micro_cond(self._size_rows(b, target_size=size), self.dtype, self.device)
-        for key, value in default.items():
-            sides = [side.get(key) for side in (batch.chosen, batch.rejected)]
-            cond[key] = torch.cat([value if s is None else s.to(self.device, self.dtype) for s in sides])
-
-        x0 = torch.cat([chosen, rejected])
-        eps, t2 = torch.cat([noise, noise]), torch.cat([t_B, t_B])
-        x_t = self.scheduler.add_noise(x0, eps, t2)
-        pred = self._predict(unet, x_t, t2, cond, cfg=False).float()
+    def _noised(self, x0: Tensor, eps: Tensor, t_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps (the scheduler's ``add_noise``) for the doubled batch, and the
+        target of the scheduler's ``prediction_type``: eps, v = sqrt(a_t) eps - sqrt(1 - a_t) x0, or x0."""
+        t2 = torch.cat([t_B, t_B])
         kind = self.scheduler.config.prediction_type
         if kind == "epsilon":
             target = eps
@@ -796,37 +528,22 @@ class DiffusionPolicy(DenoiserPolicy):
             target = x0
         else:
             raise ValueError(f"unsupported prediction_type {kind!r}")
-        logp = -0.5 * ((target - pred) ** 2).mean(dim=(1, 2, 3))
-        return logp[:b], logp[b:]
+        return self.scheduler.add_noise(x0, eps, t2), t2, target
 
-    def reference(self) -> ReferencePolicy:
-        """The frozen reference: the same UNet with LoRA adapters disabled, or (full fine-tuning) a frozen
-        deep copy made on the first call; call it before training starts."""
-        if self.lora_rank > 0:
-            return ReferencePolicy(self, None, self._adapters_disabled)  # the policy's own (wrapped) UNet
-        if self._frozen_unet is None:
-            self._frozen_unet = copy.deepcopy(self.unet).requires_grad_(False).eval()
-        return ReferencePolicy(self, self._frozen_unet)
+    def _pair_side_cond(self, batch: PreferenceBatch, latent_shape: torch.Size) -> dict[str, Tensor]:
+        """Per-side micro-conditioning (SDXL time_ids) from the batch's sides, default: the latent's pixel
+        size, no crop."""
+        b = latent_shape[0]
+        size = (latent_shape[-2] * self.vae_scale_factor, latent_shape[-1] * self.vae_scale_factor)
+        default = self.family.micro_cond(self._size_rows(b, target_size=size), self.dtype, self.device)
+        cond = {}
+        for key, value in default.items():
+            sides = [side.get(key) for side in (batch.chosen, batch.rejected)]
+            cond[key] = torch.cat([value if s is None else s.to(self.device, self.dtype) for s in sides])
+        return cond
 
-    def save(self, path: str) -> None:
-        """LoRA: ``pytorch_lora_weights.safetensors`` in ``path``, loadable with stock
-        ``StableDiffusion[XL]Pipeline.load_lora_weights(path)``. Full fine-tuning: the UNet in
-        ``path/unet`` (``UNet2DConditionModel.from_pretrained(path, subfolder="unet")``). Called on every
-        process; the main process writes."""
-        from unialign.dist import is_main_rank
-
-        if not is_main_rank():
-            return
-        os.makedirs(path, exist_ok=True)
-        if self.lora_rank == 0:
-            self.unet.save_pretrained(os.path.join(path, "unet"))
-            return
+    # ------------------------------------------------------------------ saving
+    def _lora_layers(self, peft_state: dict[str, Tensor]) -> dict[str, Tensor]:
         from diffusers.utils import convert_state_dict_to_diffusers
-        from peft.utils import get_peft_model_state_dict
 
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
-        metadata = self.unet.peft_config["default"].to_dict()
-        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-        self.family.pipeline_class().save_lora_weights(path, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
-
-
+        return convert_state_dict_to_diffusers(peft_state)  # as diffusers' train_text_to_image_lora.py

@@ -1,0 +1,443 @@
+"""``DenoiserPolicy``: the one part every denoising policy shares (issue #13).
+
+Written once here: trajectory recording (``sample``: the loop over the N steps, the trained-steps mask,
+the payload), the per-step log-probs over the trained steps with the closed-form KL to the reference and
+the step entropy (``log_prob``, ``log_prob_and_entropy``, ``log_prob_and_kl``), the Diffusion-DPO pairs and
+their ELBO surrogate (``preference_batch``, ``sequence_log_prob``), the reference (adapters off, or a frozen
+copy), LoRA set-up and saving in diffusers' ``load_lora_weights`` format, chunked sampling, step-chunked
+training and classifier-free guidance with or without a gradient through the unconditional branch.
+
+A subclass is the step kernel and the pipeline family, through these hooks (all tensors batch-first):
+
+    sampling    _sampling_cond(prompts)                   the payload's conditioning for B prompts
+                _initial_latents(batch, generator)         x_T [B, C, H, W]
+                _stochastic_window(generator)              [start, end) of the stochastic steps
+                _step_plan()                               every step's coefficients (opaque to this class)
+                _transition(i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B)
+                _trained_mask(batch, generator, window, plan) -> mask_B_T
+    the model   _denoise(model, x, t_B, cond, cfg)        the (guided) model output at x_t
+    log-probs   _step_logprob(out, t_R, x_R, next_R) -> (logp_R, mean, std) of recorded steps
+                _step_std(timesteps_B_T)                   the step Gaussian's std [B, N] (entropy)
+                _step_kl(mean, ref_mean, std)              the closed-form KL [R] (default ``gaussian_kl``)
+    pairs       _draw_pair_times(b)                        one training time per pair, for the payload
+                _pair_times(payload, b)                    the payload's times (drawn when missing)
+                _noised(x0, eps, times) -> (x_t, t, target)  forward noising and the regression target
+                _side_cond(sizes, crops, resolution)       per-side extra conditioning (SDXL size ids)
+    saving      _pipeline_class(), _lora_layers(state)     the stock pipeline whose save_lora_weights writes
+
+and these attributes: ``denoiser`` (the one trainable module, ``_setup_denoiser``), ``model`` (what forward
+passes go through: a trainer may wrap it), ``vae`` (fp32), ``scheduler``, ``num_steps``,
+``guidance_scale``, ``height``, ``vae_scale_factor``, ``generator``, ``caption_dropout``, ``cond_keys``
+(the payload's per-row conditioning), ``text_keys`` (the prompt-embedding part of it) and
+``denoiser_subfolder`` ("unet" / "transformer").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from unialign.algos.kl import gaussian_kl
+from unialign.image.ddim import HALF_LOG_2PI
+from unialign.policy import ReferencePolicy
+from unialign.types import PreferenceBatch, Trajectory
+
+Tensor = torch.Tensor
+
+
+class DenoiserPolicy:
+    """What every denoising policy shares (module docstring). ``DiffusionPolicy`` (SD1.x / SDXL UNets, the DDIM
+    step) and ``FlowPolicyBase`` (SD3 / FLUX transformers, Flow-GRPO's SDE step) implement the hooks."""
+
+    #: classifier-free guidance in training: True computes the gradient through both branches of u + w (c - u)
+    #: (DDPO as published, one doubled batch); False computes the unconditional u under no_grad on its own
+    #: (Flow-GRPO's training step: no gradient through u, its activations never kept). Sampling and the
+    #: recomputed log-prob values are the same either way. Set by the subclasses' constructors.
+    cfg_uncond_grad: bool = True
+    #: the CFG unconditional branch uses zeros instead of the empty prompt's embeddings (stock SDXL's option)
+    force_zeros_for_empty_prompt: bool = False
+    denoiser_subfolder = "denoiser"
+    cond_keys: tuple[str, ...] = ()
+    text_keys: tuple[str, ...] = ()
+    _uncond_cache: dict[str, Tensor] | None = None
+    _frozen_denoiser: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_denoiser(self, denoiser, frozen: tuple, *, lora_rank: int, lora_alpha: float | None,
+                        target_modules: list[str], gradient_checkpointing: bool, sample_batch_size: int,
+                        train_chunk_size: int) -> None:
+        if train_chunk_size < 0:
+            raise ValueError(f"train_chunk_size must be >= 0 (0: no chunking), got {train_chunk_size}")
+        if sample_batch_size < 0:
+            raise ValueError(f"sample_batch_size must be >= 0 (0: the whole batch at once), got {sample_batch_size}")
+        self.train_chunk_size, self.sample_batch_size = train_chunk_size, sample_batch_size
+        for module in frozen:
+            if module is not None:
+                module.requires_grad_(False).eval()
+        self.denoiser, self.lora_rank = denoiser, lora_rank
+        if lora_rank > 0:
+            from peft import LoraConfig
+
+            denoiser.requires_grad_(False)
+            denoiser.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank,
+                                            init_lora_weights="gaussian", target_modules=target_modules))
+            for p in denoiser.parameters():  # trainable LoRA weights in fp32 even for a half-precision model
+                if p.requires_grad:
+                    p.data = p.data.float()
+        else:
+            denoiser.requires_grad_(True)
+        if gradient_checkpointing:
+            denoiser.enable_gradient_checkpointing()
+        self.model = denoiser  # trainers may wrap it (DDP/FSDP); forward passes go through self.model
+
+    @staticmethod
+    def _hub_options(path_or_hub_id: str) -> tuple[dict[str, Any], bool]:
+        """(``from_pretrained`` options, offline?): ``local_files_only`` when offline and not a local folder."""
+        from huggingface_hub import constants as hub_constants
+
+        offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        return ({"local_files_only": True} if (offline and not os.path.isdir(path_or_hub_id)) else {}), offline
+
+    @classmethod
+    def _load_parts(cls, path_or_hub_id: str, build: Callable[[dict, dict], dict[str, Any]], what: str, layout: str,
+                    torch_dtype: torch.dtype | str | None, variant: str | None,
+                    device: str | torch.device | None, also_required: tuple[str, ...] = ()) -> dict[str, Any]:
+        """``build(opts, model_kw)`` -> the pipeline's parts, after ``require_hub`` on ``path_or_hub_id`` and
+        ``also_required`` (fails in seconds offline) and with hub errors turned into one clear RuntimeError;
+        models moved to ``device``."""
+        from unialign.hub import require_hub
+
+        if isinstance(torch_dtype, str):
+            torch_dtype = getattr(torch, torch_dtype)
+        for name in (path_or_hub_id, *also_required):
+            require_hub(name, "model")  # fail in seconds, not after a minute of retries
+        opts, offline = cls._hub_options(path_or_hub_id)
+        try:
+            parts = build(opts, dict(opts, torch_dtype=torch_dtype, variant=variant))
+        except (OSError, ValueError) as e:  # hub errors (offline, 404, bad id) subclass OSError/ValueError
+            raise RuntimeError(
+                f"could not load {what} weights {path_or_hub_id!r}: they are not in a local folder or the Hugging "
+                f"Face cache and cannot be downloaded here (offline={offline}). Pass a local directory holding a "
+                f"diffusers {layout}. Cause: {type(e).__name__}: {e}") from e
+        if device is not None:
+            for part in parts.values():
+                if isinstance(part, torch.nn.Module):
+                    part.to(device)
+        return parts
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return next(self.denoiser.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The denoiser's dtype: its first floating-point parameter's. (diffusers' ``unet.dtype`` says the same
+        but walks every module per call: ~1 ms per sampling step on a small UNet, P4's whole overhead.)"""
+        return next((p.dtype for p in self.denoiser.parameters() if p.is_floating_point()), torch.float32)
+
+    @property
+    def _cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    def _uncond(self) -> dict[str, Tensor]:
+        """Embeddings of the empty prompt (batch 1), cached: the CFG unconditional branch (zeros with
+        ``force_zeros_for_empty_prompt``)."""
+        if self._uncond_cache is None:
+            cond = self.encode_prompts([""])
+            if self.force_zeros_for_empty_prompt:
+                cond = {k: torch.zeros_like(v) for k, v in cond.items()}
+            self._uncond_cache = cond
+        return self._uncond_cache
+
+    def _guided(self, call, doubled: dict[str, Any], rows: int) -> Tensor:
+        """u + w (c - u) from ``call(**doubled)`` on a doubled batch [uncond x R; cond x R]: every tensor input
+        (and every tensor of a dict input) has 2R rows. With ``cfg_uncond_grad`` False and gradients enabled,
+        the two halves run separately, the unconditional one under ``torch.no_grad``."""
+        if self.cfg_uncond_grad or not torch.is_grad_enabled():
+            out_uncond, out_cond = call(**doubled).chunk(2)
+        else:
+            def half(rows_slice: slice) -> dict[str, Any]:
+                def cut(v: Any) -> Any:
+                    if torch.is_tensor(v):
+                        return v[rows_slice]
+                    return {k: cut(x) for k, x in v.items()} if isinstance(v, dict) else v
+                return {k: cut(v) for k, v in doubled.items()}
+
+            with torch.no_grad():
+                out_uncond = call(**half(slice(0, rows)))
+            out_cond = call(**half(slice(rows, None)))
+        return out_uncond + self.guidance_scale * (out_cond - out_uncond)
+
+    def step_chunks(self, mask_B_T: Tensor) -> list[Tensor]:
+        """The trained (sample, step) pairs of ``mask_B_T`` [B, N] split into chunks of at most
+        ``train_chunk_size``, step by step (all samples' first trained step, then the next, ...): a list of
+        {0, 1} masks [B, N] whose sum is ``mask_B_T`` (``[mask_B_T]`` when chunking is off or one chunk
+        holds everything). A trainer computes the loss of each chunk under the whole batch's normaliser and
+        runs one backward per chunk."""
+        rows, cols = (mask_B_T > 0).nonzero(as_tuple=True)
+        size = self.train_chunk_size
+        if size <= 0 or rows.numel() <= size:
+            return [mask_B_T]
+        order = torch.argsort(cols * mask_B_T.shape[0] + rows)
+        chunks = []
+        for part in order.split(size):
+            sub = torch.zeros_like(mask_B_T)
+            sub[rows[part], cols[part]] = mask_B_T[rows[part], cols[part]]
+            chunks.append(sub)
+        return chunks
+
+    def decode(self, latents_B_C_H_W: Tensor) -> list[Image.Image]:
+        """VAE-decode (fp32) latents to PIL images: latents / scaling_factor (+ shift_factor where the VAE has
+        one: SD3, FLUX), as the stock pipelines."""
+        z = latents_B_C_H_W.float() / self.vae.config.scaling_factor
+        if getattr(self.vae.config, "shift_factor", None):
+            z = z + self.vae.config.shift_factor
+        with torch.no_grad():
+            pixels = self.vae.decode(z).sample
+        arr = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+
+    @torch.no_grad()
+    def encode_images(self, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
+                      generator: torch.Generator | None = None) -> Tensor:
+        """Pixels in [-1, 1] -> latents (z - shift_factor) x scaling_factor [B, C, H, W] (VAE in fp32; no shift
+        for SD1.x / SDXL), the stock training convention. ``sample_posterior=True`` draws from the VAE
+        posterior as Diffusion-DPO does; False takes its mean (deterministic)."""
+        dist = self.vae.encode(pixels_B_3_H_W.to(self.device, torch.float32)).latent_dist
+        z = dist.sample(generator) if sample_posterior else dist.mean
+        if getattr(self.vae.config, "shift_factor", None):
+            z = z - self.vae.config.shift_factor
+        return z * self.vae.config.scaling_factor
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
+               record_logp: bool = True) -> Trajectory:
+        """One image per prompt, recording every latent, the timesteps, the conditioning and each step's
+        log-prob. The log-probs come free with each step, so ``record_logp`` is ignored. With
+        ``sample_batch_size`` the prompts are denoised in chunks of that many, one after the other from the
+        same generator."""
+        size = self.sample_batch_size
+        if size <= 0 or len(prompts) <= size:
+            return self._sample(self.model, prompts, generator)
+        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
+                               for i in range(0, len(prompts), size)])
+
+    def _sample(self, model, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
+        """The N steps from x_T to x_0 with ``model`` (the policy's or the reference's). The generator is
+        drawn in this order: x_T, the stochastic window, each step's noise, the trained-steps mask."""
+        batch = len(prompts)
+        cond = self._sampling_cond(prompts)
+        latents = self._initial_latents(batch, generator)
+        start, end = self._stochastic_window(generator)
+        timesteps = self.scheduler.timesteps.to(self.device)
+        plan = self._step_plan()
+        all_latents, all_logps = [latents], []
+        for i, t in enumerate(timesteps):
+            t_B = t.expand(batch)
+            out = self._denoise(model, latents, t_B, cond, self._cfg)
+            latents, logp = self._transition(i, out, t_B, latents, generator, plan, start <= i < end)
+            all_latents.append(latents)
+            all_logps.append(logp)
+        payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
+        return Trajectory(prompts=list(prompts), completions=self.decode(latents),
+                          mask_B_T=self._trained_mask(batch, generator, (start, end), plan),
+                          old_logp_B_T=torch.stack(all_logps, dim=1),
+                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device), payload=payload)
+
+    # ------------------------------------------------------------------ Policy protocol
+    def log_prob(self, trajectory: Trajectory) -> Tensor:
+        """Differentiable ``logp_B_T`` [B, N] of the recorded transitions under the current denoiser, with the
+        sampling guidance (the gradient through CFG's unconditional branch as ``cfg_uncond_grad`` says).
+        Only steps with ``mask_B_T == 1`` are computed (all of them in one call); the others are 0."""
+        return self._log_prob(self.model, trajectory, False)
+
+    def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
+        """``(logp_B_T, entropy_B_T)``: ``log_prob`` and the entropy of the step Gaussian per element,
+        0.5 * log(2 pi e std^2) (the same for every element, so equal to its mean over C,H,W). It does not
+        depend on theta (std is fixed by the scheduler), so it carries no gradient; 0 where masked or where
+        the step is deterministic (std 0)."""
+        return self._log_prob(self.model, trajectory, True)
+
+    def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logp_B_T, entropy_B_T, kl_B_T)``: ``log_prob_and_entropy(trajectory)`` plus the closed-form KL of
+        each trained step to the reference's step at the same x_t (both Gaussians with the step's std, so
+        KL_t = mean_CHW (mu_theta - mu_ref)^2 / (2 std^2): ``_step_kl``), differentiable through mu_theta; 0
+        where masked. The reference (``reference()``: adapters off, or the frozen copy) runs here, without
+        gradients, with the same CFG -- as Flow-GRPO's training step does -- so the trainer needs no
+        reference pass of its own."""
+        return self._log_prob(self.model, trajectory, True, reference=self.reference())
+
+    def _log_prob(self, model, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
+        """Every trained (sample, step) pair of the batch in ONE model call (each row its own x_t, t and
+        conditioning): a micro-batch's trained steps are scattered over the N columns, and a call per
+        column runs the model on a few rows at a time."""
+        payload = trajectory.payload
+        latents, timesteps = payload["latents"], payload["timesteps"]
+        mask = trajectory.mask_B_T.to(latents.device)
+        batch, steps = timesteps.shape
+        logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
+        kl_B_T = torch.zeros_like(logp_B_T)
+        rows, cols = (mask > 0).nonzero(as_tuple=True)
+        if rows.numel() > 0:
+            t_R, x_R, next_R = timesteps[rows, cols], latents[rows, cols], latents[rows, cols + 1]
+            cond = {k: payload[k][rows] for k in self.cond_keys}
+            logp, mean, std = self._step_logprob(self._denoise(model, x_R, t_R, cond, self._cfg), t_R, x_R, next_R)
+            logp_B_T = logp_B_T.index_put((rows, cols), logp)
+            if reference is not None:
+                with reference._frozen():
+                    ref_out = self._denoise(reference.model, x_R, t_R, cond, self._cfg)
+                    ref_mean = self._step_logprob(ref_out, t_R, x_R, next_R)[1]
+                kl_B_T = kl_B_T.index_put((rows, cols), self._step_kl(mean, ref_mean, std))
+        if not with_entropy:
+            return logp_B_T
+        std_B_T = self._step_std(timesteps).to(logp_B_T.device)
+        live = (mask > 0) & (std_B_T > 0)
+        entropy_B_T = torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
+                                  torch.zeros_like(std_B_T))
+        if reference is None:
+            return logp_B_T, entropy_B_T
+        return logp_B_T, entropy_B_T, kl_B_T
+
+    def _step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+        """KL(N(mean, std^2) || N(ref_mean, std^2)) per row, mean over the other dims [R]."""
+        return gaussian_kl(mean, ref_mean, std)
+
+    # ------------------------------------------------------------------ preference pairs
+    def _pixel_multiple(self) -> int:
+        """Image sizes must be multiples of this (the VAE factor; x2 where latents are packed 2x2)."""
+        return self.vae_scale_factor
+
+    def _side_cond(self, sizes: tuple, crops: tuple, resolution: int) -> dict[str, Tensor]:
+        """Extra per-side conditioning of preference images from their original sizes and crops (none here)."""
+        return {}
+
+    @torch.no_grad()
+    def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
+        """Pairs from ``unialign.image.data.normalize_pickapic`` (``prompt``, ``chosen``, ``rejected`` PIL images)
+        -> a ``PreferenceBatch``: each image resized / centre-cropped to ``resolution`` (default: the policy's
+        height), VAE-encoded (posterior sample, fp32, ``encode_images``) into ``chosen["latents"]`` /
+        ``rejected["latents"]`` [B, C, H, W] with the family's per-side conditioning (SDXL ``time_ids`` from
+        each image's real original size and crop); ONE training time and ONE noise per pair in ``payload``
+        (shared by chosen, rejected, policy and reference); the prompt embeddings, each caption replaced by ""
+        with probability ``caption_dropout`` while the denoiser is in training mode (keeps classifier-free
+        guidance usable)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from unialign.image.data import to_pixels
+
+        res = resolution or self.height
+        multiple = self._pixel_multiple()
+        if res % multiple:
+            raise ValueError(f"resolution {res} must be a multiple of {multiple} for {type(self).__name__}")
+        captions = [r["prompt"] for r in rows]
+        if self.caption_dropout and self.denoiser.training:
+            drop = torch.rand(len(rows), generator=self.generator) < self.caption_dropout
+            captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+        sides = []
+        for key in ("chosen", "rejected"):
+            pix, sizes, crops = zip(*(to_pixels(r[key], res) for r in rows))
+            latents = self.encode_images(torch.stack(pix), generator=self.generator)
+            sides.append({"latents": latents, **self._side_cond(sizes, crops, res)})
+        payload = {**self._draw_pair_times(len(rows)),
+                   "noise": randn_tensor(tuple(sides[0]["latents"].shape), generator=self.generator,
+                                         dtype=torch.float32),
+                   **self.encode_prompts(captions)}
+        return PreferenceBatch(prompts=captions, chosen=sides[0], rejected=sides[1], payload=payload)
+
+    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
+        """Diffusion-DPO ELBO **surrogate** (Wallace et al. 2023, eq. 14 as implemented in
+        SalesforceAIResearch/DiffusionDPO ``train.py``), NOT the log-likelihood of the image:
+
+            logp = -1/2 * mean_CHW || model(x_t, t, c) - target ||^2
+
+        with the family's forward noising and target (``_noised``: eps / v / x0 for a UNet at
+        x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps; eps - x0 for rectified flow at x_t = (1 - sigma) x0 + sigma eps).
+        One training time and one eps per pair shared by the chosen and rejected latents (identical images
+        give identical values), both sides in one doubled call, no CFG. Reads ``batch.chosen["latents"]`` /
+        ``batch.rejected["latents"]`` [B, C, H, W] (``encode_images``), optionally the payload's times
+        (``_pair_times``; else drawn from the policy's generator), ``["noise"]`` [B, C, H, W] (else drawn),
+        the prompt embeddings (``text_keys``; else the prompts are encoded) and per-side conditioning.
+        ``length_normalize`` is ignored (already a mean). Returns (chosen_B, rejected_B)."""
+        return self._sequence_log_prob(self.model, batch, length_normalize)
+
+    def _sequence_log_prob(self, model, batch: PreferenceBatch, length_normalize: bool = False) -> tuple[Tensor, Tensor]:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        chosen = batch.chosen["latents"].to(self.device, torch.float32)
+        rejected = batch.rejected["latents"].to(self.device, torch.float32)
+        b = chosen.shape[0]
+        times = self._pair_times(batch.payload, b)
+        noise = batch.payload.get("noise")
+        if noise is None:
+            noise = randn_tensor(chosen.shape, generator=self.generator, dtype=torch.float32)
+        noise = noise.to(self.device, torch.float32)
+        if all(k in batch.payload for k in self.text_keys):
+            cond = {k: batch.payload[k].to(self.device, self.dtype) for k in self.text_keys}
+        else:
+            cond = self.encode_prompts(batch.prompts)
+        cond = {k: torch.cat([v, v]) for k, v in cond.items()}
+        cond.update(self._pair_side_cond(batch, chosen.shape))
+        x_t, t2, target = self._noised(torch.cat([chosen, rejected]), torch.cat([noise, noise]), times)
+        pred = self._denoise(model, x_t, t2, cond, False).float()
+        logp = -0.5 * ((pred - target.float()) ** 2).mean(dim=tuple(range(1, target.dim())))
+        return logp[:b], logp[b:]
+
+    def _pair_side_cond(self, batch: PreferenceBatch, latent_shape: torch.Size) -> dict[str, Tensor]:
+        """Per-side conditioning of a pair batch, chosen rows then rejected rows (none here)."""
+        return {}
+
+    # ------------------------------------------------------------------ reference and saving
+    @contextlib.contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        self.denoiser.disable_adapters()
+        try:
+            yield
+        finally:
+            self.denoiser.enable_adapters()
+
+    def reference(self) -> ReferencePolicy:
+        """The frozen reference: the same denoiser with LoRA adapters disabled, or (full fine-tuning) a frozen
+        deep copy made on the first call; call it before training starts."""
+        if self.lora_rank > 0:
+            return ReferencePolicy(self, None, self._adapters_disabled)  # the policy's own (wrapped) denoiser
+        if self._frozen_denoiser is None:
+            self._frozen_denoiser = copy.deepcopy(self.denoiser).requires_grad_(False).eval()
+        return ReferencePolicy(self, self._frozen_denoiser)
+
+    def _lora_layers(self, peft_state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The LoRA state dict in the form the stock pipeline's ``save_lora_weights`` takes."""
+        return peft_state
+
+    def save(self, path: str) -> None:
+        """LoRA: ``pytorch_lora_weights.safetensors`` in ``path`` (the stock pipeline's ``save_lora_weights``),
+        loadable with its stock ``load_lora_weights(path)``. Full fine-tuning: the denoiser in
+        ``path/<denoiser_subfolder>`` (``UNet2DConditionModel`` / the transformer class ``.from_pretrained(path,
+        subfolder=...)``). Called on every process; the main process writes."""
+        from unialign.dist import is_main_rank
+
+        if not is_main_rank():
+            return
+        os.makedirs(path, exist_ok=True)
+        if self.lora_rank == 0:
+            self.denoiser.save_pretrained(os.path.join(path, self.denoiser_subfolder))
+            return
+        from peft.utils import get_peft_model_state_dict
+
+        layers = self._lora_layers(get_peft_model_state_dict(self.denoiser))
+        metadata = self.denoiser.peft_config["default"].to_dict()
+        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+        name = self.denoiser_subfolder
+        self._pipeline_class().save_lora_weights(path, **{f"{name}_lora_layers": layers,
+                                                          f"{name}_lora_adapter_metadata": metadata})
