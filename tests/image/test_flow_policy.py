@@ -113,7 +113,7 @@ def test_ratio_one_and_the_step_kernel(make_flow_policy, sde_type, guidance):
     j = int((~trained[0]).nonzero()[-1])
     with torch.no_grad():
         v = policy._denoise(policy.transformer, lat[:, j], traj.payload["timesteps"][:, j],
-                             {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled})
+                            {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled})
     sigmas = policy.scheduler.sigmas
     torch.testing.assert_close(lat[:, j + 1], lat[:, j] + (sigmas[j + 1] - sigmas[j]) * v, atol=1e-5, rtol=0)
     _, entropy = policy.log_prob_and_entropy(traj)
