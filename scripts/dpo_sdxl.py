@@ -97,6 +97,8 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     embedded = cfg.model_name_or_path in parts.IMAGE_MODELS
+    if embedded:
+        parts.embedded_family(cfg.model_name_or_path, cfg.model_family)  # a conflicting --model_family is refused
     if cfg.dataset_name == NAME and not embedded:
         raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
                         "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")

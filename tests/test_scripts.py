@@ -114,6 +114,36 @@ def test_model_family_from_folder_and_name(tmp_path):
         window_range(ImageRLConfig(sde_window_range="1-5"))
 
 
+@pytest.mark.parametrize("kw, field", [
+    (dict(model_name_or_path="embedded-sd3", sde_window_size=9, sde_window_range="0,6", num_steps=8), "sde_window_size"),
+    (dict(model_name_or_path="embedded-sd3", sde_window_size=2, sde_window_range="5,2"), "sde_window_size"),
+    (dict(model_name_or_path="embedded-sd3", sde_type="cps", noise_level=2.0), "noise_level"),
+    (dict(model_name_or_path="embedded-sd3", model_family="flux"), "model_family"),
+    (dict(model_name_or_path="embedded", model_family="sd3"), "model_family"),
+    (dict(model_name_or_path="embedded", eta=0.0), "eta"),
+    (dict(model_name_or_path="stabilityai/stable-diffusion-3.5-medium", sde_window_size=3, num_steps=2),
+     "sde_window_size"),
+    (dict(model_name_or_path="runwayml/stable-diffusion-v1-5", eta=-1.0), "eta"),
+])
+def test_image_sampling_knobs_are_refused_before_any_model_loads(monkeypatch, kw, field):
+    """A window that does not fit the steps, an eta outside its step type's range, or a --model_family that
+    contradicts the embedded model: one ValueError naming the field, and no model or reward is loaded."""
+    from unialign.embedded import parts
+    from unialign.embedded import shapes_world as world
+    from unialign.image import recipe
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model loaded before the bad input was named")
+
+    for module, name in ((world, "load_embedded"), (world, "load_embedded_sd3"), (recipe, "load_policy"),
+                         (recipe, "get_reward"), (parts, "get_reward")):
+        monkeypatch.setattr(module, name, loaded)
+    cfg = recipe.ImageRLConfig(reward="shape_verifier", **kw)
+    build = parts.image_rl_parts if cfg.model_name_or_path in parts.IMAGE_MODELS else recipe.hub_parts
+    with pytest.raises(ValueError, match=field):
+        build(cfg)
+
+
 def test_dpo_text_two_steps(tmp_path):
     run("dpo_text", ["--max_steps", "2", "--num_eval", "16", "--batch_size", "8", "--micro_batch_size", "4",
                      "--output_dir", str(tmp_path), "--report_to", "none"])

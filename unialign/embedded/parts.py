@@ -8,7 +8,13 @@ from typing import Any
 from unialign.embedded import shapes_world as world
 from unialign.embedded.shape_verifier import parse_shape_prompt, verify
 from unialign.image.data import normalize_pickapic, synthetic_pairs
-from unialign.image.recipe import check_prompts, load_prompts, policy_kwargs, reward_names, window_range
+from unialign.image.recipe import (
+    check_prompts,
+    check_sampling_knobs,
+    load_prompts,
+    policy_kwargs,
+    reward_names,
+)
 from unialign.rewards import CombinedReward, get_reward
 
 NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
@@ -24,6 +30,8 @@ def image_rl_parts(cfg) -> dict[str, Any]:
     prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
     model loads when the shape verifier is a reward."""
     names, weights = reward_names(cfg)
+    family = embedded_family(cfg.model_name_or_path, cfg.model_family)
+    check_sampling_knobs(cfg, family)  # bad input named before any model loads
     train, held_out = ((world.prompts("train"), world.prompts("test")) if cfg.prompt_set == NAME
                        else load_prompts(cfg.prompt_set))
     if any(n.startswith("shape_verifier") for n in names):
@@ -33,11 +41,20 @@ def image_rl_parts(cfg) -> dict[str, Any]:
         verifier = verify
     except ValueError:
         verifier = None  # prompts from elsewhere: no fidelity to read
-    window_range(cfg)  # bad input named before any model loads
     reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights)
-    family = "sd3" if cfg.model_name_or_path == NAME_SD3 else "sdxl"
     return dict(policy=embedded_policy(cfg.model_name_or_path, **policy_kwargs(cfg, family)), reward=reward,
                 train_prompts=train, eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
+
+
+def embedded_family(name: str, requested: str = "auto") -> str:
+    """The pipeline family of the embedded image model ``name`` ("sdxl" or "sd3"); a ``model_family`` that
+    says otherwise is refused (ValueError naming the field) rather than ignored."""
+    if name not in IMAGE_MODELS:
+        raise ValueError(f"model_name_or_path: {name!r} is not one of the embedded image models {IMAGE_MODELS}")
+    family = "sd3" if name == NAME_SD3 else "sdxl"
+    if requested not in ("auto", family):
+        raise ValueError(f"model_family: {requested!r}, but the embedded model {name!r} is {family} (leave it auto)")
+    return family
 
 
 def embedded_policy(name: str, **kwargs: Any):

@@ -61,6 +61,31 @@ Tensor = torch.Tensor
 SDE_TYPES = ("sde", "cps")
 
 
+def check_noise_level(sde_type: str, noise_level: float) -> None:
+    """ValueError unless ``sde_type`` is one of ``SDE_TYPES`` and ``noise_level`` (eta) fits it: > 0 for "sde"
+    (its log-density is undefined at 0), in [0, 1] for "cps" (std = sigma' sin(eta pi / 2))."""
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    if sde_type == "sde" and not noise_level > 0:
+        raise ValueError(f"noise_level must be > 0 for sde_type='sde' (its log-density is undefined at 0); "
+                         f"got {noise_level}")
+    if sde_type == "cps" and not 0 <= noise_level <= 1:
+        raise ValueError(f"noise_level must be in [0, 1] for sde_type='cps' (std = sigma' sin(noise_level pi/2)); "
+                         f"got {noise_level}")
+
+
+def sde_window_bounds(num_steps: int, window_size: int, window_range: tuple[int, int] | None) -> tuple[int, int]:
+    """(lo, hi) of the steps an SDE window of ``window_size`` may start in (``window_range``, default all N);
+    ValueError unless 0 <= size <= hi - lo and 0 <= lo < hi <= num_steps."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    lo, hi = window_range if window_range is not None else (0, num_steps)
+    if window_size < 0 or not 0 <= lo < hi <= num_steps or window_size > hi - lo:
+        raise ValueError(f"sde_window_size={window_size} with sde_window_range=({lo}, {hi}) must satisfy "
+                         f"0 <= size <= hi - lo and 0 <= lo < hi <= num_steps={num_steps}")
+    return lo, hi
+
+
 def flow_step_indices(scheduler, timestep: Tensor | float, batch: int) -> Tensor:
     """Scheduler indices i (long [B], CPU) of ``timestep`` (tensor [B] or one number) in
     ``scheduler.timesteps``, by ``scheduler.index_for_timestep``. One host transfer for the batch."""
@@ -90,14 +115,7 @@ def flow_step_coefficients(scheduler, timestep: Tensor | float, batch: int, nois
     sde:  x_coef = 1 + g^2 dt / (2 sigma),  v_coef = (1 + g^2 (1 - sigma) / (2 sigma)) dt,  std = g sqrt(-dt)
     cps:  with c = sqrt(sigma'^2 - std^2):  x_coef = (1 - sigma') + c,  v_coef = -sigma (1 - sigma') + c (1 - sigma)
     """
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
-    if sde_type == "sde" and not noise_level > 0:
-        raise ValueError(f"noise_level must be > 0 for sde_type='sde' (its log-density is undefined at 0); "
-                         f"got {noise_level}")
-    if sde_type == "cps" and not 0 <= noise_level <= 1:
-        raise ValueError(f"noise_level must be in [0, 1] for sde_type='cps' (std = sigma' sin(noise_level pi/2)); "
-                         f"got {noise_level}")
+    check_noise_level(sde_type, noise_level)
     index = flow_step_indices(scheduler, timestep, batch)
     sigmas = scheduler.sigmas.detach().to(device="cpu", dtype=torch.float64)
     if index.max().item() + 1 >= len(sigmas):

@@ -43,7 +43,13 @@ from typing import Any
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
-from unialign.image.flow import SDE_TYPES, flow_step_coefficients, flow_step_kl, sde_step_with_logprob
+from unialign.image.flow import (
+    check_noise_level,
+    flow_step_coefficients,
+    flow_step_kl,
+    sde_step_with_logprob,
+    sde_window_bounds,
+)
 
 Tensor = torch.Tensor
 
@@ -69,16 +75,10 @@ class FlowPolicyBase(DenoiserPolicy):
                     train_chunk_size: int, seed: int, caption_dropout: float) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        if sde_type not in SDE_TYPES:
-            raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_noise_level(sde_type, noise_level)
+        lo, hi = sde_window_bounds(num_steps, sde_window_size, sde_window_range)
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
-        lo, hi = sde_window_range if sde_window_range is not None else (0, num_steps)
-        if sde_window_size < 0 or not 0 <= lo < hi <= num_steps or sde_window_size > hi - lo:
-            raise ValueError(f"sde_window_size={sde_window_size} with sde_window_range=({lo}, {hi}) must satisfy "
-                             f"0 <= size <= hi - lo and 0 <= lo < hi <= num_steps={num_steps}")
         self.transformer = transformer
         self.vae = vae if vae.dtype == torch.float32 else vae.to(torch.float32)
         self.scheduler = (scheduler if isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
@@ -97,8 +97,6 @@ class FlowPolicyBase(DenoiserPolicy):
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
         self._set_timesteps()
-        # validates noise_level for the sde type at once, not at the first step
-        flow_step_coefficients(self.scheduler, self.scheduler.timesteps[:1], 1, noise_level, sde_type)
         self._setup_denoiser(transformer, (self.vae, *frozen), lora_rank=lora_rank, lora_alpha=lora_alpha,
                              target_modules=target_modules, gradient_checkpointing=gradient_checkpointing,
                              sample_batch_size=sample_batch_size, train_chunk_size=train_chunk_size)

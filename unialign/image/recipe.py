@@ -166,6 +166,20 @@ def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
     return lo, hi
 
 
+def check_sampling_knobs(cfg: ImageRLConfig, family: str) -> None:
+    """The sampling knobs a ``family`` policy checks, checked from ``cfg`` alone before any model loads (one
+    ValueError naming the field): the SDE window against ``num_steps`` and eta for its step type (sd3 /
+    flux), DDIM's eta > 0 (sd / sdxl)."""
+    window = window_range(cfg)
+    if family in FLOW_FAMILIES:
+        from unialign.image.flow import check_noise_level, sde_window_bounds
+
+        check_noise_level(cfg.sde_type, cfg.noise_level)
+        sde_window_bounds(cfg.num_steps, cfg.sde_window_size, window)
+    elif not cfg.eta > 0:
+        raise ValueError(f"eta: must be > 0 for DDIM (the step log-probability needs sigma_t > 0), got {cfg.eta}")
+
+
 def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
     """The policy constructor's knobs from ``cfg``: ``DiffusionPolicy``'s (sd / sdxl) or the flow-matching
     policies' (sd3 / flux)."""
@@ -205,7 +219,7 @@ def load_policy(cfg: ImageRLConfig):
 def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     """Policy, reward and prompts for a hub / local model (rewards with their published weights)."""
     names, weights = reward_names(cfg)
-    window_range(cfg)  # bad input named before any model loads
+    check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
     train, held_out = load_prompts(cfg.prompt_set)
     reward = CombinedReward([get_reward(n) for n in names], weights)
     return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out)
