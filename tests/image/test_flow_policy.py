@@ -229,6 +229,8 @@ def test_from_pretrained_loads_a_stock_sd3_folder(tokenizer_dir, tmp_path):
 def test_bad_window_and_offline_load_fail_clearly(make_flow_policy, monkeypatch):
     with pytest.raises(ValueError, match="sde_window_size"):
         make_flow_policy(sde_window_size=5)
+    with pytest.raises(ValueError, match=r"multiples of 4 .*got 18 x 16"):  # VAE factor 2 x patch 2
+        make_flow_policy(height=18, width=16)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(Exception, match="stabilityai/not-a-real-sd3"):
         FlowMatchingPolicy.from_pretrained("stabilityai/not-a-real-sd3")

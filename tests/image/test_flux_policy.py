@@ -176,6 +176,8 @@ def test_from_pretrained_loads_a_stock_flux_folder(tokenizer_dir, tmp_path, monk
     assert policy.scheduler.config.use_dynamic_shifting and policy.transformer.config.guidance_embeds
     traj = policy.sample(PROMPTS, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(policy.log_prob(traj), traj.old_logp_B_T, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"multiples of 4 .*got 16 x 18"):  # VAE factor 2 x the 2x2 packing
+        FluxPolicy(**flux_components(tokenizer_dir), **{**FLUX_DEFAULTS, "width": 18})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="black-forest-labs/not-a-real-flux"):
         FluxPolicy.from_pretrained("black-forest-labs/not-a-real-flux")

@@ -93,6 +93,12 @@ class FlowPolicyBase(DenoiserPolicy):
         self.sde_window_size, self.sde_window_range = sde_window_size, (lo, hi)
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.height, self.width = height, width
+        multiple = self._pixel_multiple()
+        if height % multiple or width % multiple:
+            raise ValueError(f"height and width (--resolution) must be multiples of {multiple} for {type(self).__name__} "
+                             f"(the VAE factor {self.vae_scale_factor} x the transformer's "
+                             f"{multiple // self.vae_scale_factor}x{multiple // self.vae_scale_factor} patches), "
+                             f"got {height} x {width}")
         self.max_sequence_length = max_sequence_length
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
@@ -318,6 +324,9 @@ class FlowMatchingPolicy(FlowPolicyBase):
     def _latent_shape(self, batch: int) -> tuple[int, int, int, int]:
         return (batch, self.transformer.config.in_channels, self.height // self.vae_scale_factor,
                 self.width // self.vae_scale_factor)
+
+    def _pixel_multiple(self) -> int:
+        return self.vae_scale_factor * self.transformer.config.patch_size
 
     @classmethod
     def _pipeline_class(cls):

@@ -122,9 +122,6 @@ class FluxPolicy(FlowPolicyBase):
         self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
         scale = 2 ** (len(vae.config.block_out_channels) - 1)
         height, width = height or DEFAULT_SAMPLE_SIZE * scale, width or DEFAULT_SAMPLE_SIZE * scale
-        if height % (2 * scale) or width % (2 * scale):
-            raise ValueError(f"height and width must be multiples of {2 * scale} (VAE factor {scale} x the 2x2 "
-                             f"packing), got {height} x {width}")
         self._setup_flow(transformer, vae, scheduler, (text_encoder, text_encoder_2), num_steps=num_steps,
                          guidance_scale=guidance_scale, noise_level=noise_level, sde_type=sde_type,
                          sde_window_size=sde_window_size, sde_window_range=sde_window_range, height=height,
@@ -142,7 +139,7 @@ class FluxPolicy(FlowPolicyBase):
                 2 * (self.width // (scale * 2)))
 
     def _pixel_multiple(self) -> int:
-        return 2 * self.vae_scale_factor
+        return 2 * self.vae_scale_factor  # latents packed 2x2 into the transformer's tokens
 
     def _set_timesteps(self) -> None:
         """``FluxPipeline``: sigmas linspace(1, 1/N, N) (None with ``use_flow_sigmas``) and the dynamic shift
