@@ -22,7 +22,9 @@ A subclass is the step kernel and the pipeline family, through these hooks (all 
     pairs       _draw_pair_times(b)                        one training time per pair, for the payload
                 _pair_times(payload, b)                    the payload's times (drawn when missing)
                 _noised(x0, eps, times) -> (x_t, t, target)  forward noising and the regression target
-                _side_cond(sizes, crops, resolution)       per-side extra conditioning (SDXL size ids)
+                _side_cond(sizes, crops, resolution)       per-side extra conditioning of new pairs (SDXL size ids)
+                _pair_side_cond(batch, latent_shape)       the same read back from a pair batch, chosen then rejected
+                _pixel_multiple()                          image sizes must be multiples of it
     saving      _pipeline_class(), _lora_layers(state)     the stock pipeline whose save_lora_weights writes
 
 and these attributes: ``denoiser`` (the one trainable module, ``_setup_denoiser``), ``model`` (what forward
