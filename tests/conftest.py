@@ -28,6 +28,16 @@ def make_tiny_lm(seed: int = 0, hidden: int = 32, layers: int = 2):
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (two threads on the busy 2-core CI box are many times slower);
+    a test module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def tiny_lm():
     return make_tiny_lm()
 

@@ -13,14 +13,7 @@ from PIL import Image
 
 from unialign.embedded import shapes_world as E
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is fastest (2 threads on a busy 2-core machine is ~20x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------- gold score

@@ -19,12 +19,7 @@ CASES = [  # (name, make_policy kind, extra policy kwargs)
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _images() -> list[dict]:

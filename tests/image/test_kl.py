@@ -15,12 +15,7 @@ from unialign.trainers import OnlineConfig, OnlineTrainer
 PROMPTS = ["a cat", "a dog", "a cat", "a dog"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb(params, scale: float, seed: int = 0) -> None:

@@ -18,13 +18,7 @@ from unialign.types import Trajectory
 PROMPTS = ["a cat", "a dog", "a cat"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread, and the 2-core CI box is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb_lora(policy: DiffusionPolicy, seed: int = 0) -> None:

@@ -24,12 +24,7 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PROMPTS = ["a red circle", "a blue square on a green background", "cat", "two small yellow triangles", "x"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _images(n: int = len(PROMPTS)) -> list[Image.Image]:
