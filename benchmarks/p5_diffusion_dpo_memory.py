@@ -62,7 +62,7 @@ def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pair
               cross_attention_dim=64, device="cpu", seed=0, gradient_checkpointing=True) -> dict:
     from unialign import algos
     from unialign.image import DiffusionPolicy
-    from unialign.image.policy import _ReferencePolicy
+    from unialign.policy import ReferencePolicy
     from unialign.types import PreferenceBatch
 
     cuda = device.startswith("cuda")
@@ -92,7 +92,7 @@ def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pair
     frozen = copy.deepcopy(unet).requires_grad_(False).eval() if impl == "copy" else None
     policy = DiffusionPolicy(unet, vae, te, tok, sched, num_steps=10, guidance_scale=1.0, eta=1.0,
                              lora_rank=lora_rank, seed=seed, gradient_checkpointing=gradient_checkpointing)
-    ref = policy.reference() if impl == "ours" else _ReferencePolicy(policy, frozen, adapters_off=False)
+    ref = policy.reference() if impl == "ours" else ReferencePolicy(policy, frozen)
     params = policy.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=1e-4)
     losses = []
