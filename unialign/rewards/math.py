@@ -24,20 +24,40 @@ Answer extraction, in order of preference (``extract_answer``):
        ``\\boxed{a} or \\boxed{b}`` (a hedge);
     3. the content of the last ``<answer>...</answer>`` (itself read by these rules);
     4. (``last_number`` only) the rest of the sentence after the last "answer is" / "answer:" phrase, so
-       text after the answer never supplies it;
-    5. (``last_number`` only) the last number in plain text: numbers inside LaTeX math (``$...$`` with
-       LaTeX in it, ``\\(...\\)``, ``\\[...\\]``, ``$$...$$``), next to a LaTeX command (``2\\pi``,
-       ``\\sqrt3``), a variable (``2x``), an exponent or subscript (``10^5``) do not count, and a hedged
-       last number ("42 or 43") gives no answer.
+       text after the answer never supplies it; a ``$...$`` region there is the answer (none when "or"
+       follows it: ``$5$ or $6$``; ``$x = 1$, $y = 2$`` is the list ``x = 1, y = 2``);
+    5. (``last_number`` only) the last LaTeX region ending the text (``$x = 1, y = 2$`` stays a list; two
+       regions ``$x = 1$ and $y = 2$`` of the last sentence join into one), then the last number in plain
+       text: numbers inside LaTeX math (``$...$`` with LaTeX in it, ``\\(...\\)``, ``\\[...\\]``, ``$$...$$``),
+       next to a LaTeX command (``2\\pi``, ``\\sqrt3``), a variable (``2x``), an exponent, superscript or
+       subscript (``10^5``, ``2³``) do not count, and a hedged last number ("42 or 43") gives no answer.
+       Number words are never read here, and a number word after the last number ("He had 5 apples and
+       ate two.") means no answer. A plain-text run ``x = 1 and y = 2`` ending the sentence is the list
+       ``x = 1, y = 2`` (several values; ``x = 1 or x = 2`` is a hedge). A digit-grouped ``1 000 000`` is one
+       number (``1 000`` with a single plain space is ambiguous: no answer).
+       **Truncation**: when the text stops mid-sentence (its last character, trailing ``**`` / ``</think>``
+       aside, is not ``. ! ? ) ] } " ' %`` and the number is not the last token), the number must lie in that
+       unfinished last sentence and be followed only by up to 8 words, none a continuation word ("and",
+       "then", "so", "which", "plus", ...) and the last not a dangling one ("the", "of", "to", "in", "he",
+       "gives", ...): "He has 8. Then he gives away" and "he has 8 and then he" give no answer, "so he
+       covers 180 miles" and "3/4 of the cake left" keep theirs.
+    An equation chain of numbers gives its last side (``#### 6*7=42``, "The answer is 1 + 41 = 42.",
+    ``\\boxed{6 \\times 7 = 42}`` -> ``42``; ``42 = 6*7`` -> ``42``; ``x = 6*7 = 42`` -> ``x = 42``); ``x = 5``,
+    ``2x = 10`` and gold answers are left as they are.
     When a ``####`` line or the last ``\\boxed`` is present but malformed, there is no answer (score 0);
     the extractor never falls back to a number hidden inside a malformed answer (``#### 9**9`` is not 9).
 
 Comparison conventions (``answers_equal``; details in ``math_compare``): a number gold needs a plain
-number with the same exact value (``0.75 == 3/4``, ``2\\frac{1}{2} == 5/2``, ``1\\,000 == 1000``;
-``2+2 != 4``); tolerance only for a decimal of >= 6 significant digits against a gold value with no
+number with the same exact value (``0.75 == 3/4``, ``2\\frac{1}{2} == 5/2``, ``(-5) == -5``; thousands groups
+``1\\,000\\,000 == 1{,}000{,}000 == 10^6 == 1 million == 1000000``; words in an answer slot: ``forty-two``,
+``negative 5``, ``#### twelve apples``; ``#### 2+2 != 4``), but the content of ``\\boxed{}`` (and a ``$...$``
+right after "the answer is") is LaTeX math, compared by value: ``\\boxed{40+2} == 42`` (not with a ``%``
+in it); tolerance only for a decimal of >= 6 significant digits against a gold value with no
 finite decimal expansion (within one unit of its last place: ``3.14159 == \\pi``, ``0.333 != 1/3``); percent signs are dropped
 (``50\\% == 50 != 0.5``); sets and bare lists are order-free, tuples and intervals ordered with matching
-brackets, matrices cell by cell; a single-value gold never matches several values; ``x = 5 == 5``;
+brackets, unions of intervals / sets a set of pieces
+(``(1,\\infty)\\cup(-\\infty,0) == (-\\infty,0)\\cup(1,\\infty)``), matrices cell by cell; assignments to distinct letters are put in the letters' order (``y = 2, x = 1 ==
+(1, 2) != (2, 1)``); a single-value gold never matches several values; ``x = 5 == 5``;
 ``\\text{Monday} == monday``; a gold word is text (``\\text{on} != no``, ``CA != AC``); ``y = 5 != x = 5``.
 A last-number fallback in a negated or uncertain sentence ("It is not 42.", "Maybe 42?") gives no answer.
 """
@@ -59,6 +79,7 @@ from unialign.rewards.math_compare import (  # noqa: F401 - re-exported (public 
     normalize_answer,
     number_value,
     parse_number,
+    word_number,
 )
 
 LAST_NUMBER_WINDOW = 2000   # the last-number and answer-phrase fallbacks look at this many trailing characters
@@ -89,50 +110,125 @@ _UNSURE = re.compile(r"(?i)\b(?:maybe|perhaps|possibly|probably|unsure|not[ \t]+
                      r"|unclear|uncertain|don't[ \t]+know)\b")
 _NEGATED = re.compile(r"(?i)\b(?:not|never|isn't|wasn't|aren't|no[ \t]+longer)(?:[ \t]+[A-Za-z$]+){0,2}[ \t$]*$")
 _BOXED_OR = re.compile(r"(?i)^[ \t$.,]*(?:\\text\{)?[ \t]*or\b")
+_OR_AFTER = re.compile(r"(?i)[ \t$.,]*(?:\\text\{)?[ \t]*or\b")
+# an equation chain's earlier sides: numbers and arithmetic only (6*7=42, 1 + 41 = 42, 6 \times 7 = 42)
+_CHAIN_COMMANDS = re.compile(r"\\(?:times|cdot|div|[dt]?frac|left|right|[,!;: ]|\$)")
+_CHAIN_SIDE = re.compile(r"[0-9 \t.,+\-*/×÷()\[\]{}$^]*")
+_CHAIN_VARIABLE = re.compile(r"[ \t$]*([A-Za-z])[ \t$]*")
+# plain-text final sentence "x = 1, y = 2" / "x = 1 and y = 2": several values
+_ASSIGN_NUM = re.compile(r"(?<![A-Za-z0-9_\\])([A-Za-z])[ \t]*=[ \t]*"
+                         r"([-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:[ \t]*/[ \t]*[0-9]+)?)"
+                         r"(?![0-9.]?[0-9A-Za-z])")
+_ASSIGN_SEP = re.compile(r"(?i)[ \t]*(?:,|;|and|,[ \t]*and|\\text\{[ \t]*and[ \t]*\})[ \t]*")
+_ASSIGN_OR = re.compile(r"(?i)[ \t]*,?[ \t]*(?:or|\\text\{[ \t]*or[ \t]*\})[ \t]*")
+# the last-number fallback: what stops it
+_SUPERSCRIPT = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b"
+_NUMBER_WORD_AFTER = re.compile(
+    r"(?i)\b(?:zero|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|sixteen"
+    r"|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand|million"
+    r"|billion|dozen|half|twice|double|doubled|triple|tripled|thrice)\b")
+_SPACE_GROUPED = re.compile(r"(?<![0-9.,])[0-9]{1,3}(?:[ \u2009\u202f\u00a0][0-9]{3})+$")
+_CLOSING_TAG = re.compile(r"</?[A-Za-z]{1,20}>$")
+_FINISHED = frozenset(".!?)]}\"'\u2019\u201d%\u00b0")
+_TAIL_WORDS = re.compile(r"[A-Za-z'-]+(?:[ \t]+[A-Za-z'-]+){0,7}")
+_CONTINUATION_WORDS = frozenset(
+    "and or but then so because which that plus minus times divided multiplied than if when while after before "
+    "until since giving leaving making".split())
+_DANGLING_WORDS = frozenset(
+    "the a an of to for from with by per in on at into is are was were be has have had his her their its he she "
+    "they we it i you this these gives give gets get buys buy".split())
 
 
-def answers_equal(prediction: str, reference: str, *, timeout_s: float = 1.0) -> bool:
+def answers_equal(prediction: str, reference: str, *, timeout_s: float = 1.0, by_value: bool = False) -> bool:
     """True when two extracted answers agree under the module's conventions (tiers 1-3 above; the
-    symbolic tier under a hard ``timeout_s``). Never evaluates either side."""
-    verdict = compare(prediction, reference)
+    symbolic tier under a hard ``timeout_s``). ``by_value``: the prediction is LaTeX math (a ``\\boxed{}``
+    content), so ``40+2`` equals 42. Never evaluates either side."""
+    verdict = compare(prediction, reference, by_value=by_value)
     if verdict is None:
-        verdict = math_worker.shared_worker().compare(prediction, reference, timeout_s)
+        verdict = math_worker.shared_worker().compare(prediction, reference, timeout_s, by_value=by_value)
     return bool(verdict)
 
 
 def extract_answer(text: str, *, last_number: bool = True) -> str | None:
     """The final answer in a model's ``text`` (stripped), or None: the last ``####`` line, else the
     last ``\\boxed{...}``, else the last ``<answer>`` tag, else (when ``last_number``) the sentence after
-    the last "answer is" phrase or the last plain-text number. A present but malformed ``####`` answer or
-    last ``\\boxed`` (unbalanced, or longer than ``MAX_ANSWER_CHARS``) gives None rather than a fallback.
+    the last "answer is" phrase or the last plain-text number. An equation chain of numbers gives its last
+    side (``6*7=42`` -> ``42``). A present but malformed ``####`` answer or last ``\\boxed`` (unbalanced, or
+    longer than ``MAX_ANSWER_CHARS``) gives None rather than a fallback.
     Linear time in ``len(text)``; see the module docstring for the rules."""
+    return _extract(text, last_number)[0]
+
+
+def _extract(text: str, last_number: bool = True, prediction: bool = True) -> tuple[str | None, bool]:
+    """``(answer, latex)``: the answer as ``extract_answer`` reads it and whether it is marked LaTeX math (the
+    content of a ``\\boxed{}``, or the ``$...$`` region right after "the answer is": compared by value, so
+    ``\\boxed{40+2}`` is 42). ``prediction=False`` (a gold answer) leaves an equation chain as it is."""
     if not isinstance(text, str):
-        return None
+        return None, False
+    answer, latex = _find(text, last_number)
+    if answer is not None and prediction:
+        answer = _chain_tail(answer)
+    return answer, latex
+
+
+def _find(text: str, last_number: bool) -> tuple[str | None, bool]:
     hashes = text.rfind("####")
     if hashes >= 0:
         line = _line_after(text, hashes + 4)
         if line is None:
-            return None
+            return None, False
         line = _tidy(line)
         if line:
-            return line
+            return line, False
     boxed = text.rfind("\\boxed")
     if boxed >= 0:
-        return _last_boxed(text, boxed)
+        return _last_boxed(text, boxed), True
     tag = text.rfind("<answer>")
     if tag >= 0:
         end = text.find("</answer>", tag, tag + MAX_ANSWER_CHARS + 10)
         if end >= 0:
             inner = text[tag + len("<answer>") : end]
-            found = extract_answer(inner, last_number=False) or _tidy(inner)
+            found, latex = _find(inner, last_number=False)
+            if not found:
+                found, latex = _tidy(inner), False
             if found and len(found) <= 200:
-                return found
+                return found, latex
     if not last_number:
-        return None
+        return None, False
     phrase = _after_phrase(text)
+    if phrase == "":
+        return None, False  # a hedged answer phrase: no fallback to an earlier number
     if phrase is not None:
-        return phrase
-    return _last_math(text) or _last_number(text)
+        return phrase, phrase.startswith(("$", "\\(", "\\["))
+    math = _last_math(text)
+    if math is not None:
+        return math, False  # a trailing region is no marked answer: "So we compute $40+2$." is not 42
+    return _last_number(text), False
+
+
+def _chain_tail(answer: str) -> str:
+    """The value of an equation chain of numbers: the last side, when every earlier side is arithmetic on
+    numbers (``6*7=42``, ``1 + 41 = 42``, ``6 \\times 7 = 42``, ``100 - 58 = 42 dollars`` -> ``42``;
+    ``x = 6 \\cdot 7 = 42`` -> ``x = 42``); when the last side is not a plain number but an earlier one is
+    and every side is arithmetic (``42 = 6*7``), the last plain number. Anything else (``x = 5``,
+    ``2x = 10``, ``f(2) = 5``) is returned unchanged."""
+    if "=" not in answer or answer.count("=") > 8:
+        return answer
+    sides = answer.split("=")
+    variable = _CHAIN_VARIABLE.fullmatch(sides[0]) if len(sides) >= 3 else None
+    values = sides[1:] if variable else sides
+    if not values[0].strip() and len(values) >= 2:
+        values = values[1:]  # "= 42"
+    if len(values) < 2 or not all(re.search(r"[0-9]", v) for v in values):
+        return answer
+    if not all(_CHAIN_SIDE.fullmatch(_CHAIN_COMMANDS.sub(" ", v)) for v in values[:-1]):
+        return answer
+    last = values[-1].strip()
+    if not _CHAIN_SIDE.fullmatch(_CHAIN_COMMANDS.sub(" ", last)) or parse_number(last) is None:
+        plain = [v.strip() for v in values if parse_number(v.strip()) is not None]
+        if _CHAIN_SIDE.fullmatch(_CHAIN_COMMANDS.sub(" ", last)) and plain:
+            last = plain[-1]  # 42 = 6*7
+    return f"{variable.group(1)} = {last}" if variable else last
 
 
 def _tidy(line: str) -> str:
@@ -167,7 +263,7 @@ def reference_answer(reference: Any) -> str | None:
         return None
     text = reference if isinstance(reference, str) else str(reference)
     if "####" in text or "\\boxed" in text:
-        return extract_answer(text, last_number=False)
+        return _extract(text, last_number=False, prediction=False)[0]
     return text.strip() or None
 
 
@@ -203,7 +299,8 @@ def _boxed_content(text: str, i: int) -> str | None:
 
 
 def _after_phrase(text: str) -> str | None:
-    """The rest of the sentence after the last "answer is" / "answer:" in the trailing window, or None."""
+    """The rest of the sentence after the last "answer is" / "answer:" in the trailing window, or None;
+    ``""`` when it is a hedged LaTeX answer (``$5$ or $6$``)."""
     window = text[-LAST_NUMBER_WINDOW:]
     last = deque(_PHRASE.finditer(window), maxlen=1)
     if not last:
@@ -212,6 +309,17 @@ def _after_phrase(text: str) -> str | None:
     if rest.startswith(("$", "\\(", "\\[")):
         region = _MATH_REGION.match(rest)
         if region:
+            regions = [region]
+            for more in _MATH_REGION.finditer(rest, region.end(), region.end() + 400):
+                if not _ASSIGN_SEP.fullmatch(rest[regions[-1].end() : more.start()]):
+                    break
+                regions.append(more)
+            if len(regions) >= 2:  # "The answer is $x = 1$, $y = 2$."
+                joined = _joined_assignments(rest, regions)
+                if joined:
+                    return joined
+            if _OR_AFTER.match(rest, region.end()):  # "The answer is $5$ or $6$.": a hedge, no answer at all
+                return ""
             return _tidy(region.group(0)) or None
     end = _SENTENCE_END.search(rest)
     value = _tidy(rest[: end.start()] if end else rest)
@@ -238,16 +346,83 @@ def _last_number(text: str) -> str | None:
     before, after = window[max(0, last.start() - 40) : last.start()], window[last.end() : last.end() + 3]
     if before.endswith(("^", "_", "^{", "_{", "\\sqrt", "\\sqrt{")):  # x^2, a_{3}, \sqrt3
         return None
-    if after[:1] in ("\\", "^", "!", "_") or re.match(r"[A-Za-z](?![A-Za-z])", after):  # 2\pi, 3^2, 2x
-        return None
+    if after[:1] in ("\\", "^", "!", "_", *_SUPERSCRIPT) or re.match(r"[A-Za-z](?![A-Za-z])", after):
+        return None  # 2\pi, 3^2, 10⁶, 2x
     if _HEDGE_BEFORE.search(before):  # "43 or 42"
         return None
     if _COMPARATIVE_AFTER.match(window, last.end()):  # "That's 10 more than last week": not an answer
         return None
-    sentence = window[max(window.rfind(m, 0, last.start()) for m in (". ", "\n", "? ", "! ")) + 1 : last.end()]
+    if _NUMBER_WORD_AFTER.search(window, last.end()):  # "She had 5 apples and ate two.": 5 is not the last number
+        return None
+    sentence_start = max(window.rfind(m, 0, last.start()) for m in (". ", "\n", "? ", "! ")) + 1
+    sentence = window[sentence_start : last.end()]
     if _UNSURE.search(sentence) or _NEGATED.search(before):  # "Maybe 42?", "It is not 42.": no answer
         return None
-    return last.group(0).strip()
+    if not _finished_at(window, last):  # "... so he has 8. Then he gives away": cut off mid-sentence
+        return None
+    value = last.group(0).strip()
+    if re.fullmatch(r"[0-9]{3}", value) and re.search(r"[0-9][ \u2009\u202f\u00a0]$", before):
+        # digit groups: "1 000 000" and "1\u2009000" are one number; "2 100" is ambiguous; "000" alone never
+        grouped = _SPACE_GROUPED.search(window, max(sentence_start, last.start() - 60), last.end())
+        if grouped and (grouped.group(0).count(" ") >= 2 or " " not in grouped.group(0)):
+            return grouped.group(0)
+        return None
+    run = _assignments_before(window, sentence_start, last)
+    if run == "":
+        return None  # "x = 1 or x = 2": a hedge
+    return run or value
+
+
+def _finished_at(window: str, last: re.Match) -> bool:
+    """Whether the last-number fallback may read ``last``: the text ends a sentence (``.``, ``!``, ``?``, a
+    closing bracket or quote, ``%``; trailing markup such as ``**`` or ``</think>`` aside), or the number is
+    its last token, or the number is in the unfinished last sentence and only a few words that end
+    nothing follow it (``so he covers 180 miles``, ``3/4 of the cake left``; not ``8 and then he``,
+    ``8 apples to``, ``8,``)."""
+    end = _strip_markup(window[last.end() :])
+    body = window[: last.end()] + end
+    if not end or body[-1] in _FINISHED:
+        return True
+    fragment = max(body.rfind(m) for m in (". ", "! ", "? ", "\n")) + 1
+    if last.start() < fragment:
+        return False  # the unfinished sentence holds no number; the last one belongs to an earlier sentence
+    tail = end.strip()
+    if not _TAIL_WORDS.fullmatch(tail):
+        return False
+    words = tail.lower().split()
+    return not (set(words) & _CONTINUATION_WORDS) and words[-1] not in _DANGLING_WORDS
+
+
+def _strip_markup(s: str) -> str:
+    """``s`` without trailing whitespace, markdown marks (``*``, ``_``, `````, ``#``) and closing tags
+    (``</think>``). Linear time."""
+    for _ in range(20):
+        s = s.rstrip(" \t\r\n*_`#")
+        tag = _CLOSING_TAG.search(s, max(0, len(s) - 23))
+        if not tag:
+            break
+        s = s[: tag.start()]
+    return s
+
+
+def _assignments_before(window: str, sentence_start: int, last: re.Match) -> str | None:
+    """``Thus x = 1 and y = 2.``: when the last number ends a run of at least two ``letter = number``
+    assignments joined by ``,`` / ``and``, the run as a list (``x = 1, y = 2``: several values). None when there
+    is no such run, ``""`` when the last two are joined by "or" (a hedge)."""
+    found = [m for m in _ASSIGN_NUM.finditer(window, sentence_start, last.end())]
+    if len(found) < 2 or found[-1].end() != last.end():
+        return None
+    run = [found[-1]]
+    for m in reversed(found[:-1]):
+        gap = window[m.end() : run[0].start()]
+        if _ASSIGN_OR.fullmatch(gap):
+            return ""  # "x = 1 or x = 2": hedged
+        if not _ASSIGN_SEP.fullmatch(gap):
+            break
+        run.insert(0, m)
+    if len(run) < 2:
+        return None
+    return ", ".join(f"{m.group(1)} = {m.group(2)}" for m in run)
 
 
 def _last_math(text: str) -> str | None:
@@ -267,16 +442,45 @@ def _last_math(text: str) -> str | None:
     if _HEDGE_BEFORE.search(window[max(0, region.start() - 40) : region.start()]):
         return None
     sentence = max(window.rfind(". ", 0, region.start()), window.rfind("\n", 0, region.start()), 0)
-    if any(re.search(r"[0-9]", m.group(0)) for m in _MATH_REGION.finditer(window, sentence, region.start())):
-        return None  # "the minimum is $-4$, attained at $x = 2$": two values in the last sentence
-    content = region.group(0).strip("$")
+    earlier = [m for m in _MATH_REGION.finditer(window, sentence, region.start())
+               if re.search(r"[0-9]", m.group(0))]
+    if earlier:  # "the minimum is $-4$, attained at $x = 2$": two values in the last sentence
+        return _joined_assignments(window, earlier + [region])  # unless "$x = 1$ and $y = 2$"
+    content = _region_content(region.group(0))
+    if "=" in content and not _assignment_list(content):  # "$x = 1, y = 2$" stays a list
+        content = content[content.rfind("=") + 1 :].strip()
+    return content or None
+
+
+def _region_content(region: str) -> str:
+    content = region.strip("$")
     for opener, closer in (("\\(", "\\)"), ("\\[", "\\]")):
         if content.startswith(opener) and content.endswith(closer):
             content = content[2:-2]
-    content = content.strip()
-    if "=" in content:
-        content = content[content.rfind("=") + 1 :].strip()
-    return content or None
+    return content.strip()
+
+
+def _assignment_list(content: str) -> list[str] | None:
+    """The items of ``x = 1, y = 2`` / ``x = 1 \\text{ and } y = 2`` (at least two ``letter = value``), or
+    None."""
+    items = [p.strip() for p in re.split(r",|;|\\text\{[ \t]*and[ \t]*\}|\band\b", content)]
+    if len(items) >= 2 and all(re.fullmatch(r"[A-Za-z][ \t]*=[ \t]*[^=]+", p) for p in items):
+        return items
+    return None
+
+
+def _joined_assignments(window: str, regions: list[re.Match]) -> str | None:
+    """``So $x = 1$ and $y = 2$.``: the regions of the last sentence, when every one is a single assignment
+    to its own letter and only ``,`` / ``and`` separate them, as one list ``x = 1, y = 2``; else None."""
+    items = [_region_content(m.group(0)) for m in regions]
+    if not all(re.fullmatch(r"[A-Za-z][ \t]*=[ \t]*[^=,;]+", item) for item in items):
+        return None
+    if len({item[0] for item in items}) != len(items):
+        return None
+    gaps = [window[a.end() : b.start()] for a, b in zip(regions, regions[1:])]
+    if not all(_ASSIGN_SEP.fullmatch(gap) for gap in gaps):
+        return None
+    return ", ".join(items)
 
 
 def _blank_latex(m: re.Match) -> str:
@@ -289,16 +493,16 @@ def _blank_latex(m: re.Match) -> str:
     return " " * len(region)
 
 
-def _score(item: tuple[str, Any, bool]) -> float | tuple[str, str]:
-    """1.0 / 0.0, or ``(prediction, reference)`` when only the symbolic worker can decide."""
+def _score(item: tuple[str, Any, bool]) -> float | tuple[str, str, bool]:
+    """1.0 / 0.0, or ``(prediction, reference, by_value)`` when only the symbolic worker can decide."""
     text, reference, last_number = item
-    prediction = extract_answer(text, last_number=last_number)
+    prediction, latex = _extract(text, last_number=last_number)
     ref = reference_answer(reference)
     if prediction is None or ref is None:
         return 0.0
-    verdict = compare(prediction, ref)
+    verdict = compare(prediction, ref, by_value=latex)
     if verdict is None:
-        return (prediction, ref)
+        return (prediction, ref, latex)
     return 1.0 if verdict else 0.0
 
 
@@ -327,7 +531,7 @@ def math_accuracy_reward(prompts: list[Any], completions: list[Any], answer: lis
     out = []
     for r in results:
         if isinstance(r, tuple):
-            r = 1.0 if math_worker.shared_worker().compare(r[0], r[1], timeout_s) else 0.0
+            r = 1.0 if math_worker.shared_worker().compare(r[0], r[1], timeout_s, by_value=r[2]) else 0.0
         out.append(float(r))
     return out
 

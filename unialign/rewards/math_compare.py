@@ -9,7 +9,12 @@ Conventions (see ``unialign/rewards/math.py`` for the whole list):
 * **Numbers are exact.** When the gold is a plain number (integer, decimal, ``1,234``, ``a/b``,
   ``\\frac{a}{b}``, a mixed number ``2\\frac{1}{2}`` / ``2 1/2``, ``2.5e3``, ``1.5 \\times 10^{3}``), the
   prediction must be a plain number with the same exact rational value: ``0.75 == \\frac34``,
-  ``5.0 == 5``; arithmetic left in the answer (``2+2``, ``\\sqrt{16}``) does not count.
+  ``5.0 == 5``, ``(-5) == -5``; arithmetic left in a plain answer (``2+2``) does not count, a LaTeX expression
+  (``\\sqrt{16}``, ``10^6``) and anything with ``by_value`` (the content of ``\\boxed{}``: ``40+2``) is compared
+  by value. Thousands groups are one number (``join_thousands``: ``1\\,000\\,000``, ``1{,}000{,}000``,
+  ``10,\\!000``, ``1 000 000``); two numbers side by side are never a product (``1\\,000`` is not 1*000 = 0).
+  A prediction in words is read by ``word_number`` (``forty-two``, ``negative 5``, ``1.5 million``; scale
+  words are never dropped as units: ``5 million != 5``); a gold word stays text.
   *Tolerance*: a decimal with at least ``TOL_MIN_DIGITS`` (6) significant digits matches a gold value that
   has no finite decimal expansion (``1/3``, ``\\sqrt2/2``, ``\\pi``) when within one unit of its last decimal
   place (so rounded or truncated both count): ``0.333333 == 1/3``, ``3.14159 == \\pi``, ``0.707107 ==
@@ -19,7 +24,9 @@ Conventions (see ``unialign/rewards/math.py`` for the whole list):
   anything else undecided goes to sympy in the worker (50 digits, relative 1e-30: ``\\pi + 10^{-10} != \\pi``).
 * **Percent** signs are dropped: ``50\\% == 50`` (GSM8K writes percentages as bare numbers), ``!= 0.5``.
 * **Structures**: a gold set ``\\{...\\}`` or bare list ``a, b`` is order-free (a multiset); a gold tuple
-  or interval ``(a, b]`` is ordered and its brackets must match; matrices (``pmatrix`` / ``bmatrix`` /
+  or interval ``(a, b]`` is ordered and its brackets must match; a union ``A \\cup B`` is a multiset of its
+  pieces, each compared as above (any order, brackets kept); a list of assignments to distinct letters is
+  sorted by letter (``y = 2, x = 1`` is ``(1, 2)``); matrices (``pmatrix`` / ``bmatrix`` /
   ``vmatrix`` / ``array``) compare cell by cell. A single-value gold never matches a prediction with
   several values (a hedge such as ``42 \\text{ or } 43``).
 * ``x = 5`` equals ``5`` (a leading single-letter or tuple-of-letters assignment, or ``x \\in``, is dropped),
@@ -44,11 +51,20 @@ MAX_ELEMENTS = 32           # elements of a set / tuple / matrix
 TOL_MIN_DIGITS = 6          # significant digits a decimal needs to match a value with no finite decimal expansion
 
 _MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-", "\u2013": "-"})
+_SUPERSCRIPT_RUN = re.compile(r"[\u2070\u00b9\u00b2\u00b3\u2074-\u2079\u207a\u207b]+")  # 10⁶, m², 10⁻³
+_SUPERSCRIPT_DIGITS = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b",
+                                    "0123456789+-")
+# thousands groups inside LaTeX or typeset text: 1\,000\,000, 1{,}000{,}000, 10,\!000, 1 000 000, 1~000 (a plain
+# comma group, 1,000,000, is a number already); the first group has 1-3 digits, every later one exactly 3
+_GROUP_SEP = r"(?:(?:\\!)?(?:,\\!|\{,\})|\\[,!; ]|[ ~\u2009\u202f\u00a0])"
+_THOUSANDS = re.compile(rf"(?<![0-9.,^_])(?<!\^\{{)(?<!_\{{)([0-9]{{1,3}})((?:{_GROUP_SEP}[0-9]{{3}})+)(?![0-9/])")
+_SPACED_DIGITS = re.compile(r"[0-9.][ \t]+[-+]?[0-9.]")  # two numbers side by side: whitespace never joins them
+_PAREN_NUMBER = re.compile(r"\([ \t]*([^()]{1,60}?)[ \t]*\)")  # (-5)
 
 _DECIMAL = re.compile(
     r"([-+]?)[ \t]*(?:([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.([0-9]*))?|\.([0-9]+))(?:[eE]([-+]?[0-9]+))?"
 )
-_TIMES_TEN = re.compile(r"([-+]?[ \t]*[0-9.,]+)[ \t]*(?:\\times|\\cdot|×|\*)[ \t]*10\^\{?([-+]?[0-9]+)\}?")
+_TIMES_TEN = re.compile(r"([-+]?[ \t]*[0-9.,]+)[ \t]*(?:\\times|\\cdot|×|\*|x)[ \t]*10\^\{?([-+]?[0-9]+)\}?")
 _LATEX_FRAC = re.compile(r"([-+]?)[ \t]*\\frac(?:\{([^{}]+)\}\{([^{}]+)\}|([0-9])([0-9]))")
 _MIXED = re.compile(r"([-+]?)[ \t]*([0-9]+)[ \t]*(?:\\frac\{[ \t]*([0-9]+)[ \t]*\}\{[ \t]*([0-9]+)[ \t]*\}"
                     r"|\\frac([0-9])([0-9])|[ \t]([0-9]+)[ \t]*/[ \t]*([0-9]+))")
@@ -58,10 +74,14 @@ _DROP = re.compile(r"\\\\|\\left|\\right|\\[!,;: ]|\\\$|\$|\^\{?\\circ\}?|\\circ
                    r"|\\displaystyle|~")
 _UNITS = re.compile(r"([-+]?[0-9.][0-9.,/]*)[ \t]+[A-Za-z][A-Za-z \t./^]*(?:\^\{?[23]\}?)?")
 _TRAILING_UNIT = re.compile(r"(.*?\S)((?:[ \t]+[A-Za-z]{2,}\.?){1,3})(?:\^\{?[23]\}?)?[ \t]*")
-_MATH_WORDS = frozenset("pi sqrt mod ln log sin cos tan or and not is are".split())
+_SCALE_WORDS = frozenset("hundred hundreds thousand thousands million millions billion billions trillion "
+                         "trillions dozen dozens".split())
+_MATH_WORDS = (frozenset("pi sqrt mod ln log sin cos tan or and not is are plus minus divided multiplied".split())
+               | _SCALE_WORDS)  # never dropped as units: "5 million" is not 5, "8 minus" is no answer
 _REPEATING = re.compile(r"([-+]?)([0-9]*)\.([0-9]{0,20})\\overline\{([0-9]{1,20})\}")
 _PM = "\\pm"
 _ASSIGNMENT = re.compile(r"(?:[A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*(\S.*)")
+_SINGLE_ASSIGNMENT = re.compile(r"([A-Za-z])[ \t]*=[ \t]*([^=\s][^=]*)")
 _MEMBERSHIP = re.compile(r"[A-Za-z][ \t]*\\in[ \t]*(\S.*)")  # x \in (1, 2)
 _ASSIGNMENT_LHS = re.compile(r"([A-Za-z]|\([ \t]*[A-Za-z](?:[ \t]*,[ \t]*[A-Za-z])+[ \t]*\))[ \t]*=[ \t]*\S")
 _WORD = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+){0,5}")
@@ -95,7 +115,8 @@ def parse_number(s: str) -> Fraction | None:
     """
     if not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
         return None
-    s = s.translate(_MINUS).replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\$", "")
+    s = _superscripts(s.translate(_MINUS))
+    s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\$", "")
     s = s.strip().strip("$").strip()
     if s.endswith("\\%"):
         s = s[:-2]
@@ -127,10 +148,14 @@ def parse_number(s: str) -> Fraction | None:
 
 def number_value(s: str) -> Fraction | None:
     """``parse_number``, plus mixed numbers: ``2\\frac{1}{2}``, ``2\\frac12`` and ``2 1/2`` are 5/2 (the
-    fraction proper: numerator < denominator; the sign applies to the whole)."""
+    fraction proper: numerator < denominator; the sign applies to the whole), and a plain number in
+    parentheses: ``(-5)`` is -5."""
     value = parse_number(s)
     if value is not None or not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
         return value
+    m = _PAREN_NUMBER.fullmatch(s.strip())
+    if m:
+        return parse_number(m.group(1))
     m = _REPEATING.fullmatch(s.strip())
     if m:  # 0.1\overline{6} = 1/6
         sign, whole, fixed, rep = m.groups()
@@ -147,6 +172,168 @@ def number_value(s: str) -> Fraction | None:
         return None
     value = whole + Fraction(num, den)
     return -value if sign == "-" else value
+
+
+def _superscripts(s: str) -> str:
+    """Unicode superscripts as a LaTeX power: ``10⁶`` -> ``10^{6}``, ``m²`` -> ``m^{2}``."""
+    return _SUPERSCRIPT_RUN.sub(lambda m: "^{" + m.group(0).translate(_SUPERSCRIPT_DIGITS) + "}", s)
+
+
+def join_thousands(s: str) -> str:
+    """Digit groups of a number typeset with thin spaces or LaTeX separators become one number:
+    ``1\\,000\\,000``, ``1{,}000{,}000``, ``10,\\!000``, ``1 000 000`` -> ``1000000`` (the first group 1-3
+    digits, each later group exactly 3; ``2 1/2`` and ``12 34`` are left alone). Linear time."""
+    return _THOUSANDS.sub(lambda m: m.group(1) + re.sub(r"[^0-9]", "", m.group(2)), s)
+
+
+_SMALL_WORDS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen".split())}
+_TENS_WORDS = {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+_SCALES = {"thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9, "trillion": 10 ** 12}
+_FRACTION_WORDS = {"half": 2, "halves": 2, "third": 3, "thirds": 3, "quarter": 4, "quarters": 4, "fourth": 4,
+                   "fourths": 4, "fifth": 5, "fifths": 5, "sixth": 6, "sixths": 6, "seventh": 7, "sevenths": 7,
+                   "eighth": 8, "eighths": 8, "ninth": 9, "ninths": 9, "tenth": 10, "tenths": 10}
+NUMBER_WORDS = (frozenset(_SMALL_WORDS) | frozenset(_TENS_WORDS) | frozenset(_SCALES) | frozenset(_FRACTION_WORDS)
+                | {"hundred", "dozen"})
+_MULTIPLIERS = frozenset(_SCALES) | {"hundred", "dozen"}
+_NOT_UNIT_WORDS = frozenset(
+    "or and more less fewer than times plus minus over of per by to from not a an the".split())
+_SPOKEN = re.compile(r"[a-z0-9 .'-]*")
+_SPOKEN_TOKEN = re.compile(r"[a-z']+|[0-9]+(?:\.[0-9]+)?")
+MAX_WORD_NUMBER_CHARS = 120
+MAX_UNIT_WORDS = 2
+
+
+def word_number(s: str) -> Fraction | None:
+    """The value of a number written in English words (the whole of ``s``, case-insensitive), else None:
+    ``forty-two``, ``one hundred and five``, ``twelve hundred``, ``two thousand three hundred``, ``a dozen``,
+    ``three quarters``, ``one half``, ``one and a half``, ``1.5 million``, ``5 thousand``, ``negative 5`` /
+    ``minus five``, with at most ``MAX_UNIT_WORDS`` unit words after it (``twelve apples``). The grammar is
+    strict: ``two five``, ``forty twelve``, ``twelve or thirteen``, ``forty, two`` and ``one of them`` are not
+    numbers, nor are plain digits (``parse_number``'s). Read on the prediction side only: a gold word such
+    as ``\\text{five}`` stays text."""
+    if not isinstance(s, str) or len(s) > MAX_WORD_NUMBER_CHARS:
+        return None
+    s = s.lower().replace("\u2010", "-").replace("\u2011", "-").strip()
+    if len(s) > 1 and s.endswith("."):
+        s = s[:-1].rstrip()
+    if not _SPOKEN.fullmatch(s):
+        return None
+    sign = 1
+    if s.startswith("-"):
+        sign, s = -1, s[1:].lstrip()
+    if re.search(r"(?<![a-z])-|-(?![a-z])", s):
+        return None  # a hyphen only joins two words (forty-two)
+    tokens = s.replace("-", " ").split()
+    if not tokens or any(not _SPOKEN_TOKEN.fullmatch(t) for t in tokens):
+        return None
+    if tokens[0] in ("negative", "minus"):
+        if sign == -1:
+            return None
+        sign, tokens = -1, tokens[1:]
+    units = 0
+    while len(tokens) > 1 and tokens[-1].isalpha() and tokens[-1] not in NUMBER_WORDS:
+        if tokens[-1] in _NOT_UNIT_WORDS or units == MAX_UNIT_WORDS:
+            return None
+        tokens, units = tokens[:-1], units + 1  # twelve apples, forty-two square feet
+    if not tokens:
+        return None
+    if not any(t in NUMBER_WORDS for t in tokens):
+        if sign == -1 and len(tokens) == 1 and tokens[0][0].isdigit():
+            return -Fraction(tokens[0])  # negative 5
+        return None
+    value = _spoken_value(tokens)
+    return None if value is None else sign * value
+
+
+def _spoken_value(tokens: list[str]) -> Fraction | None:
+    """A whole token list as a number (see ``word_number``)."""
+    if len(tokens) > 16:
+        return None
+    last = tokens[-1]
+    if last not in _FRACTION_WORDS:
+        return _integer_words(tokens)
+    if last == "half" and len(tokens) >= 3 and tokens[-3:-1] == ["and", "a"]:  # one and a half
+        whole = _integer_words(tokens[:-3])
+        return None if whole is None else whole + Fraction(1, 2)
+    head, plural = tokens[:-1], last.endswith("s")
+    if not head:
+        num = 1 if last == "half" else None
+    elif head in (["a"], ["an"], ["one"]):
+        num = 1
+    else:
+        num = _integer_words(head)
+    if num is None or num == 0 or num.denominator != 1 or (num == 1) == plural:
+        return None  # "two third", "one thirds", "1.5 halves"
+    return Fraction(num, _FRACTION_WORDS[last])
+
+
+def _integer_words(tokens: list[str]) -> Fraction | None:
+    """``forty two``, ``one hundred and five``, ``2 thousand``, ``a dozen``: scales in decreasing order."""
+    total, i, last_scale, n = Fraction(0), 0, None, len(tokens)
+    while i < n:
+        seg, i = _below_thousand(tokens, i, first=(i == 0))
+        if seg is None:
+            return None
+        if i < n and tokens[i] == "dozen":
+            seg, i = seg * 12, i + 1
+        if i < n and tokens[i] in _SCALES:
+            scale = _SCALES[tokens[i]]
+            if last_scale is not None and scale >= last_scale:
+                return None
+            total, last_scale, i = total + seg * scale, scale, i + 1
+            if i < n and tokens[i] == "and":
+                i += 1
+                if i == n:
+                    return None
+            continue
+        if i != n:
+            return None
+        return total + seg
+    return total if last_scale is not None else None
+
+
+def _below_thousand(tokens: list[str], i: int, first: bool) -> tuple[Fraction | None, int]:
+    """A value below 1000 from ``tokens[i:]``: ``three hundred and twelve``, ``forty two``, ``twelve hundred``;
+    ``a`` or digits (the first token only: ``1.5 million``) before a scale, ``hundred`` or ``dozen``."""
+    n, t = len(tokens), tokens[i]
+    if t[0].isdigit() or t in ("a", "an"):
+        if (t[0].isdigit() and not first) or i + 1 >= n or tokens[i + 1] not in _MULTIPLIERS:
+            return None, i
+        value, i = (Fraction(t) if t[0].isdigit() else Fraction(1)), i + 1
+    else:
+        value, i = _tens_words(tokens, i)
+        if value is None:
+            return None, i
+    if i < n and tokens[i] == "hundred":
+        if value == 0 or value >= 100:
+            return None, i
+        value, i = value * 100, i + 1
+        joined = i < n and tokens[i] == "and"
+        if joined:
+            i += 1
+        if i < n and (tokens[i] in _SMALL_WORDS or tokens[i] in _TENS_WORDS):
+            rest, i = _tens_words(tokens, i)
+            if rest is None or rest == 0:
+                return None, i
+            value += rest
+        elif joined:
+            return None, i
+    return value, i
+
+
+def _tens_words(tokens: list[str], i: int) -> tuple[Fraction | None, int]:
+    """``forty``, ``forty two``, ``twelve``, ``zero`` (only alone)."""
+    t = tokens[i]
+    if t in _TENS_WORDS:
+        value, i = _TENS_WORDS[t], i + 1
+        if i < len(tokens) and tokens[i] in _SMALL_WORDS and 0 < _SMALL_WORDS[tokens[i]] < 10:
+            value, i = value + _SMALL_WORDS[tokens[i]], i + 1
+        return Fraction(value), i
+    if t in _SMALL_WORDS and (t != "zero" or len(tokens) == 1):
+        return Fraction(_SMALL_WORDS[t]), i + 1
+    return None, i
 
 
 def _balanced(s: str) -> bool:
@@ -221,7 +408,7 @@ def clean(s: str, *, keep_assignment: bool = False) -> str | None:
     spaces (kept, so ``\\pi r`` stays two tokens). None when empty or over ``MAX_ANSWER_CHARS``."""
     if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
         return None
-    s = s.translate(_MINUS).replace("{,}", ",")
+    s = join_thousands(_superscripts(s.translate(_MINUS))).replace("{,}", ",")
     for _ in range(3):  # \text{\textbf{a}}: innermost first
         s = _WRAPPER.sub(r" \1 ", s)
     s = _DROP.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
@@ -230,6 +417,7 @@ def clean(s: str, *, keep_assignment: bool = False) -> str | None:
     if len(s) > 1 and s.endswith("."):
         s = s[:-1].rstrip()
     s = s.replace("\\varnothing", "\\emptyset")
+    s = _sorted_assignments(s)
     m = _ASSIGNMENT.fullmatch(s) or _MEMBERSHIP.fullmatch(s)
     if m and not keep_assignment:
         s = m.group(1).strip()
@@ -244,6 +432,18 @@ def clean(s: str, *, keep_assignment: bool = False) -> str | None:
     if len(s) > 1 and s.endswith("."):
         s = s[:-1].rstrip()
     return s or None
+
+
+def _sorted_assignments(s: str) -> str:
+    """``y = 2, x = 1`` -> ``x = 1, y = 2``: a list of assignments to distinct single letters is put in
+    alphabetical order of the letters (the order of a coordinate tuple), so it compares with ``(1, 2)``."""
+    if s.count("=") < 2:
+        return s
+    parts = _split_top(s, (",", ";", " and "))
+    items = [_SINGLE_ASSIGNMENT.fullmatch(p) for p in parts]
+    if len(items) < 2 or not all(items) or len({m.group(1) for m in items}) != len(items):
+        return s
+    return ", ".join(m.group(0) for m in sorted(items, key=lambda m: m.group(1)))
 
 
 def normalize_answer(s: str) -> str | None:
@@ -323,19 +523,34 @@ def _brackets_close_at_end(s: str) -> bool:
 Symbolic = Callable[[str, str], "bool | None"]
 
 
-def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> bool | None:
-    """True / False; None when only ``symbolic`` (not given here) could decide. Never evaluates text."""
+def compare(prediction: str, gold: str, symbolic: Symbolic | None = None, *,
+            by_value: bool = False) -> bool | None:
+    """True / False; None when only ``symbolic`` (not given here) could decide. Never evaluates text.
+
+    ``by_value``: the prediction is LaTeX math (the content of ``\\boxed{}`` or of a ``$...$`` region), so
+    arithmetic in it is compared by value against a number gold (``40+2 == 42``); without it (a ``####``
+    line, plain text) a number gold needs a plain number (``2+2 != 4``). A percent sign turns it off."""
     p, g = clean(prediction), clean(gold)
     if p is None or g is None:
         return False
+    by_value = by_value and "%" not in prediction
     p_eq, g_eq = clean(prediction, keep_assignment=True), clean(gold, keep_assignment=True)
     p_var, g_var = _ASSIGNMENT_LHS.match(p_eq), _ASSIGNMENT_LHS.match(g_eq)
     if p_var and g_var and _WHITESPACE.sub("", p_var.group(1)) != _WHITESPACE.sub("", g_var.group(1)):
         return False  # y = 5 against x = 5: a different variable
-    if _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g):
+    if _same_text(p, g):
         return True
     if _is_word_answer(gold, g):  # \text{no}, AC, Monday: text, never a product of letters (on != no)
         return _text_key(p) == _text_key(g)
+    g_num = number_value(g)
+    if g_num is not None:
+        spoken = word_number(p)  # forty-two, negative 5, one hundred and five, 1.5 million (prediction side only)
+        if spoken is not None:
+            return spoken == g_num
+    if "\\cup" in p and "\\cup" in g:  # unions of intervals / sets: a set of pieces, in any order
+        pieces_p, pieces_g = _split_top(p, ("\\cup",)), _split_top(g, ("\\cup",))
+        if len(pieces_p) >= 2 and len(pieces_g) >= 2 and all(pieces_p) and all(pieces_g):
+            return _pieces_equal(pieces_p, pieces_g, symbolic, by_value)
     if ("=" in p) != ("=" in g):  # 2x + y = 5 against y = 5 - 2x: compare the whole equations
         if p_eq.count("=") == 1 and g_eq.count("=") == 1 and "," not in p_eq + g_eq:
             return _equation(p_eq, g_eq, symbolic)
@@ -347,17 +562,16 @@ def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> boo
         kind_g, parts_g = "list", [g.replace(_PM, "+"), g.replace(_PM, "-")]
         if parts_g[0].startswith("+"):
             parts_g[0] = parts_g[0][1:]
-    g_num = number_value(g)
     if g_num is not None and kind_p == "scalar":
-        return _leaf(p, g, symbolic)
+        return _leaf(p, g, symbolic, by_value)
     if kind_g == "scalar":
         if kind_p != "scalar":
             return False  # several values against one: a hedge
-        return _leaf(p, g, symbolic)
+        return _leaf(p, g, symbolic, by_value)
     if kind_g == "matrix":
         if kind_p != "matrix" or [len(r) for r in parts_p] != [len(r) for r in parts_g]:
             return False
-        return _all([_leaf(a, b, symbolic) for ra, rb in zip(parts_p, parts_g) for a, b in zip(ra, rb)])
+        return _all([_leaf(a, b, symbolic, by_value) for ra, rb in zip(parts_p, parts_g) for a, b in zip(ra, rb)])
     if kind_g == "seq":
         open_g, close_g, elems_g = parts_g
         if kind_p == "seq":
@@ -370,7 +584,7 @@ def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> boo
             return False
         if len(elems_p) != len(elems_g):
             return False
-        return _all([_leaf(a, b, symbolic) for a, b in zip(elems_p, elems_g)])
+        return _all([_leaf(a, b, symbolic, by_value) for a, b in zip(elems_p, elems_g)])
     # gold set or bare list: order-free
     if kind_p in ("set", "list"):
         elems_p = parts_p
@@ -378,7 +592,7 @@ def compare(prediction: str, gold: str, symbolic: Symbolic | None = None) -> boo
         elems_p = parts_p[2]
     else:
         return False
-    return _multiset_equal(elems_p, parts_g, symbolic)
+    return _multiset_equal(elems_p, parts_g, symbolic, by_value)
 
 
 def _all(verdicts: list[bool | None]) -> bool | None:
@@ -387,15 +601,34 @@ def _all(verdicts: list[bool | None]) -> bool | None:
     return None if any(v is None for v in verdicts) else True
 
 
-def _multiset_equal(a: list[str], b: list[str], symbolic: Symbolic | None) -> bool | None:
+def _same_text(p: str, g: str) -> bool:
+    """Equal strings, or equal up to whitespace unless that would join two numbers (``2 1/2`` is not
+    ``21/2``; ``1 000`` has been joined by ``clean`` already)."""
+    if p == g:
+        return True
+    if _SPACED_DIGITS.search(p) or _SPACED_DIGITS.search(g):
+        return _WHITESPACE.sub(" ", p).strip() == _WHITESPACE.sub(" ", g).strip()
+    return _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g)
+
+
+def _pieces_equal(a: list[str], b: list[str], symbolic: Symbolic | None, by_value: bool) -> bool | None:
+    """The pieces of two unions (``(-\\infty, 0) \\cup (1, \\infty)``) as a multiset, each piece compared with
+    ``compare`` (an interval keeps its order and brackets)."""
+    return _multiset_equal(a, b, symbolic, by_value,
+                           leaf=lambda x, y, sym, bv: compare(x, y, sym, by_value=bv))
+
+
+def _multiset_equal(a: list[str], b: list[str], symbolic: Symbolic | None, by_value: bool = False,
+                    leaf: Callable | None = None) -> bool | None:
     if len(a) != len(b):
         return False
+    leaf = leaf or _leaf
     unmatched = list(range(len(b)))
     undecided = False
     for x in a:
         hit = None
         for j in unmatched:
-            v = _leaf(x, b[j], symbolic)
+            v = leaf(x, b[j], symbolic, by_value)
             if v:
                 hit = j
                 break
@@ -417,16 +650,16 @@ def _number_matches(p: str, g_num: Fraction) -> bool:
     return False
 
 
-def _leaf(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
-    """One value against one value."""
+def _leaf(p: str, g: str, symbolic: Symbolic | None, by_value: bool = False) -> bool | None:
+    """One value against one value (``by_value``: see ``compare``)."""
     p, g = p.strip(), g.strip()
-    if _WHITESPACE.sub("", p) == _WHITESPACE.sub("", g):
+    if _same_text(p, g):
         return True
     g_num, p_num = number_value(g), number_value(p)
     if g_num is not None:
-        if p_num is not None or not re.search(r"[\\^!|]", p):
+        if p_num is not None or not (by_value or re.search(r"[\\^!|]", p)):
             return _number_matches(p, g_num)  # arithmetic left in a plain answer (2+2) does not count
-        # a LaTeX expression against a number (\sqrt{16}, \binom{5}{2}): by value, below
+        # a LaTeX expression against a number (\sqrt{16}, \binom{5}{2}, \boxed{40+2}): by value, below
     if _is_text(g) or _is_text(p):
         return _text_key(p) == _text_key(g)
     if "=" in p or "=" in g:
@@ -434,6 +667,8 @@ def _leaf(p: str, g: str, symbolic: Symbolic | None) -> bool | None:
     if "\\infty" in p or "\\infty" in g:
         return _WHITESPACE.sub("", p).replace("+", "") == _WHITESPACE.sub("", g).replace("+", "")
     tree_g, tree_p = _tree(g), _tree(p)
+    if tree_g is None and g_num is not None:  # a gold number the grammar does not read (1,000,000)
+        tree_g = ("num", g_num)
     if tree_g is not None and tree_p is not None:
         if p_num is not None:  # a decimal against an irrational constant: the documented tolerance
             value = math_parse.constant_value(tree_g)

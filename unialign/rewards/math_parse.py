@@ -14,10 +14,13 @@ Grammar (recursive descent, one token of look-ahead)::
              | "\\frac" group group | "\\sqrt" ("[" expr "]")? group | function argument
 
 ``2\\frac{1}{2}`` (an integer's digits directly followed by ``\\frac`` of integers) is the mixed number 5/2, as
-in school notation (``2(\\frac12)`` is a product); ``\\sin^2 x`` is ``(sin x)^2``. Caps (``ParseError`` beyond them): ``MAX_EXPR_CHARS``
-characters, ``MAX_TOKENS`` tokens, ``MAX_DEPTH`` nesting, ``MAX_NODES`` tree nodes, integer exponents
-``|k| <= MAX_EXPONENT``, factorials of integers ``<= MAX_FACTORIAL``. Evaluation is complex floating point
-(``cmath``), so no value can grow into a huge integer; an overflow or a domain error is "no value".
+in school notation (``2(\\frac12)`` is a product); ``\\sin^2 x`` is ``(sin x)^2``. Two numbers separated only by
+whitespace (``1 000``, ``2 3``) are outside the grammar, never a product (``1\\,000`` was once read as 1*000 = 0;
+after ``_`` / ``^`` / ``\\frac`` / ``\\sqrt`` a digit argument may be followed by a number: ``\\log_2 8``).
+Caps (``ParseError`` beyond them): ``MAX_EXPR_CHARS`` characters, ``MAX_TOKENS`` tokens, ``MAX_DEPTH`` nesting,
+``MAX_NODES`` tree nodes, integer exponents ``|k| <= MAX_EXPONENT``, factorials of integers ``<= MAX_FACTORIAL``.
+Evaluation is complex floating point (``cmath``), so no value can grow into a huge integer; an overflow or a
+domain error is "no value".
 
 Equality (``same_value``): trees of rational arithmetic compare exactly (``exact_value``); otherwise both are
 evaluated at ``len(POINTS)`` fixed assignments of their free variables (letters; one point negative, so
@@ -80,6 +83,9 @@ def tokenize(text: str) -> list[tuple[str, str]]:
             raise ParseError(f"unexpected {text[pos]!r}")
         pos = m.end()
         if m.group("num") is not None:
+            if out and out[-1][0] == "num" and (len(out) < 2 or out[-2][0] not in ("_", "^", "\\frac", "\\sqrt")):
+                # "1 000", "2 3": two numbers side by side are not a product (\log_2 8, x^2 3, \frac12 3 are)
+                raise ParseError("two numbers side by side")
             out.append(("num", m.group("num")))
         elif m.group("letter") is not None:
             out.append(("letter", m.group("letter")))

@@ -240,7 +240,7 @@ def serve() -> None:
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            verdict = compare(req["p"], req["g"], symbolic=sympy_equal)
+            verdict = compare(req["p"], req["g"], symbolic=sympy_equal, by_value=bool(req.get("v")))
         except Exception:  # noqa: BLE001 - MemoryError / RecursionError included: "no verdict"
             verdict = None
         out.write(json.dumps({"r": verdict}) + "\n")
@@ -260,21 +260,21 @@ class SymbolicWorker:
         self._owner = os.getpid()  # a forked copy of this object must not share the parent's pipes
         self._buf = b""
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], bool | None] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], bool | None] = OrderedDict()
         self.restarts = 0
         self.available = _dependency_available()
 
-    def compare(self, prediction: str, gold: str, timeout_s: float) -> bool | None:
+    def compare(self, prediction: str, gold: str, timeout_s: float, *, by_value: bool = False) -> bool | None:
         """The child's verdict, or None when it overran ``timeout_s`` (the child is killed), failed, or
-        sympy / latex2sympy2_extended are not installed."""
+        sympy / latex2sympy2_extended are not installed. ``by_value``: as in ``math_compare.compare``."""
         if not self.available:
             return None
-        key = (prediction, gold)
+        key = (prediction, gold, by_value)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            verdict = self._request({"p": prediction, "g": gold}, timeout_s)
+            verdict = self._request({"p": prediction, "g": gold, "v": by_value}, timeout_s)
             if verdict != "timeout":
                 self._cache[key] = verdict
                 if len(self._cache) > CACHE_SIZE:
