@@ -45,7 +45,8 @@ class DDPOAestheticConfig(ImageRLConfig):
     timestep_fraction: float = field(default=0.5, metadata={"help": "share of the trainable steps trained per sample"})
     beta: float | None = field(default=0.02, metadata={"help": "KL coefficient (0: no reference model)"})
     kl_estimator: str | None = field(default="gaussian", metadata={
-        "help": "gaussian (closed form per step, the image default) | k1 | k2 | k3"})
+        "help": "gaussian (the exact closed-form step KL, the image default) | gaussian_g2 (Flow-GRPO's: the exact KL "
+                "x |dt|, flow matching) | k1 | k2 | k3"})
     epsilon: float | None = field(default=1e-2, metadata={"help": "PPO clip range of the per-step ratio"})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "constant | linear | cosine"})

@@ -25,6 +25,7 @@ import torch
 
 from unialign.algos.preference import DPO_LOSS_TYPES
 from unialign.config import UserError, arg, exit_on_user_error, parse_config
+from unialign.data import ENCODING_ERRORS
 from unialign.embedded import NAME, parts, shapes_world
 from unialign.embedded.shape_verifier import verify
 from unialign.image.data import load_pickapic
@@ -56,6 +57,8 @@ class DiffusionDPOConfig(PreferenceConfig):
                                  "file holds out --eval_fraction)")
     eval_dataset_name: str | None = arg(None, "a separate held-out dataset (file, folder or Hub id)")
     eval_fraction: float = arg(0.1, "share of the rows held out when the data has no held-out split (fixed seed 0)")
+    encoding_errors: str = arg("strict", "dataset text that is not valid UTF-8: 'strict' (refuse it, naming file:line) "
+                               "or 'replace' (read each bad byte as U+FFFD)", group="data", choices=ENCODING_ERRORS)
     num_eval: int = arg(256, "evaluate implicit accuracy on at most this many held-out pairs")
     num_eval_images: int = arg(168, "embedded: held-out images (held-out prompts cycled, seed 1234) for gold score "
                                "and prompt fidelity")

@@ -107,7 +107,7 @@ def main(cfg: DPOTextConfig) -> dict:
                              rpo_alpha=knobs["rpo_alpha"], loss_params=params)
     if cfg.precompute_ref_log_probs:
         key = fingerprint(train, policy.model)
-        objective.precompute(train, cfg.eval_batch_size, Path(cfg.output_dir) / f"ref_cache-{key}.pt")
+        objective.precompute(train, cfg.eval_batch_size, Path(cfg.output_dir) / f"ref_cache-{key}.safetensors")
     trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
 
     def task_accuracy() -> float | None:

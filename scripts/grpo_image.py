@@ -59,7 +59,8 @@ class GRPOImageConfig(ImageRLConfig):
     # * a closed-form KL to the reference keeps what the reward does not see (colours drifted without it)
     beta: float | None = field(default=0.1, metadata={"help": "KL coefficient (0: no reference model)"})
     kl_estimator: str | None = field(default="gaussian", metadata={
-        "help": "gaussian (closed form per step, the image default) | k1 | k2 | k3"})
+        "help": "gaussian (the exact closed-form step KL, the image default) | gaussian_g2 (Flow-GRPO's: the exact KL "
+                "x |dt|, flow matching) | k1 | k2 | k3"})
     epsilon: float | None = field(default=1e-2, metadata={"help": "PPO clip range of the per-step ratio"})
     # * lr 1e-4 (2e-4 and 3e-4 drifted and lost fidelity), cosine-decayed: the held-out curve settles
     #   instead of swinging +-0.05 around its plateau
@@ -85,7 +86,7 @@ PRESETS = {
         output_dir="outputs/grpo_sd15_clip"),
     # Flow-GRPO on SD3.5-Medium (Liu et al. 2025, arXiv 2505.05470; yifan123/flow_grpo config/grpo.py, geneval
     # configs): 10 SDE steps at 512 px, CFG 4.5, noise level 0.7, groups of 24, LoRA r32 / alpha 64 on the attention
-    # projections, lr 3e-4, the flow_grpo preset (clip 1e-4, advantages +-5, batch std, beta 0.04, Gaussian KL).
+    # projections, lr 3e-4, the flow_grpo preset (clip 1e-4, advantages +-5, batch std, beta 0.04 on its own KL).
     # GenEval itself needs object detectors that Flow-GRPO runs as a separate server; unialign ships no GenEval
     # scorer, so give yours with TRL's signature: --reward my_pkg.geneval:score --prompt_set geneval_prompts.txt
     # (the default below is Flow-GRPO's CLIP-score reward on ddpo-pytorch's prompts).

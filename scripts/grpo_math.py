@@ -105,8 +105,8 @@ def main(cfg: GRPOMathConfig) -> dict:
         rollout_dtype=cfg.rollout_dtype, generation_backend=cfg.generation_backend,
         vllm_options={"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization, "seed": cfg.seed})
     train_rows, eval_rows = fit_prompts(policy, train_rows, eval_rows, cfg, data_info)  # before any forward
-    reward = build_reward(cfg.reward_funcs, cfg.reward_weights)
-    scorer = as_trl_reward(build_reward(eval_name, None, "--eval_reward") if eval_name else reward)
+    reward = build_reward(cfg.reward_funcs, cfg.reward_weights, timeout_s=cfg.reward_timeout)
+    scorer = as_trl_reward(build_reward(eval_name, None, "--eval_reward", cfg.reward_timeout) if eval_name else reward)
     if cfg.max_completion_length is None:
         cfg.max_completion_length = cfg.max_new_tokens
 

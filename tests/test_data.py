@@ -168,7 +168,180 @@ def test_image_columns_as_paths_bytes_and_feature_dicts(tmp_path):
             {"caption": "blue", "jpg_0": {"bytes": None, "path": str(tmp_path / "img" / "a.png")},
              "jpg_1": buf.getvalue(), "label_0": 0}]
     pairs, ties = normalize_pickapic(rows, "train", tmp_path)
-    assert ties == 0 and pairs[0]["chosen"].getpixel((0, 0)) == (255, 0, 0)
-    assert pairs[1]["chosen"].getpixel((0, 0)) == (0, 0, 255)
+    assert ties == 0 and pairs[0]["chosen"].decode().getpixel((0, 0)) == (255, 0, 0)
+    assert pairs[1]["chosen"].decode().getpixel((0, 0)) == (0, 0, 255)
     with pytest.raises(ValueError, match=r"train row 0: field 'jpg_0' is not a readable image \(no image file"):
         normalize_pickapic([{**rows[0], "jpg_0": "img/missing.png"}], "train", tmp_path)
+
+
+# ------------------------------------------------------------------ large / hostile files
+def test_jsonl_is_read_line_by_line_so_a_bad_early_line_costs_no_memory(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        f.write('{"prompt": "a"}\n{"prompt": oops}\n')
+        line = json.dumps({"prompt": "x" * 1000}) + "\n"
+        f.write(line * 40_000)  # 40 MB after the bad line
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match=r"big.jsonl:2: not valid JSON"):
+            read_file(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"peak {peak / 2**20:.1f} MiB: the file was read whole"
+    # a limit stops reading: rows after it are never parsed
+    (tmp_path / "tail.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\nnot json at all\n')
+    assert read_file(tmp_path / "tail.jsonl", limit=2) == [{"prompt": "a"}, {"prompt": "b"}]
+    assert load_dataset_rows(str(tmp_path / "tail.jsonl"), "train", limit=1) == [{"prompt": "a"}]
+    # lines are split at \n only: U+2028 inside a string is text, not a line break (str.splitlines split it)
+    (tmp_path / "sep.jsonl").write_text(json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_file(tmp_path / "sep.jsonl") == [{"prompt": "a\u2028b"}]
+
+
+def test_invalid_utf8_is_refused_by_file_and_line_unless_replaced(tmp_path):
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin1.jsonl:2: not valid UTF-8 \(byte 0xe9 at byte 16 of the line\).*"
+                                        r"--encoding_errors replace"):
+        read_file(tmp_path / "latin1.jsonl")
+    assert read_file(tmp_path / "latin1.jsonl", encoding_errors="replace")[1] == {"prompt": "caf\ufffd"}
+    (tmp_path / "latin1.json").write_bytes(b'[\n{"prompt": "ok"},\n{"prompt": "caf\xe9"}\n]')
+    with pytest.raises(UserError, match=r"latin1.json:3: not valid UTF-8"):
+        read_file(tmp_path / "latin1.json")
+    assert read_file(tmp_path / "latin1.json", encoding_errors="replace")[1] == {"prompt": "caf\ufffd"}
+    with pytest.raises(UserError, match=r"latin1.jsonl:2: not valid UTF-8"):
+        train_eval_rows(str(tmp_path / "latin1.jsonl"))
+    # a UTF-8 byte-order mark is not an error
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')
+    (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf[{"prompt": "a"}]')
+    assert read_file(tmp_path / "bom.jsonl") == read_file(tmp_path / "bom.json") == [{"prompt": "a"}]
+
+
+def test_pathological_nesting_is_a_one_line_error_naming_the_file(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "deep.json").write_text(deep)
+    with pytest.raises(UserError, match=r"deep.json: JSON nested too deeply") as err:
+        read_file(tmp_path / "deep.json")
+    assert "\n" not in str(err.value)
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "a"}\n{"prompt": ' + deep + "}\n")
+    with pytest.raises(UserError, match=r"deep.jsonl:2: JSON nested too deeply"):
+        read_file(tmp_path / "deep.jsonl")
+    # deep enough to break what reads the rows later (fingerprints, de-duplication), not the parser: refused too
+    nested = '{"prompt": "a", "x": ' + "[" * 500 + "]" * 500 + "}"
+    (tmp_path / "500.jsonl").write_text(nested + "\n")
+    with pytest.raises(UserError, match=r"500.jsonl:1: JSON nested more than 100 levels deep"):
+        read_file(tmp_path / "500.jsonl")
+    (tmp_path / "500.json").write_text(f'[{{"prompt": "b"}}, {nested}]')
+    with pytest.raises(UserError, match=r"500.json: row 1: JSON nested more than 100 levels deep"):
+        read_file(tmp_path / "500.json")
+    # ordinary conversations are far from the limit
+    convo = [{"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}] * 50
+    (tmp_path / "convo.json").write_text(json.dumps(convo))
+    assert read_file(tmp_path / "convo.json") == convo
+
+
+def test_parquet_is_read_in_batches_and_stops_at_the_limit(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"p{i}"} for i in range(3000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "many.parquet", row_group_size=500)
+    assert read_file(tmp_path / "many.parquet") == rows
+    assert read_file(tmp_path / "many.parquet", limit=1200) == rows[:1200]
+
+
+# ------------------------------------------------------------------ --streaming (Hub datasets)
+def _streaming_cfg(tmp_path, **kw):
+    from dataclasses import make_dataclass
+
+    from unialign.recipes import TextDataArgs
+    from unialign.trainers import OnlineConfig
+
+    cls = make_dataclass("StreamCfg", [], bases=(TextDataArgs, OnlineConfig))
+    return cls(**{"dataset_name": "someone/huge", "streaming": True, "max_steps": 3, "prompts_per_step": 4,
+                  "num_generations": 2, "num_eval": 5, "output_dir": str(tmp_path / "out"), **kw})
+
+
+def fake_hub(monkeypatch, files: dict[str, str]):
+    """``datasets.load_dataset(<hub id>, ..., streaming=True)`` served from local JSON files (datasets' own
+    streaming reader), the Hub check passed; returns the list of rows each stream has yielded, by split."""
+    import datasets
+
+    import unialign.data as data
+
+    real, pulled = datasets.load_dataset, {}
+
+    def load_dataset(name, config=None, split=None, streaming=False, **kw):
+        assert streaming, "a --streaming run must not download the dataset"
+        stream = real("json", data_files={split: files[split]}, split=split, streaming=True)
+
+        class Counted:  # counts the rows the run pulls from the stream
+            features = None
+
+            def __iter__(self):
+                for row in stream:
+                    pulled.setdefault(split, []).append(row)
+                    yield row
+
+        return Counted()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(data, "require_hub", lambda name, kind="model", **kw: None)
+    return pulled
+
+
+def test_streaming_reads_only_the_rows_the_run_draws(tmp_path, monkeypatch):
+    from unialign.recipes import load_prompt_data, rows_needed
+
+    rows = [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(10_000)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", rows[:100])
+    pulled = fake_hub(monkeypatch, {"train": str(tmp_path / "train.jsonl"), "test": str(tmp_path / "test.jsonl")})
+    cfg = _streaming_cfg(tmp_path)
+    assert rows_needed(cfg) == 12  # 3 steps x 4 prompts
+    train, held_out, info = load_prompt_data(cfg)
+    assert [r["prompt"] for r in train] == [f"{i}+1?" for i in range(12)] and len(held_out) == 5
+    assert len(pulled["train"]) == 12 and len(pulled["test"]) == 5  # nothing more was fetched
+    assert info["streaming"] and info["streamed_rows"] == {"train": 12, "eval": 5}
+    assert info["eval_source"] == "someone/huge [test]"
+    # DAPO samples up to max_generation_rounds batches a step: the bound is read
+    assert rows_needed(_streaming_cfg(tmp_path, algorithm="dapo", max_generation_rounds=3)) == 36
+    # rows are validated as usual, named by split and row
+    write_jsonl(tmp_path / "train.jsonl", rows[:3] + [{"question": ""}] + rows)
+    with pytest.raises(UserError, match=r"someone/huge \[train\] row 3: field 'question'"):
+        load_prompt_data(cfg)
+
+
+def test_streaming_fails_fast_offline_and_refuses_local_data(tmp_path, monkeypatch):
+    import time
+
+    from unialign.hub import HubUnavailableError
+    from unialign.recipes import load_prompt_data
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.time()
+    with pytest.raises(HubUnavailableError, match=r"cannot stream the dataset 'someone/huge': HF_HUB_OFFLINE is set"):
+        load_prompt_data(_streaming_cfg(tmp_path))
+    assert time.time() - start < 5
+    f = write_jsonl(tmp_path / "local.jsonl", ROWS)
+    with pytest.raises(UserError, match=r"--streaming: .*local.jsonl' is local"):
+        load_prompt_data(_streaming_cfg(tmp_path, dataset_name=str(f)))
+    with pytest.raises(UserError, match=r"--streaming: 'embedded' is a built-in data set"):
+        load_prompt_data(_streaming_cfg(tmp_path, dataset_name="embedded"))
+
+
+@pytest.mark.parametrize("name", ["grpo_math", "ppo_rlhf", "dpo_text", "train_reward_model", "dpo_sdxl",
+                                  "grpo_image", "ddpo_aesthetic"])
+def test_encoding_errors_and_streaming_are_flags_of_the_scripts(name, tmp_path):
+    from tests.test_config import script_config
+    from unialign.config import parse_config
+
+    _, cls = script_config(name)
+    out = ["--output_dir", str(tmp_path)]
+    assert parse_config(cls, out).encoding_errors == "strict"
+    assert parse_config(cls, ["--encoding_errors", "replace", *out]).encoding_errors == "replace"
+    with pytest.raises(UserError, match="--encoding_errors: 'latin1' is not one of strict, replace"):
+        parse_config(cls, ["--encoding_errors", "latin1", *out])
+    if name in ("grpo_math", "ppo_rlhf", "dpo_text", "train_reward_model"):  # the scripts reading datasets' rows
+        assert parse_config(cls, ["--streaming", *out]).streaming is True

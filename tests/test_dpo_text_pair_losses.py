@@ -28,7 +28,7 @@ def test_reference_free_algorithms_two_steps(tmp_path, monkeypatch, algorithm):
     else:  # SimPO's beta / gamma plus the chosen NLL at weight 2 (the embedded default): L = L_SimPO + 2 NLL
         assert (s["beta"], s["simpo_gamma"], s["rpo_alpha"]) == (2.0, 0.5, 2.0)
         assert s["first_loss"] > 2 * s["first_nll_loss"] > 0
-    assert not list(tmp_path.glob("ref_cache-*.pt"))  # nothing to precompute without a reference
+    assert not list(tmp_path.glob("ref_cache-*.safetensors"))  # nothing to precompute without a reference
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from unialign.errors import UserError
+
 T = TypeVar("T")
 
 GROUPS = {  # --help sections, in order
@@ -109,7 +111,8 @@ RULES: dict[str, dict[str, Any]] = {
     "allow_config_change": {"group": "optimisation"},
     # logging, evaluation, checkpoints
     "output_dir": {"group": "logging", "help": 'folder for checkpoints, logs, curves, summary.json and final/'}, "logging_steps": {"group": "logging", "min": 1},
-    "save_steps": {"group": "logging", "min": 0}, "save_total_limit": {"group": "logging", "min": 0},
+    "save_steps": {"group": "logging", "min": 0}, "save_minutes": {"group": "logging", "min": 0.0},
+    "overwrite_output_dir": {"group": "logging"}, "save_total_limit": {"group": "logging", "min": 0},
     "report_to": {"group": "logging", "choices": REPORT_TO}, "resume_from_checkpoint": {"group": "logging"},
     "eval_steps": {"group": "logging", "min": 0, "help": 'run the held-out evaluator every N steps (0: only before and after)'}, "eval_batch_size": {"group": "logging", "min": 1, "help": 'rows per held-out evaluation batch'},
     "eval_seed": {"group": "logging"}, "eval_timestep_samples": {"group": "logging", "min": 1},
@@ -120,10 +123,6 @@ RULES: dict[str, dict[str, Any]] = {
 def arg(default: Any, help: str, **rules: Any) -> Any:  # noqa: A002 - the metadata key argparse uses
     """A dataclass field with its ``--help`` line and rules: ``x: int = arg(8, "samples per prompt", min=1)``."""
     return dataclasses.field(default=default, metadata={"help": help, **rules})
-
-
-class UserError(ValueError):
-    """A mistake the user can fix (a setting, a file, a row): reported as one line, exit status 2."""
 
 
 # ------------------------------------------------------------------ field introspection
@@ -290,13 +289,36 @@ def _algorithm_knobs_follow_the_algorithm(cls: type, fields: dict[str, dataclass
 
 
 def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
+    """The mapping of ``--config path``, safe-loaded (plain YAML types only); a key given twice in one mapping is
+    an error naming it and its lines (``yaml.safe_load`` keeps the last silently)."""
     import yaml
+
+    class DuplicateKey(yaml.YAMLError):
+        pass
+
+    class UniqueKeySafeLoader(yaml.SafeLoader):  # SafeLoader: still no arbitrary Python objects
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error below names it
+                    continue
+                if first is not None:
+                    raise DuplicateKey(f"key {key!r} is given twice (lines {first} and {line}); keep one")
+                seen[key] = line
+            return super().construct_mapping(node, deep)
 
     try:
         with open(path) as f:
-            loaded = yaml.safe_load(f)
+            loaded = yaml.load(f, Loader=UniqueKeySafeLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise UserError(f"--config: no such file {path!r}") from None
+    except DuplicateKey as err:
+        raise UserError(f"--config {path}: {err}") from None
     except yaml.YAMLError as err:
         raise UserError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if loaded is None:
@@ -328,15 +350,21 @@ def validate(cfg: Any) -> None:
             _check_rules(f.name, converted, field_rules(cls, f))
     if hasattr(cfg, "algo_spec"):
         check_online(cfg)
-    if getattr(cfg, "output_dir", None):
-        check_output_dir(cfg.output_dir)
-        if getattr(cfg, "resume_from_checkpoint", None):  # "latest" with nothing to resume: say so now
-            from unialign.trainers.common import find_checkpoint
+    if hasattr(cfg, "resume_from_checkpoint") and hasattr(cfg, "output_dir"):  # a training run's directory
+        from unialign.trainers import rundir
+        from unialign.trainers.common import find_checkpoint
 
+        if not str(cfg.output_dir).strip():
+            rundir.check(cfg.output_dir, False, False)  # the one line for an empty name
+        check_output_dir(cfg.output_dir)
+        rundir.check(cfg.output_dir, bool(cfg.resume_from_checkpoint), bool(getattr(cfg, "overwrite_output_dir", False)))
+        if cfg.resume_from_checkpoint:  # "latest" with nothing to resume, or a damaged checkpoint: say so now
             try:
-                find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+                find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint, max_steps=getattr(cfg, "max_steps", None))
             except ValueError as err:
                 raise UserError(str(err)) from None
+    elif getattr(cfg, "output_dir", None):
+        check_output_dir(cfg.output_dir)
 
 
 def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:

@@ -30,9 +30,10 @@ def _hub_cached(name: str, kind: str) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
-def require_hub(name: str, kind: str = "model", timeout: float = 3.0) -> None:
-    """Return if ``name`` is a local path, is in the local HF cache, or the Hub answers; else raise."""
-    if is_local(name) or _hub_cached(name, kind):
+def require_hub(name: str, kind: str = "model", timeout: float = 3.0, use_cache: bool = True) -> None:
+    """Return if ``name`` is a local path, is in the local HF cache (unless ``use_cache`` is False: a
+    streamed dataset is read from the Hub itself), or the Hub answers; else raise."""
+    if is_local(name) or (use_cache and _hub_cached(name, kind)):
         return
     reason = None
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
@@ -45,6 +46,10 @@ def require_hub(name: str, kind: str = "model", timeout: float = 3.0) -> None:
             socket.create_connection((host, 443), timeout=timeout).close()
         except OSError as err:
             reason = f"{host} is unreachable ({type(err).__name__})"
+    if reason and not use_cache:
+        raise HubUnavailableError(
+            f"cannot stream the {kind} {name!r}: {reason}, and streaming reads the Hub itself. Drop --streaming "
+            "(to use a downloaded copy in the local cache) or pass a local file or folder instead.")
     if reason:
         raise HubUnavailableError(
             f"cannot load the {kind} {name!r}: {reason}, and it is not in the local cache.\n"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unialign.config import UserError
-from unialign.data import train_eval_rows
+from unialign.data import ENCODING_ERRORS, streamed_train_eval_rows, train_eval_rows
 
 
 @dataclass
@@ -37,6 +37,13 @@ class TextDataArgs:
         "help": "longest prompt in tokens (chat template and special tokens included); longer rows are refused"})
     overlong_rows: str = field(default="error", metadata={
         "help": "rows over a token limit: 'error' (refuse, naming them) or 'drop' (skip them, counted in the summary)"})
+    encoding_errors: str = field(default="strict", metadata={
+        "help": "text that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' (read each bad "
+                "byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
+    streaming: bool = field(default=False, metadata={
+        "help": "read a Hub dataset with datasets' streaming=True: only the rows the run draws (the first "
+                "steps x rows-per-step of --train_split, in the stream's order, and --num_eval held-out rows) are "
+                "fetched; nothing is downloaded whole", "group": "data"})
 
 
 def check_generation_backend(backend: str) -> None:
@@ -57,11 +64,13 @@ def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
 
     name = cfg.dataset_name
     if name in NAMED_DATASETS:
+        _no_streaming(cfg)
         train, info = prompt_rows(load_rows(name, "train"), f"{name} [train]"), {"eval_source": f"{name} [test]"}
         if cfg.eval_dataset_name is None:
             held_out = prompt_rows(load_rows(name, "test"), f"{name} [test]")
         else:
-            rows = load_rows(cfg.eval_dataset_name, cfg.eval_split or "test", cfg.dataset_config)
+            rows = load_rows(cfg.eval_dataset_name, cfg.eval_split or "test", cfg.dataset_config,
+                             encoding_errors=getattr(cfg, "encoding_errors", "strict"))
             held_out, info["eval_source"] = prompt_rows(rows, cfg.eval_dataset_name), cfg.eval_dataset_name
     else:
         train, held_out, info = _split(cfg, prompt_rows)
@@ -77,6 +86,7 @@ def load_pair_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
 
     name = cfg.dataset_name
     if name in NAMED_PAIR_DATASETS:
+        _no_streaming(cfg)
         pairs = NAMED_PAIR_DATASETS[name]
         train = normalize_pairs(pairs("train", None, cfg.seed), f"{name} [train]")
         held_out = normalize_pairs(pairs("test", cfg.num_eval, cfg.seed + 1), f"{name} [test]")
@@ -88,9 +98,30 @@ def load_pair_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
 
 
 def _split(cfg: Any, prepare) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    errors = getattr(cfg, "encoding_errors", "strict")
+    if getattr(cfg, "streaming", False):
+        return streamed_train_eval_rows(
+            cfg.dataset_name, train_rows=rows_needed(cfg), eval_rows=cfg.num_eval, config_name=cfg.dataset_config,
+            train_split=cfg.train_split, eval_split=cfg.eval_split, eval_name=cfg.eval_dataset_name, prepare=prepare,
+            encoding_errors=errors)
     return train_eval_rows(cfg.dataset_name, config_name=cfg.dataset_config, train_split=cfg.train_split,
                            eval_split=cfg.eval_split, eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction,
-                           prepare=prepare)
+                           prepare=prepare, encoding_errors=errors)
+
+
+def _no_streaming(cfg: Any) -> None:
+    if getattr(cfg, "streaming", False):
+        raise UserError(f"--streaming: {cfg.dataset_name!r} is a built-in data set, not a Hub dataset; drop --streaming")
+
+
+def rows_needed(cfg: Any) -> int:
+    """Training rows a run of ``cfg`` draws, each once: ``max_steps`` x the rows of one step -- an online
+    config's ``prompts_per_step`` (times ``max_generation_rounds`` when its algorithm samples dynamically,
+    DAPO), or a preference config's ``batch_size``. What ``--streaming`` reads."""
+    if hasattr(cfg, "prompts_per_step"):
+        rounds = cfg.max_generation_rounds if cfg.algo_spec().dynamic_sampling else 1
+        return cfg.max_steps * cfg.prompts_per_step * rounds
+    return cfg.max_steps * cfg.batch_size
 
 
 def fit_prompts(policy, train: list[dict], held_out: list[dict], cfg: Any, info: dict) -> tuple[list[dict], list[dict]]:
@@ -186,12 +217,13 @@ def required_columns(fn: Any) -> list[str]:
             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
 
 
-def build_reward(spec: str, weights: str | None, flag: str = "--reward_funcs"):
-    """The ``CombinedReward`` of comma-separated names / paths and weights."""
+def build_reward(spec: str, weights: str | None, flag: str = "--reward_funcs", timeout_s: float | None = None):
+    """The ``CombinedReward`` of comma-separated names / paths and weights; ``timeout_s``: each function's time
+    limit per batch (``--reward_timeout``; the trainer passes its own per call, this one serves evaluation)."""
     from unialign.rewards import CombinedReward, get_reward
 
     names, values = reward_names(spec, weights, flag)
-    return CombinedReward([get_reward(n) for n in names], values)
+    return CombinedReward([get_reward(n) for n in names], values, timeout_s=timeout_s)
 
 
 def columns_of(rows: list[dict]) -> set[str]:

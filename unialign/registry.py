@@ -118,12 +118,14 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # PPO clip at 1e-4 on mean-reduced SDE-step log-probs, advantages clipped to +-5; per-prompt statistics within
     # the current batch (its tracker is cleared every epoch = each prompt's group of G) divided by the std of the
     # whole batch (``sample.global_std``); the closed-form Gaussian KL to the reference (adapters off) in the loss
-    # at beta 0.04 (GenEval / OCR); every trained step weighted equally. The SDE noise level (0.7) and the group
-    # size are the policy's and the script's (``--noise_level``, ``--num_generations``). Note: Flow-GRPO's code
-    # divides the squared mean gap by g^2, not by the step variance g^2 |dt|; unialign's "gaussian" KL is the
-    # exact per-element step KL, i.e. Flow-GRPO's divided by |dt| (about 10x larger at 10 steps).
+    # at beta 0.04 (GenEval / OCR) in Flow-GRPO's own convention, "gaussian_g2": its code divides the squared mean
+    # gap by the diffusion coefficient g^2, not by the step variance g^2 |dt|, so its KL is the exact step KL
+    # ("gaussian") times |dt| -- about 10x weaker at 10 steps; beta 0.04 on the exact KL would regularise ~10x
+    # harder than the paper (tests/image/test_kl.py works the example). Every trained step weighted equally. The
+    # SDE noise level (0.7) and the group size are the policy's and the script's (``--noise_level``,
+    # ``--num_generations``).
     "flow_grpo": AlgoSpec("flow_grpo", advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1e-4,
-                          advantage_clip=5.0, beta=0.04, kl_estimator="gaussian"),
+                          advantage_clip=5.0, beta=0.04, kl_estimator="gaussian_g2"),
 }
 
 

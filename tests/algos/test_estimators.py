@@ -117,13 +117,13 @@ def test_a_registered_policy_loss_is_what_the_trainer_calls(tmp_path, monkeypatc
 
 def test_flow_grpo_preset_is_flow_grpos_published_recipe():
     """Flow-GRPO (yifan123/flow_grpo, config/grpo.py + train_sd3.py): clip 1e-4, advantages clipped to +-5, KL 0.04
-    in the loss with the closed-form Gaussian step KL, per-prompt group means divided by the std of all rewards
+    in the loss with Flow-GRPO's closed-form step KL (gaussian_g2), per-prompt group means divided by the std of all rewards
     (``global_std``; here the unbiased std, Flow-GRPO's np.std is the population one: a factor sqrt(B/(B-1)))."""
     import numpy as np
 
     spec = get_algorithm("flow_grpo")
     assert (spec.epsilon, spec.epsilon_high, spec.advantage_clip, spec.beta, spec.kl_estimator, spec.kl_in_reward) == \
-        (1e-4, None, 5.0, 0.04, "gaussian", False)
+        (1e-4, None, 5.0, 0.04, "gaussian_g2", False)
     rng = np.random.default_rng(0)
     r = rng.normal(size=(3, 4))  # 3 prompts x a group of 4
     r[2] = 0.7  # a group with one reward: advantage 0

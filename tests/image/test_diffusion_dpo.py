@@ -29,8 +29,8 @@ ROWS = [{"caption": f"a shape {i}", "jpg_0": png((200, 20 * i, 30)), "jpg_1": pn
 def test_pickapic_rows_ties_and_errors():
     pairs, ties = normalize_pickapic(ROWS + [{**ROWS[0], "label_0": 0.5}])
     assert ties == 1 and len(pairs) == 6
-    assert pairs[1]["chosen"].getpixel((0, 0)) == (200, 20, 30)  # label_0 = 1: image 0 wins
-    assert pairs[0]["chosen"].getpixel((0, 0)) == (90, 90, 90)  # label_0 = 0: swapped
+    assert pairs[1]["chosen"].decode().getpixel((0, 0)) == (200, 20, 30)  # label_0 = 1: image 0 wins
+    assert pairs[0]["chosen"].decode().getpixel((0, 0)) == (90, 90, 90)  # label_0 = 0: swapped
     with pytest.raises(ValueError, match="row 1: field 'jpg_1' is not a readable image"):
         normalize_pickapic([ROWS[0], {**ROWS[1], "jpg_1": b"not an image"}])
     with pytest.raises(ValueError, match="row 0: missing field 'label_0'"):

@@ -282,3 +282,72 @@ def test_dpo_identical_pair_gives_ln2_and_caption_dropout(make_flow_policy):
     torch.testing.assert_close(loss.detach(), torch.full((3,), math.log(2)), atol=1e-4, rtol=0)
     policy.transformer.train()
     assert policy.preference_batch(dpo_pairs()).prompts == [""] * 3
+
+
+def test_flow_grpo_preset_regularises_at_the_papers_strength(make_flow_policy, tmp_path):
+    """The worked example: on a tiny SD3 policy with LoRA moved off the reference, the KL term the trainer adds for
+    ``--algorithm flow_grpo`` equals beta * Flow-GRPO's own KL, restated here from its train_sd3.py (yifan123/
+    flow_grpo): ``((mu - mu_ref) ** 2).mean(CHW) / (2 * std_dev_t ** 2)`` with std_dev_t = g = eta sqrt(sigma /
+    (1 - sigma)) (sigma = 1 -> sigmas[1]) and mu = x (1 + g^2 dt / (2 sigma)) + v (1 + g^2 (1 - sigma) / (2 sigma)) dt,
+    beta 0.04 -- and the exact step KL ('gaussian') is that divided by |dt|, ~10x stronger at 10 steps."""
+    from unialign import algos
+    from unialign.registry import get_algorithm
+
+    spec = get_algorithm("flow_grpo")
+    policy = make_flow_policy(lora_rank=2, num_steps=10, guidance_scale=1.0)
+    policy.reference()
+    with torch.no_grad():
+        for n, p in policy.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    traj = policy.sample(PROMPTS, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, exact = policy.log_prob_and_kl(traj)
+        ours = spec.beta * algos.closed_form_kl(exact, spec.kl_estimator, policy.kl_weights(traj))
+
+    lat, ts = traj.payload["latents"].double(), traj.payload["timesteps"]
+    cond = dict(encoder_hidden_states=traj.payload["prompt_embeds"], pooled_projections=traj.payload["pooled_prompt_embeds"])
+    sigmas = policy.scheduler.sigmas.double()
+    want = torch.zeros(len(traj), 10, dtype=torch.float64)
+    for i in range(10):
+        x, t = lat[:, i], ts[:, i]
+        with torch.no_grad():
+            v = policy.transformer(hidden_states=x.float(), timestep=t, **cond).sample.double()
+            with policy._adapters_disabled():  # the reference: LoRA off, as Flow-GRPO's disable_adapter()
+                v_ref = policy.transformer(hidden_states=x.float(), timestep=t, **cond).sample.double()
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        dt = sigma_next - sigma
+        g = 0.7 * torch.sqrt(sigma / (1 - (sigmas[1] if sigma == 1 else sigma)))
+
+        x_coef, v_coef = 1 + g**2 / (2 * sigma) * dt, (1 + g**2 * (1 - sigma) / (2 * sigma)) * dt
+        mu, mu_ref = x * x_coef + v * v_coef, x * x_coef + v_ref * v_coef
+        want[:, i] = 0.04 * ((mu - mu_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * g**2)
+    assert float(want.min()) > 0
+    torch.testing.assert_close(ours.double(), want, rtol=1e-3, atol=1e-12)
+    dts = (sigmas[:10] - sigmas[1:11]).abs()
+    torch.testing.assert_close((spec.beta * exact).double() * dts, want, rtol=1e-3, atol=1e-12)
+    assert float((spec.beta * exact).sum() / want.sum()) > 5  # 'gaussian' at beta 0.04: several times the paper's
+
+
+def test_gaussian_g2_is_refused_for_a_policy_without_kl_weights(make_policy, tmp_path):
+    policy = make_policy()
+    cfg = OnlineConfig(algorithm="grpo", beta=0.1, kl_estimator="gaussian_g2", report_to="none",
+                       output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="gaussian_g2.*kl_weights"):
+        OnlineTrainer(policy, lambda prompts, completions: [0.0] * len(completions), [{"prompt": "a cat"}], cfg)
+
+
+@pytest.mark.parametrize("script,preset,beta,estimator", [
+    ("grpo_image", "sd3.5-medium-geneval", 0.04, "gaussian_g2"),  # Flow-GRPO config/grpo.py: GenEval beta 0.04
+    ("grpo_image", "flux.1-dev-pickscore", 0.01, "gaussian_g2"),  # PickScore beta 0.01
+    ("ddpo_aesthetic", "sd15-aesthetic", 0.0, None),              # DDPO: no KL
+])
+def test_image_presets_resolve_to_their_papers_kl(script, preset, beta, estimator):
+    from tests.test_scripts import load_script
+    from unialign.config import parse_config
+
+    module = load_script(script)
+    cls = next(v for k, v in vars(module).items() if k.endswith("Config") and isinstance(v, type)
+               and v.__module__ == module.__name__)
+    spec = parse_config(cls, ["--preset", preset], presets=module.PRESETS).algo_spec()
+    assert spec.beta == beta and (estimator is None or spec.kl_estimator == estimator)

@@ -67,7 +67,7 @@ def test_dpo_loss_matches_hand_computed_sequence_logps():
 def test_dpo_learns_the_preferred_answers_and_cached_reference_agrees(tmp_path):
     model, tok = make_tiny_lm()
     obj = DPOObjective(CausalLMPolicy(model, tok), beta=0.5, cache_reference=True)
-    obj.precompute(PAIRS, 8, tmp_path / "ref.pt")
+    obj.precompute(PAIRS, 8, tmp_path / "ref.safetensors")
     cached = dict(obj.cache)
     trainer = PreferenceTrainer(obj, PAIRS, config(tmp_path, max_steps=12))
     before = trainer.evaluate(PAIRS)
@@ -78,8 +78,29 @@ def test_dpo_learns_the_preferred_answers_and_cached_reference_agrees(tmp_path):
     assert averaged_implicit_accuracy(obj, PAIRS, samples=3, batch_size=3) == pytest.approx(after["implicit_accuracy"])
     assert obj.cache == cached  # the reference never moved
     fresh = DPOObjective(CausalLMPolicy(*make_tiny_lm()), beta=0.5, cache_reference=True)
-    fresh.precompute(PAIRS, 8, tmp_path / "ref.pt")  # loaded from disk
+    fresh.precompute(PAIRS, 8, tmp_path / "ref.safetensors")  # loaded from disk
     assert fresh.cache == cached
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "fewer_rows"])
+def test_a_damaged_reference_cache_is_rebuilt_not_trusted(tmp_path, capsys, damage):
+    path = tmp_path / "ref.safetensors"
+    obj = DPOObjective(CausalLMPolicy(*make_tiny_lm()), beta=0.5, cache_reference=True)
+    obj.precompute(PAIRS, 8, path)
+    good = dict(obj.cache)
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-7])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 64)
+    else:
+        DPOObjective(CausalLMPolicy(*make_tiny_lm()), beta=0.5, cache_reference=True).precompute(PAIRS[:2], 8, path)
+    fresh = DPOObjective(CausalLMPolicy(*make_tiny_lm()), beta=0.5, cache_reference=True)
+    fresh.precompute(PAIRS, 8, path)
+    assert "damaged reference cache" in capsys.readouterr().err
+    assert fresh.cache == good
+    again = DPOObjective(CausalLMPolicy(*make_tiny_lm()), beta=0.5, cache_reference=True)
+    again.precompute(PAIRS, 8, path)  # rewritten whole: read back silently
+    assert again.cache == good and "damaged" not in capsys.readouterr().err
 
 
 def test_reward_model_learns_pairs(tmp_path):

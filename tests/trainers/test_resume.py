@@ -13,7 +13,13 @@ from tests.trainers.test_online import ROWS, make
 from tests.trainers.test_preference import PAIRS, config
 from unialign.config import exit_on_user_error
 from unialign.text.policy import CausalLMPolicy
-from unialign.trainers.common import data_fingerprint, finish_run, read_trainer_state
+from unialign.trainers.common import (
+    CHECKSUM_FILE,
+    data_fingerprint,
+    file_digests,
+    finish_run,
+    read_trainer_state,
+)
 from unialign.trainers.preference import DPOObjective, PreferenceTrainer
 
 
@@ -25,6 +31,12 @@ class Payload:
 
     def __reduce__(self):
         return (os.makedirs, (self.path,))
+
+
+def reseal(ckpt):
+    """Rewrite a checkpoint's checksums to match its files: what a crafted checkpoint's author would do, so the
+    loaders' own refusal to unpickle is tested, not only the checksum."""
+    (ckpt / CHECKSUM_FILE).write_text(json.dumps({"algorithm": "sha256", "files": file_digests(ckpt)}))
 
 
 def trained(tmp_path, **kw):
@@ -57,6 +69,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path, where):
             pickle.dump({"step": 2, "history": [Payload(marker)]}, f)
     else:
         torch.save({"state": {}, "param_groups": [], "x": Payload(marker)}, ckpt / where)
+    reseal(ckpt)
     with pytest.raises(ValueError, match="refusing to load"):
         make(tmp_path, max_steps=4, resume_from_checkpoint="latest").train()
     assert not marker.exists()
@@ -68,6 +81,7 @@ def test_a_crafted_rng_state_is_not_unpickled_either(tmp_path):
     marker = tmp_path / "pwned"
     with open(tmp_path / "checkpoint-2" / "random_states_0.pkl", "wb") as f:
         pickle.dump({"random_state": Payload(marker)}, f)
+    reseal(tmp_path / "checkpoint-2")
     resumed = make(tmp_path, max_steps=3, resume_from_checkpoint="latest")
     resumed.train()
     assert resumed.step == 3 and not marker.exists()

@@ -17,7 +17,14 @@ from unialign.algos.estimators import (
     global_whiten,
     register_advantage,
 )
-from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, check_kl_estimator, gaussian_kl, kl_estimate
+from unialign.algos.kl import (
+    CLOSED_FORM_ESTIMATORS,
+    NEEDS_KL_WEIGHTS,
+    check_kl_estimator,
+    closed_form_kl,
+    gaussian_kl,
+    kl_estimate,
+)
 from unialign.algos.pair_losses import (
     PAIR_LOSSES,
     PairLoss,
@@ -48,6 +55,7 @@ __all__ = [
     "global_whiten",
     "register_advantage",
     "CLOSED_FORM_ESTIMATORS",
+    "NEEDS_KL_WEIGHTS",
     "PAIR_LOSSES",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
@@ -62,6 +70,7 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "check_kl_estimator",
+    "closed_form_kl",
     "chosen_nll_loss",
     "gae",
     "gaussian_kl",

@@ -11,7 +11,11 @@ verl calls k3 ``low_var_kl`` and k2 ``mse``; TRL's GRPO uses k3.
 For policies whose steps are Gaussians of the same, theta-independent variance (a DDIM step with
 eta > 0, Flow-GRPO's SDE step) the KL of a step also has a closed form, ``gaussian_kl``; the policy
 computes it (``log_prob_and_kl``), because it needs both means, which log-probs do not carry. The
-estimator name ``"gaussian"`` selects it (``CLOSED_FORM_ESTIMATORS``).
+estimator name ``"gaussian"`` selects it (``CLOSED_FORM_ESTIMATORS``). ``"gaussian_g2"`` is Flow-GRPO's variant
+(Liu et al. 2025, ``scripts/train_sd3.py``): the squared mean gap over 2 g^2, g^2 the step's diffusion coefficient
+rather than its variance -- for the SDE step (std^2 = g^2 |dt|) the exact KL times |dt|, for CPS (whose ``std_dev_t``
+is the step's std) the exact KL. ``closed_form_kl`` applies the policy's per-step weights std^2 / g^2
+(``kl_weights``).
 
 Why it matters for images: a diffusion step's log-prob is a **mean** over its D = C*H*W elements, and
 the per-element log-ratios at x' ~ pi are delta^2/(2 sigma^2) + (delta/sigma) z with delta = mu - mu_ref,
@@ -29,7 +33,8 @@ import torch
 Tensor = torch.Tensor
 
 KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
-CLOSED_FORM_ESTIMATORS = ("gaussian",)
+CLOSED_FORM_ESTIMATORS = ("gaussian", "gaussian_g2")
+NEEDS_KL_WEIGHTS = ("gaussian_g2",)  # closed forms that need the policy's ``kl_weights(trajectory)``
 
 
 def check_kl_estimator(estimator: str) -> None:
@@ -50,6 +55,19 @@ def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor | float) -> Tensor:
     std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
     kl = (mean - ref_mean) ** 2 / (2 * std**2)
     return kl.mean(dim=tuple(range(1, kl.dim())))
+
+
+def closed_form_kl(kl_B_T: Tensor, estimator: str, weights_B_T: Tensor | None = None) -> Tensor:
+    """The closed-form estimator ``estimator`` from the exact per-step KL ``kl_B_T`` [B, T]: ``gaussian`` is
+    ``kl_B_T`` itself; ``gaussian_g2`` (Flow-GRPO) is ``kl_B_T * weights_B_T``, the weights std^2 / g^2 of each step
+    (|dt| for Flow-GRPO's SDE step, 1 for CPS). Returns [B, T]."""
+    if estimator == "gaussian":
+        return kl_B_T
+    if estimator == "gaussian_g2":
+        if weights_B_T is None:
+            raise ValueError("kl_estimator='gaussian_g2' needs the policy's kl_weights (a flow-matching SDE policy)")
+        return kl_B_T * weights_B_T.to(kl_B_T.device, kl_B_T.dtype)
+    raise ValueError(f"closed_form_kl: {estimator!r} is not one of {CLOSED_FORM_ESTIMATORS}")
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", clamp: float | None = None) -> Tensor:

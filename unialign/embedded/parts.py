@@ -33,7 +33,7 @@ def image_rl_parts(cfg) -> dict[str, Any]:
     family = embedded_family(cfg.model_name_or_path, cfg.model_family)
     check_sampling_knobs(cfg, family)  # bad input named before any model loads
     train, held_out = ((world.prompts("train"), world.prompts("test")) if cfg.prompt_set == NAME
-                       else load_prompts(cfg.prompt_set))
+                       else load_prompts(cfg.prompt_set, getattr(cfg, "encoding_errors", "strict")))
     if any(n.startswith("shape_verifier") for n in names):
         check_prompts(train, parse_shape_prompt, "prompt_set")
     try:
@@ -41,7 +41,8 @@ def image_rl_parts(cfg) -> dict[str, Any]:
         verifier = verify
     except ValueError:
         verifier = None  # prompts from elsewhere: no fidelity to read
-    reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights)
+    reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights,
+                            timeout_s=getattr(cfg, "reward_timeout", None))
     return dict(policy=embedded_policy(cfg.model_name_or_path, **policy_kwargs(cfg, family)), reward=reward,
                 train_prompts=train, eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
 

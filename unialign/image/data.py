@@ -5,22 +5,100 @@ to an image file -- relative paths are relative to the dataset file's folder, or
 or ``datasets``' image feature ``{"bytes": ..., "path": ...}``), ``label_0`` in {0, 0.5, 1} (1: image 0
 preferred; 0.5: a tie). The original ``yuvalkirstain/pickapic_v2`` is gone from the Hub, so any dataset
 (hub id, local .jsonl / .json / .parquet file or folder) with these columns works.
+
+Images stay encoded until a batch needs them: ``normalize_pickapic`` checks each image cheaply (its header,
+and ``verify()`` -- chunk checksums, no pixel decoding) and keeps an ``EncodedImage`` (the file's bytes, or
+its path); ``to_pixels`` decodes, converts (``to_rgb``) and resizes one image at a time when
+``preference_batch`` builds a batch. Memory is the encoded rows (bytes held in the dataset, or ~100 bytes per
+path) plus one decoded image, whatever the dataset's length.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
+# modes ``to_rgb`` converts (Pillow's modes of decoded files; anything else is refused by name at validation)
+MODES = ("1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "LAB", "HSV", "LA", "La", "PA",
+         "I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+WHITE = (255, 255, 255)
 
-def _image(value: Any, root: Path | None = None) -> Image.Image:
+
+class EncodedImage:
+    """One image of a dataset row kept encoded: its file ``data`` (bytes) or ``path``; decoded by ``decode()``.
+
+    ``str(image)`` (what ``unialign.trainers.common.data_fingerprint`` hashes for objects it does not know)
+    identifies the content without decoding it: the SHA-256 of the bytes, or for a file the path as the row
+    gives it, its size and its modification time (``os.stat``, taken when the row was checked) -- so the
+    fingerprint is stable from run to run, cheap (no file is read for it), and changes when a file is
+    rewritten (or copied without its times: ``cp -p`` / ``rsync -a`` keep them)."""
+
+    __slots__ = ("data", "path", "where", "_key")
+
+    def __init__(self, data: bytes | None = None, path: str | os.PathLike | None = None, where: str = "image",
+                 key: str | None = None):
+        if (data is None) == (path is None):
+            raise ValueError("EncodedImage: give exactly one of data (bytes) and path")
+        self.data = bytes(data) if isinstance(data, bytearray) else data
+        self.path = None if path is None else str(path)
+        self.where, self._key = where, key
+
+    def open(self) -> Image.Image:
+        """The lazily opened PIL image (header read; pixels decoded on first use)."""
+        return Image.open(io.BytesIO(self.data) if self.data is not None else self.path)
+
+    def decode(self) -> Image.Image:
+        """The decoded image, in the file's own mode (``to_rgb`` converts it); ValueError naming the row and field
+        when the file can no longer be read."""
+        try:
+            img = self.open()
+            try:
+                img.load()
+            except BaseException:
+                img.close()
+                raise
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for corrupt data
+            raise ValueError(f"{self.where} is not a readable image ({type(err).__name__}: {err})") from None
+        if getattr(img, "fp", None) is not None:  # a multi-frame file stays open: keep the frame, close the file
+            frame = img.copy()
+            img.close()
+            return frame
+        return img
+
+    def __str__(self) -> str:
+        if self._key is None:
+            if self.data is not None:
+                self._key = f"EncodedImage(sha256={hashlib.sha256(self.data).hexdigest()}, {len(self.data)} bytes)"
+            else:
+                st = os.stat(self.path)
+                self._key = f"EncodedImage(path={self.path!r}, size={st.st_size}, mtime_ns={st.st_mtime_ns})"
+        return self._key
+
+    __repr__ = __str__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EncodedImage) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+def _checked(value: Any, where: str, root: Path | None = None) -> EncodedImage | Image.Image:
+    """``value`` as an ``EncodedImage`` (a PIL image as it is) after a cheap check: the header is readable, the
+    mode is one ``to_rgb`` converts, and ``verify()`` (PNG chunk checksums; no pixel decoding) passes."""
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        _check_mode(value.mode)
+        return value
+    if isinstance(value, EncodedImage):
+        return value
     if isinstance(value, dict) and ("bytes" in value or "path" in value):  # datasets' Image feature, undecoded
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str):  # a path to an image file
@@ -28,20 +106,74 @@ def _image(value: Any, root: Path | None = None) -> Image.Image:
         path = path if path.is_absolute() or root is None else root / path
         if not path.is_file():
             raise FileNotFoundError(f"no image file {str(path)!r}")
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    if isinstance(value, (bytes, bytearray)):
-        img = Image.open(io.BytesIO(value))
-        img.load()
-        return img.convert("RGB")
-    raise TypeError(f"expected image bytes, a PIL image or an image path, got {type(value).__name__}")
+        st = path.stat()
+        image = EncodedImage(path=path, where=where,
+                             key=f"EncodedImage(path={value!r}, size={st.st_size}, mtime_ns={st.st_mtime_ns})")
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        image = EncodedImage(data=bytes(value), where=where)
+    else:
+        raise TypeError(f"expected image bytes, a PIL image or an image path, got {type(value).__name__}")
+    with image.open() as img:  # header only
+        _check_mode(img.mode)
+        img.verify()
+    return image
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unsupported image mode {mode!r} (supported: {', '.join(MODES)})")
+
+
+def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
+    """``image`` as 8-bit RGB, each mode by its meaning (``image`` itself when it is RGB already):
+
+    * 16-bit greyscale (``I;16*``, and ``I``, which Pillow uses for 16-bit data): 0..65535 scaled to 0..255
+      (rounded; ``I`` clipped to that range). PIL's own ``convert("RGB")`` clips these at 255 (all white).
+    * ``F`` (float): values in [0, 1] scaled by 255; otherwise taken as 0..255 (clipped, NaN as 0).
+    * with transparency (``RGBA``, ``LA``, ``PA``, premultiplied ``RGBa`` / ``La``, ``P`` / ``L`` / ``RGB``
+      with a ``transparency`` entry): composited over ``background`` (white, as ``transformers``'
+      ``convert_to_rgb``), not dropped (which shows whatever colour transparent pixels happen to hold).
+    * ``LAB`` through LittleCMS (Lab D50 -> sRGB); ``1``, ``L``, ``P``, ``CMYK`` (no ICC profile: Pillow's
+      ``(255 - C)(255 - K) / 255``), ``YCbCr``, ``HSV``, ``RGBX`` as Pillow converts them.
+    ICC profiles are ignored (as Pillow does)."""
+    mode = image.mode
+    if mode == "RGB" and "transparency" not in image.info:
+        return image
+    if mode.startswith("I;16") or mode == "I":
+        grey = np.asarray(image).astype(np.int64)
+        grey = ((np.clip(grey, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB")
+    if mode == "F":
+        x = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+        if x.size and x.min() >= 0.0 and x.max() <= 1.0:
+            x = x * 255.0
+        return Image.fromarray(np.clip(np.rint(x), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if mode in ("RGBa", "La"):  # premultiplied alpha: over a background b, C = C_premultiplied + (1 - a) b
+        x = np.asarray(image).astype(np.int64)
+        colour, alpha = x[..., :-1], x[..., -1:]
+        if mode == "La":
+            colour = np.repeat(colour, 3, axis=-1)
+        out = colour + ((255 - alpha) * np.asarray(background) + 127) // 255
+        return Image.fromarray(np.clip(out, 0, 255).astype(np.uint8), "RGB")
+    if mode == "LAB":
+        from PIL import ImageCms
+
+        lab_to_srgb = ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"),
+                                              "LAB", "RGB")
+        return ImageCms.applyTransform(image, lab_to_srgb)
+    if mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset",
                        root: str | Path | None = None) -> tuple[list[dict[str, Any]], int]:
-    """Rows -> (pairs ``{"prompt", "chosen", "rejected"}`` with decoded PIL images, number of ties dropped).
-    Image paths are read relative to ``root`` (default: the working directory). Raises ValueError naming
-    the row and field of the first malformed row or unreadable image."""
+    """Rows -> (pairs ``{"prompt", "chosen", "rejected"}``, number of ties dropped). ``chosen`` / ``rejected``
+    are ``EncodedImage``s (images given as bytes, paths or ``{"bytes", "path"}``; decoded per batch by
+    ``to_pixels``) or the PIL images the rows held. Image paths are read relative to ``root`` (default: the
+    working directory). Raises ValueError naming the row and field of the first malformed row or unreadable
+    image; images are checked without decoding their pixels (``_checked``)."""
     root = Path(root) if root is not None else None
     pairs, ties = [], 0
     for i, row in enumerate(rows):
@@ -59,10 +191,11 @@ def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset",
             continue
         images = []
         for field in ("jpg_0", "jpg_1"):
+            where = f"{source} row {i}: field {field!r}"
             try:
-                images.append(_image(row[field], root))
+                images.append(_checked(row[field], where, root))
             except Exception as err:  # noqa: BLE001 - PIL raises many types for corrupt data
-                raise ValueError(f"{source} row {i}: field {field!r} is not a readable image ({err})") from None
+                raise ValueError(f"{where} is not a readable image ({err})") from None
         if not isinstance(row["caption"], str):
             raise ValueError(f"{source} row {i}: field 'caption' must be a string")
         chosen, rejected = images if label == 1.0 else images[::-1]
@@ -72,9 +205,11 @@ def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset",
     return pairs, ties
 
 
-def to_pixels(image: Image.Image, resolution: int) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """Resize the shortest side to ``resolution`` (bicubic), centre-crop a square; pixels in [-1, 1]
-    [3, R, R], the original (h, w) and the crop's top-left (for SDXL's time_ids)."""
+def to_pixels(image: Image.Image | EncodedImage, resolution: int) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+    """Decode (an ``EncodedImage``; only now), convert to RGB (``to_rgb``), resize the shortest side to
+    ``resolution`` (bicubic), centre-crop a square; pixels in [-1, 1] [3, R, R], the original (h, w) and the
+    crop's top-left (for SDXL's time_ids). The decoded full-size image is released on return."""
+    image = to_rgb(image.decode() if isinstance(image, EncodedImage) else image)
     w, h = image.size
     scale = resolution / min(w, h)
     nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
@@ -94,12 +229,14 @@ def data_root(name: str) -> Path:
 def load_pickapic(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
     """(train pairs, held-out pairs, ties dropped from training, info) of ``cfg.dataset_name`` (Hub id, file or
     folder) with ``unialign.data.train_eval_rows``'s held-out rules (``--eval_dataset_name``,
-    ``--eval_split``, ``--eval_fraction``); at most ``cfg.num_eval`` held-out pairs."""
+    ``--eval_split``, ``--eval_fraction``); at most ``cfg.num_eval`` held-out pairs. Images stay encoded
+    (``EncodedImage``; a Hub dataset's ``Image`` columns are read undecoded) until a batch needs them."""
     from unialign.data import train_eval_rows
 
     train_rows, eval_rows, info = train_eval_rows(
         cfg.dataset_name, config_name=cfg.dataset_config, train_split=cfg.train_split, eval_split=cfg.eval_split,
-        eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction)
+        eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction, decode_images=False,
+        encoding_errors=getattr(cfg, "encoding_errors", "strict"))
     train, ties = normalize_pickapic(train_rows, "train", data_root(cfg.dataset_name))
     held_out, _ = normalize_pickapic(eval_rows, "eval", data_root(cfg.eval_dataset_name or cfg.dataset_name))
     return train, held_out[:cfg.num_eval], ties, info

@@ -110,11 +110,15 @@ class DenoiserPolicy:
     @classmethod
     def _load_parts(cls, path_or_hub_id: str, build: Callable[[dict, dict], dict[str, Any]], what: str, layout: str,
                     torch_dtype: torch.dtype | str | None, variant: str | None,
-                    device: str | torch.device | None, also_required: tuple[str, ...] = ()) -> dict[str, Any]:
+                    device: str | torch.device | None, also_required: tuple[str, ...] = (),
+                    sources: dict[str, str] | None = None) -> dict[str, Any]:
         """``build(opts, model_kw)`` -> the pipeline's parts, after ``require_hub`` on ``path_or_hub_id`` and
         ``also_required`` (fails in seconds offline) and with hub errors turned into one clear RuntimeError;
-        models moved to ``device``."""
+        models moved to ``device``; every model's weights checked finite (``unialign.weights.check_finite``:
+        a ``UserError`` naming the model path -- ``sources[part]`` for a part loaded from elsewhere, e.g. a
+        replacement VAE -- the part and the first NaN / inf tensor)."""
         from unialign.hub import require_hub
+        from unialign.weights import check_finite
 
         if isinstance(torch_dtype, str):
             torch_dtype = getattr(torch, torch_dtype)
@@ -132,6 +136,10 @@ class DenoiserPolicy:
             for part in parts.values():
                 if isinstance(part, torch.nn.Module):
                     part.to(device)
+        for name, part in parts.items():
+            if isinstance(part, torch.nn.Module):
+                source = (sources or {}).get(name)
+                check_finite(part, source or path_or_hub_id, None if source else name)
         return parts
 
     # ------------------------------------------------------------------ helpers
@@ -327,7 +335,8 @@ class DenoiserPolicy:
 
     @torch.no_grad()
     def preference_batch(self, rows: list[dict[str, Any]], resolution: int | None = None) -> PreferenceBatch:
-        """Pairs from ``unialign.image.data.normalize_pickapic`` (``prompt``, ``chosen``, ``rejected`` PIL images)
+        """Pairs from ``unialign.image.data.normalize_pickapic`` (``prompt``; ``chosen`` / ``rejected``: encoded
+        ``EncodedImage``s, decoded here one at a time by ``to_pixels``, or PIL images)
         -> a ``PreferenceBatch``: each image resized / centre-cropped to ``resolution`` (default: the policy's
         height), VAE-encoded (posterior sample, fp32, ``encode_images``) into ``chosen["latents"]`` /
         ``rejected["latents"]`` [B, C, H, W] with the family's per-side conditioning (SDXL ``time_ids`` from
@@ -408,6 +417,11 @@ class DenoiserPolicy:
             yield
         finally:
             self.denoiser.enable_adapters()
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """The policy's own generator (``seed=``: the timesteps, noise, caption dropout and VAE posterior draws of
+        ``preference_batch`` and the flow policies' training timesteps), for checkpoints to save and restore."""
+        return {"generator": self.generator}
 
     def reference(self) -> ReferencePolicy:
         """The frozen reference: the same denoiser with LoRA adapters disabled, or (full fine-tuning) a frozen

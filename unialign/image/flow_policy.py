@@ -50,6 +50,7 @@ from unialign.image.flow import (
     sde_step_with_logprob,
     sde_window_bounds,
 )
+from unialign.types import Trajectory
 
 Tensor = torch.Tensor
 
@@ -201,6 +202,17 @@ class FlowPolicyBase(DenoiserPolicy):
 
     def _step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
         return flow_step_kl(mean, ref_mean, std)  # refuses a step of std 0
+
+    def kl_weights(self, trajectory: Trajectory) -> Tensor:
+        """[B, T] std^2 / g^2 of each step: the factor from the exact step KL to Flow-GRPO's, which divides the
+        squared mean gap by the diffusion coefficient g^2 (``kl_estimator="gaussian_g2"``): |dt| for the SDE step
+        (std = g sqrt(|dt|)), 1 for CPS (its KL divides by the step's own std^2)."""
+        timesteps = trajectory.payload["timesteps"]
+        if self.sde_type == "cps":
+            return torch.ones(timesteps.shape, dtype=torch.float32)
+        dt = flow_step_coefficients(self.scheduler, timesteps.reshape(-1).cpu(), timesteps.numel(), self.noise_level,
+                                    self.sde_type)["dt"]
+        return dt.abs().view(timesteps.shape).to(torch.float32)
 
     # ------------------------------------------------------------------ Diffusion-DPO pairs (hooks)
     def _draw_pair_times(self, batch: int) -> dict[str, Tensor]:

@@ -369,7 +369,8 @@ class DiffusionPolicy(DenoiserPolicy):
         layout = ("pipeline (model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/[, "
                   "text_encoder_2/, tokenizer_2/])")
         parts = cls._load_parts(path_or_hub_id, build, "diffusion", layout, torch_dtype, variant, device,
-                                also_required=(vae_name_or_path,) if vae_name_or_path else ())
+                                also_required=(vae_name_or_path,) if vae_name_or_path else (),
+                                sources={"vae": vae_name_or_path} if vae_name_or_path else None)
         return cls(**parts, lora_rank=lora_rank, **kwargs)
 
     # ------------------------------------------------------------------ family

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from unialign.data import ENCODING_ERRORS
 from unialign.image.evaluate import HeldOutImages
 from unialign.image.grid import save_grid
 from unialign.rewards import CombinedReward, get_reward
@@ -40,6 +41,9 @@ class ImageRLConfig(OnlineConfig):
                 "sd3 | flux (flow matching with Flow-GRPO's SDE step)", "choices": ("auto", "sd", "sdxl", "sd3", "flux")})
     prompt_set: str = field(default="animals", metadata={
         "help": "'animals' (ddpo-pytorch's list) or a .txt file (one prompt per line)"})
+    encoding_errors: str = field(default="strict", metadata={
+        "help": "a --prompt_set file that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' "
+                "(read each bad byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
     reward: str = field(default="aesthetic", metadata={
         "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...)"})
     reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats, one per reward"})
@@ -196,15 +200,21 @@ def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
     return {**common, **{k: v for k, v in optional.items() if v is not None}}  # unset: the policy's default
 
 
-def load_prompts(name: str) -> tuple[list[str], list[str]]:
+def load_prompts(name: str, encoding_errors: str = "strict") -> tuple[list[str], list[str]]:
     """(train, held-out) prompts of ``'animals'`` (the same list twice, as ddpo-pytorch) or a .txt file
-    (one prompt per line; every line both trains and evaluates)."""
+    (one prompt per line; every line both trains and evaluates), read a line at a time; a line that is not
+    UTF-8 is refused naming ``file:line`` unless ``encoding_errors="replace"``."""
+    from unialign.data import BOM, decode_text
+
     if name == "animals":
         return list(ANIMALS), list(ANIMALS)
     path = Path(name)
     if not path.is_file():
         raise FileNotFoundError(f"prompt_set: {name!r} is neither 'animals' nor a prompt file")
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    with path.open("rb") as f:
+        lines = [decode_text(path, raw.removeprefix(BOM) if i == 1 else raw, encoding_errors, i).strip()
+                 for i, raw in enumerate(f, start=1)]
+    lines = [ln for ln in lines if ln]
     if not lines:
         raise ValueError(f"prompt_set: {name!r} has no prompts")
     return lines, lines
@@ -220,8 +230,8 @@ def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     """Policy, reward and prompts for a hub / local model (rewards with their published weights)."""
     names, weights = reward_names(cfg)
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
-    train, held_out = load_prompts(cfg.prompt_set)
-    reward = CombinedReward([get_reward(n) for n in names], weights)
+    train, held_out = load_prompts(cfg.prompt_set, cfg.encoding_errors)
+    reward = CombinedReward([get_reward(n) for n in names], weights, timeout_s=cfg.reward_timeout)
     return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out)
 
 

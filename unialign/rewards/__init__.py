@@ -7,9 +7,11 @@ from unialign.rewards.base import (
     RewardError,
     RewardFunction,
     RewardOutput,
+    RewardTimeoutError,
     completion_to_text,
     get_reward,
 )
 from unialign.rewards.registry import REWARDS
 
-__all__ = ["REWARDS", "CombinedReward", "RewardError", "RewardFunction", "RewardOutput", "completion_to_text", "get_reward"]
+__all__ = ["REWARDS", "CombinedReward", "RewardError", "RewardFunction", "RewardOutput", "RewardTimeoutError",
+           "completion_to_text", "get_reward"]

@@ -14,10 +14,19 @@ Contract (TRL ``GRPOTrainer`` compatible, huggingface/trl#2644, #4939):
   NaN reward: excluded from baselines, advantage 0).
 * Scores are float64 from the function to the advantages: rewards of 1e20 keep their differences
   (float32 squares of them overflow a group's variance to inf, and every advantage would be 0).
+* Each call gets its own copy of the batch (``fresh_copy``): a function that edits ``completions``,
+  ``prompts`` or a column (appends to the list, rewrites a message dict) changes nothing the next function,
+  the retry of a failed batch, or the trainer sees. Lists are new; strings and numbers are immutable;
+  conversation messages and other lists / dicts / tuples inside are deep-copied; images, tensors and arrays
+  are shared (copying them would cost memory; treat them as read-only).
+* ``timeout_s`` (``--reward_timeout``): a call that has not returned after that many seconds is stopped
+  (``unialign.rewards.deadline``) and raises ``RewardTimeoutError`` naming the function, the limit and the
+  step; with ``on_error="skip"`` its batch is scored NaN and counted as reward errors instead.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -31,6 +40,7 @@ from typing import Any
 
 import torch
 
+from unialign.rewards.deadline import CallTimedOut, abandoned_calls, call_with_deadline
 from unialign.rewards.registry import required_init_args, resolve_reward
 
 Tensor = torch.Tensor
@@ -39,6 +49,10 @@ logger = logging.getLogger(__name__)
 _RESERVED = ("prompts", "completions")
 ON_ERROR = ("raise", "skip")
 MAX_ABS_REWARD = 1e150  # beyond it, float64 means / variances of a group overflow (1e155^2 > 1.8e308)
+# --reward_timeout's default: far above any sane call (a reward model or sandbox on a whole batch) and at the
+# 10 minutes after which torch's NCCL watchdog would stop a multi-GPU run anyway, with a far less clear message
+DEFAULT_REWARD_TIMEOUT_S = 600.0
+MAX_ABANDONED_CALLS = 4  # thread mode (no signals): timed-out calls still running before even "skip" stops
 
 
 class RewardError(ValueError):
@@ -48,6 +62,20 @@ class RewardError(ValueError):
 
 class RewardTypeError(RewardError, TypeError):
     """A ``RewardError`` about the type of what a reward function returned."""
+
+
+class RewardTimeoutError(RewardError):
+    """A reward function did not return within its time limit (``--reward_timeout``)."""
+
+
+def fresh_copy(values: Sequence[Any]) -> Sequence[Any]:
+    """A copy of a batch column (a list or tuple) for one reward call: a new one whose lists / dicts / tuples
+    (conversation messages, content parts) are deep copies; strings, numbers, images, tensors and arrays are the
+    same objects. A column that is not a list or tuple (a batched tensor) is passed as it is."""
+    if not isinstance(values, (list, tuple)):
+        return values
+    out = [copy.deepcopy(v) if isinstance(v, (list, dict, tuple)) else v for v in values]
+    return tuple(out) if isinstance(values, tuple) else out
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -291,11 +319,15 @@ class RewardFunction:
         return scores, metrics
 
     def score_checked(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]] | None = None,
-                      on_error: str = "raise") -> tuple[Tensor, dict[str, float], Tensor]:
+                      on_error: str = "raise", timeout_s: float | None = None,
+                      step: int | None = None) -> tuple[Tensor, dict[str, float], Tensor]:
         """(scores float64 [B], metrics, errors bool [B]). ``on_error="raise"``: an exception inside the
         function, or an unusable return value, raises ``RewardError`` naming the function and the first
         sample to blame (found by scoring the samples one at a time when the batch call raised).
-        ``"skip"``: those samples score NaN and are flagged in ``errors``."""
+        ``"skip"``: those samples score NaN and are flagged in ``errors``. The function gets a fresh copy of the
+        batch (``fresh_copy``) on every call; ``timeout_s`` (None / 0: no limit) bounds each call: an overrun
+        raises ``RewardTimeoutError`` naming the function, the limit and ``step``, or (``"skip"``) scores the
+        whole batch NaN, every sample flagged."""
         if on_error not in ON_ERROR:
             raise ValueError(f"reward_errors must be 'raise' or 'skip', got {on_error!r}")
         columns = dict(columns or {})
@@ -307,29 +339,59 @@ class RewardFunction:
                 raise ValueError(f"column name {key!r} is reserved")
             if len(values) != batch_size:
                 raise ValueError(f"column {key!r} has {len(values)} values for a batch of {batch_size}")
-        args, kwargs = self._bind(prompts, completions, columns)  # a missing column is a setup error: raised
+        self._bind(prompts, completions, columns)  # a missing column is a setup error: raised
         try:
-            out = self.fn(*args, **kwargs)
+            out = self._call(prompts, completions, columns, timeout_s, step)
+        except RewardTimeoutError as err:  # stopped: the batch has no scores (retrying it alone would wait again)
+            if on_error == "raise":
+                raise
+            if abandoned_calls() >= MAX_ABANDONED_CALLS:
+                raise RewardTimeoutError(f"{err} -- and {abandoned_calls()} timed-out calls still run in background "
+                                         "threads, so reward_errors=skip stops here") from None
+            logger.warning("%s; its %d samples scored NaN (reward_errors=skip)", err, batch_size)
+            return (torch.full((batch_size,), math.nan, dtype=torch.float64), {},
+                    torch.ones(batch_size, dtype=torch.bool))
         except Exception as err:  # the user's function failed: name it and the sample, or skip the samples
-            return self._score_one_by_one(prompts, completions, columns, on_error, err)
+            return self._score_one_by_one(prompts, completions, columns, on_error, err, timeout_s, step)
         metrics = getattr(out, "metrics", None)
         metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
         scores, errors = _to_scores(out, self.name, batch_size, prompts, on_error)
         return torch.tensor(scores, dtype=torch.float64), metrics, torch.tensor(errors, dtype=torch.bool)
 
-    def _score_one_by_one(self, prompts, completions, columns, on_error: str, batch_err: Exception):
-        """After the batch call raised ``batch_err``: score each sample alone to find the ones to blame."""
+    def _call(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]],
+              timeout_s: float | None, step: int | None) -> Any:
+        """``fn`` on a fresh copy of the batch (``fresh_copy``), under ``timeout_s`` (``RewardTimeoutError``)."""
+        args, kwargs = self._bind(fresh_copy(prompts), fresh_copy(completions),
+                                  {k: fresh_copy(v) for k, v in columns.items()})
+        try:
+            return call_with_deadline(lambda: self.fn(*args, **kwargs), timeout_s)
+        except CallTimedOut as err:
+            at = f" at step {step}" if step is not None else ""
+            how = "abandoned: it still runs in a background thread" if err.abandoned else f"stopped at {err.where}"
+            raise RewardTimeoutError(
+                f"reward function {self.name!r} did not return within {err.seconds:g} s{at} on a batch of "
+                f"{len(completions)} completions ({how}); raise --reward_timeout (0: no limit), or pass "
+                "--reward_errors skip to score such batches as reward errors") from None
+
+    def _score_one_by_one(self, prompts, completions, columns, on_error: str, batch_err: Exception,
+                          timeout_s: float | None = None, step: int | None = None):
+        """After the batch call raised ``batch_err``: score each sample alone to find the ones to blame (each call
+        under ``timeout_s``; once one overruns, it and the samples not yet scored are errors)."""
         scores, errors, first = [], [], None
         for i in range(len(completions)):
             one = {k: v[i:i + 1] for k, v in columns.items()}
             try:
-                args, kwargs = self._bind(prompts[i:i + 1], completions[i:i + 1], one)
-                value, bad = _to_scores(self.fn(*args, **kwargs), self.name, 1, prompts[i:i + 1], on_error)
+                out = self._call(prompts[i:i + 1], completions[i:i + 1], one, timeout_s, step)
+                value, bad = _to_scores(out, self.name, 1, prompts[i:i + 1], on_error)
                 value, bad = value[0], bad[0]
             except Exception as err:
                 if first is None:
                     first = (i, err)
                 if on_error == "raise":
+                    break
+                if isinstance(err, RewardTimeoutError):  # do not wait again for each remaining sample
+                    rest = len(completions) - i
+                    scores, errors = scores + [math.nan] * rest, errors + [True] * rest
                     break
                 value, bad = math.nan, True
             scores.append(value)
@@ -422,13 +484,16 @@ class CombinedReward:
     ``on_error``: ``"raise"`` (default): a function that raises or returns something unusable raises
         ``RewardError`` naming it and the sample. ``"skip"``: those samples are counted (``num_errors``)
         and their total is NaN (whatever ``on_nonfinite`` says), so they train like NaN rewards.
+    ``timeout_s``: seconds each function may take on one batch (None or 0: no limit); an overrun raises
+        ``RewardTimeoutError`` (``"raise"``) or scores that function's batch NaN, every sample counted as an
+        error (``"skip"``). The trainer passes ``--reward_timeout`` per call.
     Components with weight 0 are computed and reported in ``per_function`` but never affect the total.
     Names must be unique (set ``RewardFunction(name=...)`` to tell two uses of one function apart).
     Scores are combined in float64 (``rewards_B`` is float64).
     """
 
     def __init__(self, rewards: Sequence[Any], weights: Sequence[float] | None = None,
-                 on_nonfinite: str = "nan", on_error: str = "raise") -> None:
+                 on_nonfinite: str = "nan", on_error: str = "raise", timeout_s: float | None = None) -> None:
         if not rewards:
             raise ValueError("CombinedReward needs at least one reward function")
         if on_nonfinite not in ("nan", "skip"):
@@ -450,20 +515,25 @@ class CombinedReward:
         if duplicates:
             raise ValueError(f"reward names must be unique; repeated: {duplicates}")
         self.functions: list[RewardFunction] = functions
-        self.on_nonfinite, self.on_error = on_nonfinite, on_error
+        self.on_nonfinite, self.on_error, self.timeout_s = on_nonfinite, on_error, timeout_s
 
     @property
     def weights(self) -> list[float]:
         return [f.weight for f in self.functions]
 
     def __call__(self, prompts: list[Any], completions: list[Any],
-                 columns: dict[str, list[Any]] | None = None, on_error: str | None = None) -> RewardOutput:
+                 columns: dict[str, list[Any]] | None = None, on_error: str | None = None,
+                 timeout_s: float | None = None, step: int | None = None) -> RewardOutput:
         """Score the batch with every function and combine (see the class docstring for NaN rules);
-        ``on_error`` overrides the instance's for this call."""
+        ``on_error`` and ``timeout_s`` override the instance's for this call (``timeout_s`` 0: no limit);
+        ``step`` names the training step in a timeout's message. Each function gets its own copy of the
+        batch (``fresh_copy``)."""
         on_error = on_error or self.on_error
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         per_function, function_metrics, errors = {}, {}, {}
         for f in self.functions:
-            per_function[f.name], metrics, errors[f.name] = f.score_checked(prompts, completions, columns, on_error)
+            per_function[f.name], metrics, errors[f.name] = f.score_checked(prompts, completions, columns, on_error,
+                                                                            timeout_s, step)
             function_metrics.update({f"{f.name}/{k}": v for k, v in metrics.items()})
         batch_size = len(completions)
         scores_F_B = torch.stack(list(per_function.values())) if per_function else torch.zeros(0, batch_size)

@@ -28,13 +28,14 @@ NAMED_DATASETS: dict[str, Callable[[str, int | None], list[dict[str, Any]]]] = {
 NAMED_PAIR_DATASETS: dict[str, Callable[[str, int | None, int], list[dict[str, Any]]]] = {}
 
 
-def load_rows(name: str, split: str, config_name: str | None = None, n: int | None = None) -> list[dict[str, Any]]:
+def load_rows(name: str, split: str, config_name: str | None = None, n: int | None = None,
+              encoding_errors: str = "strict") -> list[dict[str, Any]]:
     """Rows of a dataset: a name in ``NAMED_DATASETS``, a local .jsonl/.json/.parquet file (all of it) or
-    folder (the split's files), or a Hugging Face Hub id (fails at once offline)."""
+    folder (the split's files), or a Hugging Face Hub id (fails at once offline); the first ``n`` when given
+    (a local file is read no further)."""
     if name in NAMED_DATASETS:
         return NAMED_DATASETS[name](split, n)
-    rows = load_dataset_rows(name, split, config_name)
-    return rows[:n] if n else rows
+    return load_dataset_rows(name, split, config_name, encoding_errors=encoding_errors, limit=n or None)
 
 
 def is_messages(value: Any) -> bool:

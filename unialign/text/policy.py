@@ -26,6 +26,7 @@ from unialign.policy import ReferencePolicy
 from unialign.text.head import install_fused_head
 from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch, Trajectory
+from unialign.weights import check_finite
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -157,6 +158,7 @@ class CausalLMPolicy:
                 name_or_path, dtype=getattr(torch, torch_dtype), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
+        check_finite(model, name_or_path)  # NaN / inf weights: refused now, by tensor name
         install_fused_head(model, kwargs.get("chunk_size", 1024))
         if lora_rank > 0:
             from peft import LoraConfig, get_peft_model
@@ -550,6 +552,7 @@ class ValueModel(torch.nn.Module):
             seq = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=param.dtype)
         except (OSError, ValueError) as err:
             raise hub_error(source, err) from None
+        check_finite(seq, source, "value head")
         if seq.config.vocab_size != policy_base.config.vocab_size:
             raise ValueError(f"value_head={source!r}: its vocabulary ({seq.config.vocab_size}) is not the policy's "
                              f"({policy_base.config.vocab_size}); the critic must read the policy's token ids")

@@ -17,6 +17,7 @@ from unialign.text.policy import hub_error, unwrap
 from unialign.text.preference import completion_text
 from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch
+from unialign.weights import check_finite
 
 
 class RewardModel:
@@ -41,6 +42,7 @@ class RewardModel:
                 name_or_path, num_labels=1, dtype=getattr(torch, torch_dtype), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
+        check_finite(model, name_or_path)
         return cls(model, tokenizer, **kwargs)
 
     @property

@@ -3,6 +3,8 @@ schedules."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -10,15 +12,26 @@ import numbers
 import os
 import pickle
 import shutil
+import signal
+import sys
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-CHECKPOINT_PREFIX = "checkpoint-"
-STATE_FILE = "trainer_state.json"  # the loop's own state: plain JSON, never a pickle
-LEGACY_STATE_FILE = "trainer_state.pt"  # older checkpoints; read with torch.load(weights_only=True) only
+from unialign.trainers.rundir import (
+    CHECKPOINT_PREFIX,
+    LEGACY_STATE_FILE,  # noqa: F401 - re-exported: the names checkpoints were read by
+    STATE_FILE,
+    checkpoint_step,
+    list_checkpoints,
+    owner_run_id,
+    release,
+)
+from unialign.trainers.rundir import state_file as _state_file
+
 OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
 
 
@@ -47,11 +60,17 @@ class TrainConfig:
         None, "torch intra-op CPU threads (tiny models run fastest on 1; <= 0: torch's choice)")
     output_dir: str = config_field("outputs/run", "folder for checkpoints, logs, curves, summary.json and final/")
     logging_steps: int = config_field(1, "log metrics to the trackers every N steps")
-    save_steps: int = config_field(0, "save a checkpoint every N steps (0: only at the end)")
+    save_steps: int = config_field(0, "save a checkpoint every N steps (0: only at the end, and every --save_minutes)")
+    save_minutes: float = config_field(
+        5.0, "also save a checkpoint when this many minutes of wall-clock passed since the last one (0: off), so a "
+             "killed run loses at most that much; SIGTERM / Ctrl-C save one after the current step either way")
     save_total_limit: int = config_field(2, "keep at most this many checkpoints")
     report_to: str = config_field("tensorboard", "experiment tracker ('none': no tracker)")
     resume_from_checkpoint: str | None = config_field(None, "a checkpoint folder, or 'latest' (the newest under "
                                                      "output_dir; an error when there is none)")
+    overwrite_output_dir: bool = config_field(
+        False, "start a fresh run in an output_dir that holds another run's outputs (that run's checkpoints are left "
+               "in place and no longer resumed by 'latest'; final/ and summary.json are replaced)")
     allow_config_change: bool = config_field(False, "resume even when the learning rate / schedule, algorithm, batch "
                                              "shape, model or data differ from the checkpoint's; the new values "
                                              "apply and summary.json records both")
@@ -139,25 +158,35 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
 
 def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = None) -> dict:
     """End of a script: ``save(<output_dir>/final)`` on every process (stock-loadable weights, written by the
-    main process), then on the main process write
-    ``summary.json`` (strict JSON) with the run's config added, the trainer's non-zero ``counters`` (samples
-    whose reward errored and were skipped, non-finite rewards, skipped steps), and the settings a resume changed
-    (``config_changes_on_resume``, from the run's last checkpoint) when there were any; print where the
-    outputs are and the summary as JSON. Returns the summary."""
+    main process into a temporary folder renamed into place, so ``final/`` is never half written), then on the
+    main process write ``summary.json`` (strict JSON) with the run's config added, the trainer's non-zero
+    ``counters`` (samples whose reward errored and were skipped, non-finite rewards, skipped steps), and the
+    settings a resume changed (``config_changes_on_resume``, from the run's last checkpoint) when there were any;
+    print where the outputs are and the summary as JSON, and release the run's hold on the directory.
+    Returns the summary."""
     summary.update({k: v for k, v in (counters or {}).items() if v})  # e.g. reward_errors skipped, nonfinite rewards
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
     if callable(getattr(cfg, "algo_spec", None)):  # the algorithm as run: preset + overrides, every knob resolved
         summary["algorithm_spec"] = asdict(cfg.algo_spec())
     out = Path(cfg.output_dir)
-    ckpt = find_checkpoint(out, "latest", required=False)
+    ckpt = find_checkpoint(out, "latest", required=False, verbose=False)
     changes = read_trainer_state(ckpt).get("config_changes") if ckpt is not None else None
     if changes:
         summary["config_changes_on_resume"] = changes
-    save(str(out / "final"))  # on every process: a sharded model is gathered; the main process writes
-    acc.wait_for_everyone()
+    tmp = out / ".tmp-final"
+    with writing(tmp, f"the final weights {out / 'final'}"):
+        if acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)  # debris of a run killed while saving
+        acc.wait_for_everyone()
+        save(str(tmp))  # on every process: a sharded model is gathered; the main process writes
+        acc.wait_for_everyone()
+        if acc.is_main_process and tmp.exists():  # a saver may write nothing (tests, a frozen policy)
+            atomic_replace_dir(tmp, out / "final")
     if acc.is_main_process:
-        write_json_atomic(out / "summary.json", summary)
+        with writing(out / "summary.json.tmp", f"{out / 'summary.json'}"):
+            write_json_atomic(out / "summary.json", summary)
         print_summary(acc, out, summary)
+    release(out)
     return summary
 
 
@@ -168,36 +197,105 @@ def print_summary(acc, output_dir: str | Path, summary: dict) -> None:
     acc.print(json.dumps(shown, indent=1))
 
 
-def find_checkpoint(output_dir: str | Path, which: str, required: bool = True) -> Path | None:
-    """``which`` is a checkpoint path or ``"latest"`` (the highest step under ``output_dir``). A path
-    without a trainer state, or ``"latest"`` with no checkpoint, is a ValueError (``required=False``:
-    ``latest`` gives None instead)."""
+CHECKSUM_FILE = "checksums.json"  # sha256 of every other file of the checkpoint, checked before a resume uses it
+CHECKPOINT_FORMAT = 2  # 2: run_id and checksums.json; older checkpoints (no format) are read unverified
+
+
+def find_checkpoint(output_dir: str | Path, which: str, required: bool = True, max_steps: int | None = None,
+                    verbose: bool = True) -> Path | None:
+    """``which`` is a checkpoint path or ``"latest"``: the newest good checkpoint of the run ``output_dir`` belongs
+    to (``run.json``; every valid one in a directory from before run ids). Each candidate is verified
+    (``verify_checkpoint``: trainer state, step, checksums); a damaged explicit path is a ValueError naming the file,
+    a damaged ``latest`` falls back to the previous good one, saying so on stderr. No checkpoint for ``latest`` is
+    a ValueError (``required=False``: None)."""
     if which != "latest":
         path = Path(which)
         if not _state_file(path):
             raise ValueError(f"resume_from_checkpoint={which!r}: no {STATE_FILE} in that directory "
                              "(not a unialign checkpoint)")
+        verify_checkpoint(path, max_steps)
         return path
-    ckpts = sorted(Path(output_dir).glob(CHECKPOINT_PREFIX + "*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
-    ckpts = [c for c in ckpts if _state_file(c)]
-    if not ckpts and required:
+    # the owner's checkpoints, and any from before run ids (there only when the owner resumed one of them)
+    ckpts = list_checkpoints(output_dir, owner_run_id(output_dir), legacy=True)
+    problems = []
+    for path in reversed(ckpts):
+        try:
+            verify_checkpoint(path, max_steps)
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        if problems and verbose:
+            print(f"warning: resuming {path.name}, the newest good checkpoint; skipped: {'; '.join(problems)}",
+                  file=sys.stderr)
+        return path
+    if required and problems:
+        raise ValueError(f"resume_from_checkpoint='latest': no good checkpoint in output_dir={str(output_dir)!r}; "
+                         f"{'; '.join(problems)}")
+    if required:
         raise ValueError(f"resume_from_checkpoint='latest': no checkpoint to resume in output_dir={str(output_dir)!r} "
                          f"(no {CHECKPOINT_PREFIX}<step> folder with a {STATE_FILE}); drop the flag to start from "
                          "step 0")
-    return ckpts[-1] if ckpts else None
-
-
-def _state_file(ckpt: Path) -> Path | None:
-    for name in (STATE_FILE, LEGACY_STATE_FILE):
-        if (ckpt / name).is_file():
-            return ckpt / name
     return None
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` but ``CHECKSUM_FILE``, by path relative to ``root`` (POSIX form)."""
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        out[path.relative_to(root).as_posix()] = h.hexdigest()
+    return out
+
+
+_VERIFIED: dict[tuple, dict] = {}  # (checkpoint, its files' sizes and mtimes) -> state: each version hashed once
+
+
+def verify_checkpoint(ckpt: str | Path, max_steps: int | None = None) -> dict:
+    """Check checkpoint ``ckpt`` before anything is loaded from it and return its trainer state: the state is
+    plain data of the right types (``read_trainer_state``) whose step matches the folder name and, when given, is
+    at most ``max_steps``; every file listed in ``checksums.json`` is present with its recorded sha256 (a checkpoint
+    of format 2 without that file is damaged; older ones are read unverified). A ValueError names the file."""
+    ckpt = Path(ckpt)
+    state = read_trainer_state(ckpt)
+    named = checkpoint_step(ckpt)
+    if named is not None and named != state["step"]:
+        raise ValueError(f"{ckpt / STATE_FILE}: step {state['step']} does not match the folder's step {named}; "
+                         "the checkpoint is damaged or edited")
+    if max_steps is not None and state["step"] > max_steps:
+        raise ValueError(f"{ckpt}: the checkpoint is at step {state['step']}, past --max_steps {max_steps}; raise "
+                         "--max_steps to continue it")
+    sums = ckpt / CHECKSUM_FILE
+    if not sums.is_file():
+        if state.get("checkpoint_format", 1) >= CHECKPOINT_FORMAT:
+            raise ValueError(f"{sums}: missing; the checkpoint is damaged")
+        return state
+    key = (str(ckpt.resolve()), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                                      for p in sorted(ckpt.rglob("*")) if p.is_file()))
+    if key in _VERIFIED:
+        return state
+    try:
+        recorded = json.loads(sums.read_text())["files"]
+        assert isinstance(recorded, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise ValueError(f"{sums}: unreadable; the checkpoint is damaged") from None
+    actual = file_digests(ckpt)
+    for name, digest in recorded.items():
+        if name not in actual:
+            raise ValueError(f"{ckpt / name}: missing; the checkpoint is damaged")
+        if actual[name] != digest:
+            raise ValueError(f"{ckpt / name}: checksum mismatch (the file changed after it was written: truncated, "
+                             "corrupted or edited); the checkpoint is damaged")
+    _VERIFIED[key] = state
+    return state
 
 
 def read_trainer_state(ckpt: str | Path) -> dict:
     """The loop's own state of checkpoint ``ckpt``: ``trainer_state.json``, or an older checkpoint's
     ``trainer_state.pt`` read with ``torch.load(weights_only=True)``, so a crafted file cannot run code
-    (it is refused with a ValueError instead)."""
+    (it is refused with a ValueError instead). The fields the loop reads are checked for their types."""
     ckpt = Path(ckpt)
     path = _state_file(ckpt)
     if path is None:
@@ -205,8 +303,9 @@ def read_trainer_state(ckpt: str | Path) -> dict:
     if path.name == STATE_FILE:
         try:
             state = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: not valid JSON ({err}); the checkpoint is damaged") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {str(err)[:100]}); the checkpoint is "
+                             "damaged") from None
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -216,6 +315,11 @@ def read_trainer_state(ckpt: str | Path) -> dict:
                              f"could run code ({first})") from None
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{path}: not a trainer state (expected a dict with a 'step')")
+    for name, kind in (("step", int), ("cursor", int), ("history", list), ("counters", dict)):
+        value = state.get(name, 0 if kind is int else kind())
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise ValueError(f"{path}: {name!r} is {value!r}, not a{'' if kind is int else ' JSON'} "
+                             f"{'non-negative integer' if kind is int else kind.__name__}; the checkpoint is damaged")
     return state
 
 
@@ -288,8 +392,8 @@ def plan_resume(cfg: TrainConfig, settings: dict[str, Any]) -> ResumePoint | Non
     checkpoints and ``summary.json`` carry. Nothing is loaded into the model here."""
     if not cfg.resume_from_checkpoint:
         return None
-    path = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-    state = read_trainer_state(path)
+    path = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint, max_steps=cfg.max_steps, verbose=False)
+    state = verify_checkpoint(path, cfg.max_steps)
     old = state.get("settings")
     if old is None:  # a checkpoint from before settings were recorded: compare what its config holds
         old_cfg = state.get("config") or {}
@@ -321,9 +425,13 @@ def apply_optimizer_settings(optimizer, scheduler, cfg: TrainConfig) -> None:
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
-    ckpts = sorted(Path(output_dir).glob(CHECKPOINT_PREFIX + "*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
-    for path in ckpts[:-keep] if keep > 0 else []:
+def prune_checkpoints(output_dir: str | Path, keep: int, run_id: str | None, legacy: bool = False) -> None:
+    """Keep the newest ``keep`` checkpoints of run ``run_id`` under ``output_dir``, delete its older ones. Only
+    that run's own checkpoints are touched (with ``legacy``, also those without a run id: the run resumed one of
+    them): a folder another run (or a person) wrote is never deleted; with no ``run_id`` nothing is."""
+    if run_id is None or keep <= 0:
+        return
+    for path in list_checkpoints(output_dir, run_id, legacy)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -406,20 +514,103 @@ def log_images(acc, images: dict[str, object], step: int) -> None:
             tracker.log_images({k: [v] for k, v in images.items()}, step=step)
 
 
-def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int) -> Path:
-    """accelerate state (model, optimizer, scheduler, RNGs) + the loop's own ``state`` dict (as
+def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int, run_id: str | None = None,
+                    random_states: dict[str, torch.Tensor] | None = None, legacy: bool = False) -> Path:
+    """accelerate state (model, optimizer, scheduler, global RNGs) + the loop's own ``state`` dict (as
     ``trainer_state.json``: plain JSON, NaN kept as JSON's NaN extension, which Python reads back
-    exactly), written to a temporary directory and renamed into ``checkpoint-<step>`` only once
-    complete; older ones pruned."""
+    exactly, with ``run_id``) + ``random_states`` (the policies' own generators, a safetensors file) +
+    ``checksums.json`` (sha256 of every file), written to a temporary directory and renamed into
+    ``checkpoint-<step>`` only once complete; then this run's older checkpoints are pruned to ``keep``. A write
+    that fails (a full disk: ``DiskFullError``, one line naming the path) removes the temporary directory and
+    leaves the previous checkpoints as they were."""
     out = Path(output_dir)
     final, tmp = out / f"{CHECKPOINT_PREFIX}{step}", out / f".tmp-{CHECKPOINT_PREFIX}{step}"
-    acc.save_state(str(tmp))
-    if acc.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(_plain(state)))
-        atomic_replace_dir(tmp, final)
-        prune_checkpoints(out, keep)
+    if acc.is_main_process and final.exists() and final not in list_checkpoints(out, run_id, legacy):
+        raise ValueError(f"{final}: exists and was not written by this run; refusing to replace it (move it away, "
+                         "then --resume_from_checkpoint latest)")
+    with writing(tmp, f"checkpoint {final}"):
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()  # every process's files are in before the checksums are taken
+        if acc.is_main_process:
+            if random_states:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in random_states.items()}, str(tmp / RANDOM_STATES_FILE))
+            (tmp / STATE_FILE).write_text(json.dumps(_plain({**state, "run_id": run_id,
+                                                             "checkpoint_format": CHECKPOINT_FORMAT})))
+            (tmp / CHECKSUM_FILE).write_text(json.dumps({"algorithm": "sha256", "files": file_digests(tmp)}, indent=0))
+            _fsync_tree(tmp)
+            atomic_replace_dir(tmp, final)
+            prune_checkpoints(out, keep, run_id, legacy)
     acc.wait_for_everyone()
     return final
+
+
+RANDOM_STATES_FILE = "random_states.safetensors"  # the policies' own torch.Generator states, uint8 tensors
+
+
+def read_random_states(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """The generator states ``save_checkpoint`` wrote (none for older checkpoints); safetensors, never a pickle."""
+    path = Path(ckpt) / RANDOM_STATES_FILE
+    if not path.is_file():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+class DiskFullError(ValueError):
+    """A write ran out of space (ENOSPC); the message names the path and the space left."""
+
+
+def _disk_full(err: BaseException, path: Path) -> bool:
+    """True when ``err`` (or its cause) is ENOSPC / EDQUOT, or torch's serializer failed in a way a full disk
+    produces (``unexpected pos``) while the file system has almost nothing left."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(err)
+    if "No space left" in text or "unexpected pos" in text or "file write failed" in text:
+        return _free_bytes(path) < 64 * 2**20
+    return False
+
+
+def _free_bytes(path: Path) -> int:
+    for p in (path, *path.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return 0
+
+
+@contextlib.contextmanager
+def writing(tmp: Path, what: str):
+    """Around writing ``what`` through the temporary path ``tmp``: on any failure ``tmp`` is removed (so a partial
+    write never holds the space), and a full disk is re-raised as ``DiskFullError`` naming ``what``."""
+    try:
+        yield
+    except BaseException as err:
+        full = _disk_full(err, tmp)
+        free = _free_bytes(tmp)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        if full:
+            raise DiskFullError(f"disk full (ENOSPC) while writing {what} ({free / 2**20:.1f} MiB free on that file "
+                                "system); the partial copy was removed and the previous checkpoints are intact: free "
+                                "some space, then --resume_from_checkpoint latest") from None
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file of ``root`` to disk before it is renamed into place (a power loss must not leave a
+    checkpoint whose files are named but empty)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def _plain(obj: Any) -> Any:
@@ -471,3 +662,86 @@ def check_launch(acc: Any) -> None:
         raise RuntimeError("DeepSpeed (ZeRO) is not supported by unialign's trainers yet: their micro-batch "
                            "accumulation and non-finite guard would be bypassed. Use FSDP2: accelerate launch "
                            "--config_file configs/accelerate/fsdp.yaml ...")
+
+
+class StopSignals:
+    """While inside: SIGTERM and SIGINT are noted (``received``: the signal's number, 0 before one) instead of
+    ending the process, so the loop can finish its step and save; a second one stops at once (the previous
+    handlers apply). Installed only in the main thread (elsewhere ``received`` stays 0)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.received:  # the second signal: stop now, as if nothing were installed
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint (send it "
+              "again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+
+def _generators(sources: dict[str, Any]) -> dict[str, torch.Generator]:
+    """Every ``torch.Generator`` the ``sources`` own, as ``"<source>.<name>"``: each source's ``generators()``
+    (a policy's sampling / noise generator, a reward's), for sources that have one."""
+    out = {}
+    for prefix, obj in sources.items():
+        own = getattr(obj, "generators", None)
+        if callable(own):
+            for name, gen in own().items():
+                out[f"{prefix}.{name}"] = gen
+    return out
+
+
+def generator_states(sources: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The states of the ``sources``' own generators (uint8 tensors), for ``save_checkpoint``."""
+    return {name: gen.get_state() for name, gen in _generators(sources).items()}
+
+
+def set_generator_states(sources: dict[str, Any], states: dict[str, torch.Tensor], where: Path | str) -> None:
+    """Restore the ``sources``' generators from ``states``. A generator the checkpoint does not hold is left as it
+    is when the checkpoint holds none at all (one written before generators were saved) and is an error
+    otherwise (the policy changed)."""
+    gens = _generators(sources)
+    if not states:
+        return
+    missing = sorted(set(gens) - set(states))
+    if missing:
+        raise ValueError(f"{where}: holds no state for the generators {missing}; the policy is not the one that "
+                         "wrote it")
+    for name, gen in gens.items():
+        gen.set_state(states[name])
+
+
+@contextlib.contextmanager
+def preserved_random_state(sources: dict[str, Any]):
+    """Run the body without moving any random state the training draws from: torch's global RNGs (CPU, CUDA)
+    and the ``sources``' own generators come back as they were. Evaluation between steps runs inside, so a run
+    gives the same updates with or without ``eval_steps``, and a resume (which does not repeat an evaluation)
+    continues exactly."""
+    saved = {name: gen.get_state() for name, gen in _generators(sources).items()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            for name, gen in _generators(sources).items():
+                gen.set_state(saved[name])

@@ -11,6 +11,8 @@ evaluation bookkeeping, checkpoint and resume. ``OnlineTrainer`` (sample, score,
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,18 +20,24 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import ProjectConfiguration, broadcast, set_seed
 from tqdm.auto import tqdm
 
 from unialign.config import validate
+from unialign.trainers import rundir
 from unialign.trainers.common import (
+    StopSignals,
     check_launch,
+    generator_states,
     load_checkpoint,
     log_images,
     make_optimizer,
     plan_resume,
+    preserved_random_state,
+    read_random_states,
     resume_settings,
     save_checkpoint,
+    set_generator_states,
 )
 
 
@@ -40,14 +48,21 @@ class TrainerLoop:
     def _open(self, config: Any, rows: list[dict[str, Any]], settings: dict[str, Any],
               accelerator: Accelerator | None) -> None:
         """Check the config, plan a resume (refused here, before any weights move: ``settings`` are the knobs a
-        resume must not change silently) and make the accelerator."""
+        resume must not change silently), take the output directory for this run (``rundir.claim``: a lock, and
+        the run id its checkpoints carry; a resume continues its checkpoint's run) and make the accelerator, whose
+        tracker logs go to ``<output_dir>/logs/<run_id>``."""
         validate(config)  # the checks the scripts run at parse time, for configs built in Python
         self.cfg = config
         self.resume_settings = resume_settings(config, rows, **settings)
         self._resume = plan_resume(config, self.resume_settings)
+        resumed_id = self._resume.state.get("run_id") if self._resume is not None else None
+        self.run = rundir.claim(config.output_dir, self._resume is not None, config.overwrite_output_dir, resumed_id)
         self.config_changes: list[dict] = []
+        out = Path(config.output_dir)
         self.acc = accelerator or Accelerator(
-            log_with=None if config.report_to == "none" else config.report_to, project_dir=config.output_dir)
+            log_with=None if config.report_to == "none" else config.report_to,
+            project_config=ProjectConfiguration(project_dir=str(out),
+                                                logging_dir=str(out / "logs" / (self.run.run_id or "run"))))
         check_launch(self.acc)
 
     def _prepare(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> torch.nn.Module:
@@ -91,15 +106,26 @@ class TrainerLoop:
         state = {"step": self.step, "cursor": self.cursor, "history": self.history, "counters": self.counters,
                  "settings": self.resume_settings, "config_changes": self.config_changes,
                  "config": asdict(self.cfg), **self._extra_state()}
-        return save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit)
+        path = save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit,
+                               self.run.run_id, random_states=generator_states(self._random_sources()),
+                               legacy=self.run.legacy)
+        self._last_save = time.monotonic()
+        return path
 
     def load_checkpoint(self, resume: Any) -> None:
-        """Restore weights, optimizer and the loop's state from a checkpoint ``plan_resume`` accepted."""
+        """Restore weights, optimizer, every random state and the loop's state from a checkpoint ``plan_resume``
+        accepted."""
         state = load_checkpoint(self.acc, resume, self.optimizer, self.scheduler, self.cfg)
+        set_generator_states(self._random_sources(), read_random_states(resume.path), resume.path)
         self.config_changes = state.get("config_changes") or []
         self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
         self.counters = state["counters"]
         self._load_extra_state(state)
+
+    def _random_sources(self) -> dict[str, Any]:
+        """The objects whose own ``torch.Generator``s a checkpoint must carry, by name (their ``generators()``;
+        the global torch / numpy / Python RNGs are accelerate's). The policy's, by default."""
+        return {"policy": getattr(self, "policy", None)}
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -109,6 +135,10 @@ class TrainerLoop:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
+        """The step loop. A checkpoint is written every ``save_steps`` steps, when ``save_minutes`` of wall-clock
+        passed since the last one, and at the end; SIGTERM or SIGINT (Ctrl-C) let the current step finish, write a
+        checkpoint and exit with status 128 + the signal's number, naming the checkpoint (a second signal stops at
+        once)."""
         cfg, acc = self.cfg, self.acc
         if self._resume is not None:
             self.load_checkpoint(self._resume)
@@ -119,22 +149,29 @@ class TrainerLoop:
         if acc.is_main_process:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         self._start_trackers()
+        self._last_save = time.monotonic()
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.progress_desc)
-        while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            stats = self.train_step()
-            self.step += 1
-            stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0,
-                          "lr": self.scheduler.get_last_lr()[0], **self.counters})
-            self.history.append(stats)
-            if self.step % cfg.logging_steps == 0:
-                acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
-            if cfg.eval_steps and self.step % cfg.eval_steps == 0:
-                self._scheduled_eval()
-            bar.update(1)
-            bar.set_postfix(**self._progress(stats))
-            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
-                self.save_checkpoint()
+        with StopSignals() as stop:
+            while self.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                stats = self.train_step()
+                self.step += 1
+                stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0,
+                              "lr": self.scheduler.get_last_lr()[0], **self.counters})
+                self.history.append(stats)
+                if self.step % cfg.logging_steps == 0:
+                    acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+                if cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                    self._scheduled_eval()
+                bar.update(1)
+                bar.set_postfix(**self._progress(stats))
+                signum = self._agree(stop.received)
+                if signum:
+                    self._stop_for_signal(signum, bar)
+                due = cfg.save_minutes and time.monotonic() - self._last_save >= 60 * cfg.save_minutes
+                if self.step < cfg.max_steps and ((cfg.save_steps and self.step % cfg.save_steps == 0)
+                                                  or self._agree(int(bool(due)))):
+                    self.save_checkpoint()
         bar.close()
         self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
         self.save_checkpoint()
@@ -144,8 +181,26 @@ class TrainerLoop:
         self._trackers = "closed"
         return self.history
 
+    def _agree(self, value: int) -> int:
+        """``value`` as the main process has it, on every process (a signal or a clock decides a save only where
+        all processes take it at the same step)."""
+        if self.acc.num_processes == 1:
+            return value
+        return int(broadcast(torch.tensor([value], device=self.acc.device), from_process=0).item())
+
+    def _stop_for_signal(self, signum: int, bar) -> None:
+        bar.close()
+        path = self.save_checkpoint()
+        self.acc.end_training()
+        self._trackers = "closed"
+        name = signal.Signals(signum).name
+        self.acc.print(f"stopped by {name} after step {self.step} of {self.cfg.max_steps}: saved {path}; continue with "
+                       "--resume_from_checkpoint latest", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
     def _scheduled_eval(self) -> None:
-        self.evaluate()
+        with preserved_random_state(self._random_sources()):
+            self.evaluate()
 
     # ------------------------------------------------------------------ what a loop writes
     def train_step(self) -> dict[str, float]:

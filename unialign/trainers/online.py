@@ -46,7 +46,7 @@ from unialign import algos
 from unialign.config import validate
 from unialign.policy import Policy
 from unialign.registry import AlgoSpec, get_algorithm
-from unialign.rewards.base import ON_ERROR, CombinedReward, RewardError
+from unialign.rewards.base import DEFAULT_REWARD_TIMEOUT_S, ON_ERROR, CombinedReward, RewardError
 from unialign.trainers.common import (
     TrainConfig,
     config_field,
@@ -80,6 +80,11 @@ class _OnlineLoopConfig(TrainConfig):
         "a reward function that raises or returns non-numbers: 'raise' (stop, naming the function and the "
         "sample; progress so far is checkpointed) or 'skip' (count them in reward_errors and exclude those "
         "samples, like NaN rewards)"), "choices": list(ON_ERROR)})
+    reward_timeout: float | None = field(default=DEFAULT_REWARD_TIMEOUT_S, metadata={
+        "help": "seconds one reward function may take on one batch: a call still running then is stopped and "
+                "named (reward, limit, step); --reward_errors raise stops the run (steps so far checkpointed), "
+                "skip scores that batch as reward errors. 0 or none: no limit (10 minutes is also torch's NCCL "
+                "timeout, after which a multi-GPU run would fail anyway)", "group": "algorithm", "min": 0.0})
     # rollout engine vs trainer (vLLM, --rollout_dtype): applies only when the policy records rollout log-probs
     rollout_correction: str = field(default="truncate", metadata={"help": (
         "importance-sampling correction when sampling ran on another engine than the trained model "
@@ -226,6 +231,9 @@ class OnlineTrainer(TrainerLoop):
             if not hasattr(policy, "log_prob_and_kl"):
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} needs a policy with Gaussian steps and "
                                  f"log_prob_and_kl() (DiffusionPolicy); {type(policy).__name__} has none: use k1, k2 or k3")
+            if self.spec.kl_estimator in algos.NEEDS_KL_WEIGHTS and not hasattr(policy, "kl_weights"):
+                raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} (Flow-GRPO's KL) needs a flow-matching "
+                                 f"policy's kl_weights(); {type(policy).__name__} has none: use 'gaussian'")
             if self.spec.kl_in_reward or self.spec.value_coef > 0:
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} is a KL term in the loss; it cannot be "
                                  f"combined with {self.spec.name}'s KL-in-reward or critic: use k1, k2 or k3")
@@ -271,7 +279,8 @@ class OnlineTrainer(TrainerLoop):
 
     # ------------------------------------------------------------------ phases 1-3
     def _score(self, traj: Trajectory) -> dict[str, float]:
-        out = self.reward_fn(traj.prompts, traj.completions, traj.columns, on_error=self.cfg.reward_errors)
+        out = self.reward_fn(traj.prompts, traj.completions, traj.columns, on_error=self.cfg.reward_errors,
+                             timeout_s=self.cfg.reward_timeout, step=self.step + 1)
         self.counters["reward_errors"] = self.counters.get("reward_errors", 0) + out.num_errors
         rewards, per_fn = out.rewards_B.double(), out.per_function  # float64 up to the advantages
         spec, cfg = self.spec, self.cfg
@@ -402,6 +411,8 @@ class OnlineTrainer(TrainerLoop):
             logp, entropy, values = self.policy.log_prob_and_values(mb)
         elif self._kl_from_policy:
             logp, entropy, kl = self.policy.log_prob_and_kl(mb)
+            weights = self.policy.kl_weights(mb) if spec.kl_estimator in algos.NEEDS_KL_WEIGHTS else None
+            kl = algos.closed_form_kl(kl, spec.kl_estimator, weights)
         else:
             logp, entropy = self.policy.log_prob_and_entropy(mb)
         adv = mb.advantages_B_T.to(logp.device)
@@ -536,6 +547,9 @@ class OnlineTrainer(TrainerLoop):
         if self.spec.kl_in_reward and "kl_seq" in stats:
             self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
         return stats
+
+    def _random_sources(self) -> dict[str, Any]:
+        return {"policy": self.policy, "reward": self.reward_fn}
 
     def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
         return {"reward": f"{stats.get('reward/mean', math.nan):.3f}"}

@@ -20,6 +20,8 @@ import contextlib
 import hashlib
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from unialign.trainers.common import (
     TrainConfig,
     config_field,
     epoch_order,
+    preserved_random_state,
     save_curves,
 )
 from unialign.trainers.loop import TrainerLoop
@@ -103,24 +106,27 @@ class PairObjective:
         return self.policy.preference_batch(rows)
 
     def precompute(self, rows: list[dict[str, Any]], batch_size: int, path: str | Path | None = None) -> None:
-        """Fill the reference cache for every row (loading it from ``path`` when present, saving it there
-        otherwise). Key ``path`` by ``fingerprint(rows, model)``. Valid when ``preference_batch`` is a
-        deterministic function of the rows (text; not diffusion, whose pairs draw t and noise). Nothing to
-        do for a reference-free loss."""
+        """Fill the reference cache for every row (loading it from ``path`` when present and whole, saving it there
+        otherwise). Key ``path`` by ``fingerprint(rows, model)``. The file is safetensors (row ids and the two
+        log-probs, float64), written through a temporary file renamed into place; one that is damaged (truncated,
+        unreadable, not one value pair per row, non-finite) is reported on stderr and rebuilt. Valid when
+        ``preference_batch`` is a deterministic function of the rows (text; not diffusion, whose pairs draw t and
+        noise). Nothing to do for a reference-free loss."""
         if self.reference is None:
             return
         if self.cache is None:
             self.cache = {}
         if path is not None and Path(path).exists():
-            self.cache.update(torch.load(path, weights_only=True))
-            return
+            loaded = _read_reference_cache(Path(path), len(rows))
+            if loaded is not None:
+                self.cache.update(loaded)
+                return
         with torch.no_grad():
             for i in range(0, len(rows), batch_size):
                 ids = list(range(i, min(i + batch_size, len(rows))))
                 self._reference_logps(self.batch([rows[j] for j in ids]), ids)
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.cache, path)
+            _write_reference_cache(Path(path), {i: self.cache[i] for i in range(len(rows))})
 
     def _reference_logps(self, batch: PreferenceBatch, row_ids: list[int] | None):
         if self.cache is not None and row_ids is not None and all(i in self.cache for i in row_ids):
@@ -294,9 +300,12 @@ class PreferenceTrainer(TrainerLoop):
         draws timesteps and noise): a run gives the same updates with or without ``eval_steps``."""
         if self.eval_rows is None:
             return
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with preserved_random_state(self._random_sources()):
             self.evaluate()
+
+    def _random_sources(self) -> dict[str, Any]:
+        owner = self.obj.policy if hasattr(self.obj, "policy") else getattr(self.obj, "reward_model", None)
+        return {"objective": self.obj, "policy": owner}
 
 
 @torch.no_grad()
@@ -326,3 +335,34 @@ def fingerprint(rows: list[dict[str, Any]], model: torch.nn.Module) -> str:
     for p in model.state_dict().values():
         h.update(p.detach().float().cpu().numpy().tobytes()[:4096])
     return h.hexdigest()[:16]
+
+
+def _write_reference_cache(path: Path, cache: dict[int, tuple[float, float]]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ids = sorted(cache)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    save_file({"row_ids": torch.tensor(ids, dtype=torch.int64),
+               "ref_logps": torch.tensor([cache[i] for i in ids], dtype=torch.float64).reshape(len(ids), 2)}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _read_reference_cache(path: Path, n_rows: int) -> dict[int, tuple[float, float]] | None:
+    """The cache at ``path`` when it is whole (one finite pair for each of rows 0 .. n_rows - 1), else None after
+    saying on stderr why it is rebuilt."""
+    from safetensors.torch import load_file
+
+    try:
+        data = load_file(str(path))
+        ids, values = data["row_ids"], data["ref_logps"]
+        ok = (ids.tolist() == list(range(n_rows)) and tuple(values.shape) == (n_rows, 2)
+              and bool(torch.isfinite(values).all()))
+    except Exception as err:  # noqa: BLE001 - any unreadable file is rebuilt, never trusted
+        ok, why = False, f"{type(err).__name__}: {str(err)[:100]}"
+    else:
+        why = "not one finite pair of log-probs per training row"
+    if not ok:
+        print(f"warning: {path}: damaged reference cache ({why}); recomputing it", file=sys.stderr)
+        return None
+    return {int(i): (float(c), float(r)) for i, (c, r) in zip(ids, values.tolist())}
