@@ -95,6 +95,8 @@ def evaluate(score, reset, cases: list[dict], repeats: int) -> dict:
 
 def run(quick: bool = False) -> list[dict]:
     cases = load_cases()
+    if quick:  # a smoke run on every 8th case (each category still in); agreement on the whole set is the row's meaning
+        cases = cases[::8]
     repeats = 1 if quick else 3
     ours = evaluate(*ours_scorer(), cases, repeats)
     try:

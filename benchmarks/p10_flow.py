@@ -180,7 +180,7 @@ def measure_sampling(batch: int = 4, steps: int = 10, guidance: float = 4.5, noi
 
 def p10a_rows(quick: bool) -> list[dict]:
     s = SAMPLING
-    repeats = 4 if quick else 10  # even: each side goes first equally often
+    repeats = 2 if quick else 10  # even: each side goes first equally often
     try:
         r = measure_sampling(batch=s["batch"], steps=s["steps"], guidance=s["guidance"], noise_level=s["noise_level"],
                              repeats=repeats, **SIZE)
@@ -301,7 +301,7 @@ def measure_training(steps: int = 10, window: int = 2, prompts: int = 2, per_pro
 
 def p10b_rows(quick: bool) -> list[dict]:
     s = TRAINING
-    repeats, mem_repeats = (2, 2) if quick else (4, 2)  # even: each side goes first equally often
+    repeats, mem_repeats = (2, 1) if quick else (4, 2)  # even: each side goes first equally often
     try:
         r = measure_training(steps=s["steps"], window=s["window"], prompts=s["prompts"], per_prompt=s["per_prompt"],
                              lora_rank=s["lora_rank"], lr=s["lr"], repeats=repeats, mem_repeats=mem_repeats,

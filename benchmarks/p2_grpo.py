@@ -249,16 +249,17 @@ def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed:
 
 def run(quick: bool = False) -> list[dict]:
     # L = 32: the embedded task's correct answers are 20-25 tokens with EOS (24 cut the longest ones off)
-    P, G, L = (4 if quick else 8), 8, 32
-    steps = 3 if quick else 8
+    # quick: a smoke run (2 prompts x 4, 16 tokens, 2 steps, 1-step memory children): every row, no meaning
+    P, G, L = (2, 4, 16) if quick else (8, 8, 32)
+    steps = 2 if quick else 8
     kinds = ["random"] + (["arith"] if arith_available() else [])
     rows = []
     for kind in kinds:
         tag = "P2" if kind == "random" else "P2-arith"
         model_desc = (f"random-init Llama h{RANDOM_DIMS['hidden']} x{RANDOM_DIMS['layers']}L" if kind == "random"
                       else "embedded arith_lm")
-        eval_rows = 0 if kind == "random" else (64 if quick else 256)
-        st = steps if kind == "random" else (3 if quick else 20)
+        eval_rows = 0 if kind == "random" else (16 if quick else 256)
+        st = steps if kind == "random" else (2 if quick else 20)
         common = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, dapo/token-mean, "
                   f"lr {LR}, {st} steps (median of steps 2..{st}; interleaved in one process); CPU fp32")
         try:
@@ -274,7 +275,7 @@ def run(quick: bool = False) -> list[dict]:
                                 "noise is large, see benchmarks/README.md)"))
         except Exception as e:  # noqa: BLE001
             rows.append(error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
-        mem_steps = 2 if quick else 3
+        mem_steps = 1 if quick else 3
         m = {impl: run_child("p2_grpo", "memory_child", dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps))
              for impl in ("ours", "trl")}
         if any("error" in v for v in m.values()):

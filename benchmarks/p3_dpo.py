@@ -156,8 +156,8 @@ def memory_child(impl: str, B: int, steps: int, seed: int = 0) -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    B = 8
-    steps = 5 if quick else 15
+    B = 4 if quick else 8
+    steps = 2 if quick else 15  # quick: a smoke run, every row
     desc = (f"random-init Llama h{RANDOM_DIMS['hidden']} x{RANDOM_DIMS['layers']}L, char tokenizer; B={B} pairs, "
             f"beta {BETA}, sigmoid, full-copy reference, no precompute, grad checkpointing off on both; CPU fp32")
     rows = []
@@ -174,7 +174,7 @@ def run(quick: bool = False) -> list[dict]:
                         abs_diff=diff, ln2=math.log(2)))
     except Exception as e:  # noqa: BLE001
         rows.append(error_row("P3-time", "DPO optimizer-step time", e))
-    mem_steps = 2 if quick else 3
+    mem_steps = 1 if quick else 3
     m = {impl: run_child("p3_dpo", "memory_child", dict(impl=impl, B=B, steps=mem_steps)) for impl in ("ours", "trl")}
     if any("error" in v for v in m.values()):
         rows.append(error_row("P3-mem", "DPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))

@@ -93,8 +93,8 @@ def run(quick: bool = False) -> list[dict]:
     # CPU sizing: 32x32 latents / 2 layers per block cost ~5 s per UNet call on this shared 2-core box, so the
     # default is 16x16 latents, 1 layer per block (the UNet still dominates the step); the GPU script runs
     # SD1.5 / SDXL-sized UNets.
-    batch, steps, hw = 4, (10 if quick else 20), 16
-    repeats = 3 if quick else 7
+    batch, steps, hw = (2, 4, 16) if quick else (4, 20, 16)  # quick: a smoke run of the same comparison
+    repeats = 1 if quick else 7
     try:
         r = measure(batch=batch, steps=steps, repeats=repeats, sample_size=hw, layers_per_block=1)
         notes = (f"UNet block_out_channels (32, 64), 1 layer/block, {r['latent_hw']}x{r['latent_hw']} latents "

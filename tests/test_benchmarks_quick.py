@@ -1,0 +1,31 @@
+"""Benchmarks cannot silently break: every group of ``benchmarks/run.py`` runs in ``--quick`` mode (shrunk sizes,
+every row kept) and none returns an error row. The quick numbers are not compared with targets -- the sizes are
+too small to mean anything -- only that each comparison still runs end to end against its baseline (TRL's
+trainers, plain diffusers, math-verify, TRL 0.23 for P9, whose environment is built on first use)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_benchmark_group_runs_quick_without_an_error_row(tmp_path):
+    from benchmarks.run import MODULES
+
+    out = tmp_path / "quick.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--output", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    errors = [f"{r['id']}: {r.get('notes', '')[-600:]}" for r in rows if r.get("error") or r.get("ours") is None]
+    assert not errors, "benchmark rows failed:\n" + "\n".join(errors)
+    groups = {r["id"].split("-")[0].rstrip("ab") for r in rows}
+    assert groups == set(MODULES), f"groups without a row: {sorted(set(MODULES) - groups)}"
+    assert result["mode"] == "quick"
