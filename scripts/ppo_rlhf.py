@@ -23,6 +23,7 @@ from unialign.recipes import TextDataArgs, columns_of, fit_prompts, load_prompt_
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate
 from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
+from unialign.trainers.rundir import list_checkpoints
 
 
 @dataclass
@@ -69,8 +70,9 @@ def main(cfg: PPOConfig) -> dict:
     if not rm_path.exists() and cfg.reward_model_path == PPOConfig.reward_model_path:
         print(f"no reward model at {rm_path}: training the embedded one first", flush=True)
         script = Path(__file__).with_name("train_reward_model.py")
-        subprocess.run([sys.executable, str(script), "--output_dir", str(rm_path.parent), "--report_to", "none"],
-                       check=True)
+        resume = ["--resume_from_checkpoint", "latest"] if list_checkpoints(rm_path.parent) else []  # a killed one
+        subprocess.run([sys.executable, str(script), "--output_dir", str(rm_path.parent), "--report_to", "none",
+                        *resume], check=True)
     rm = get_reward("reward_model", path=str(rm_path))  # a bad reward-model path fails before the policy loads
     policy = CausalLMPolicy.from_pretrained(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,

@@ -267,3 +267,32 @@ def test_a_time_based_checkpoint_changes_nothing(tmp_path):
     timed.train()
     assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["checkpoint-2", "checkpoint-3"]
     assert all(torch.equal(v, params(timed)[k]) for k, v in params(plain).items())
+
+
+# ------------------------------------------------------------------ signals, in process
+@pytest.mark.parametrize("when", ["mid-run", "final evaluation"])
+def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path, capsys, when):
+    import signal
+
+    trainer = make(tmp_path, max_steps=4)
+    if when == "mid-run":
+        step = trainer.train_step
+
+        def step_then_signal():
+            out = step()
+            if trainer.step == 1:  # the second step: the signal lands while it runs
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        trainer.train_step = step_then_signal
+        saved = "checkpoint-2"
+    else:
+        trainer.evaluate = lambda: os.kill(os.getpid(), signal.SIGTERM)
+        saved = "checkpoint-4"
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.train()
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM after step {saved[11:]} of 4: saved {tmp_path / saved}" in err
+    assert [p.name for p in list_checkpoints(tmp_path)] == [saved]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run

@@ -172,9 +172,12 @@ class TrainerLoop:
                 if self.step < cfg.max_steps and ((cfg.save_steps and self.step % cfg.save_steps == 0)
                                                   or self._agree(int(bool(due)))):
                     self.save_checkpoint()
-        bar.close()
-        self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
-        self.save_checkpoint()
+            bar.close()
+            self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
+            path = self.save_checkpoint()
+            signum = self._agree(stop.received)
+            if signum:  # a signal during the final evaluation or save: that checkpoint is whole, final/ is not written
+                self._stop_for_signal(signum, bar, path)
         if acc.is_main_process:
             self.save_curves()
         acc.end_training()
@@ -188,9 +191,9 @@ class TrainerLoop:
             return value
         return int(broadcast(torch.tensor([value], device=self.acc.device), from_process=0).item())
 
-    def _stop_for_signal(self, signum: int, bar) -> None:
+    def _stop_for_signal(self, signum: int, bar, path: Path | None = None) -> None:
         bar.close()
-        path = self.save_checkpoint()
+        path = path or self.save_checkpoint()
         self.acc.end_training()
         self._trackers = "closed"
         name = signal.Signals(signum).name
