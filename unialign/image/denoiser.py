@@ -7,18 +7,15 @@ their ELBO surrogate (``preference_batch``, ``sequence_log_prob``), the referenc
 copy), LoRA set-up and saving in diffusers' ``load_lora_weights`` format, chunked sampling, step-chunked
 training and classifier-free guidance with or without a gradient through the unconditional branch.
 
-A subclass is the step kernel and the pipeline family, through these hooks (all tensors batch-first):
+It is composed of the pipeline family (the subclass: ``DiffusionPolicy`` for SD1.x / SDXL UNets,
+``FlowMatchingPolicy`` / ``FluxPolicy`` for SD3 / FLUX transformers) and one step kernel, ``self.kernel``
+(``unialign.image.kernels``: how trajectories are sampled and scored, e.g. the DDIM step or Flow-GRPO's SDE
+step), which reads the family only through ``_sampling_cond``, ``_initial_latents``, ``_denoise``, ``decode``,
+``scheduler``, ``num_steps``, ``_cfg`` and ``cond_keys``. The family's hooks (all tensors batch-first):
 
     sampling    _sampling_cond(prompts)                   the payload's conditioning for B prompts
                 _initial_latents(batch, generator)         x_T [B, C, H, W]
-                _stochastic_window(generator)              [start, end) of the stochastic steps
-                _step_plan()                               every step's coefficients (opaque to this class)
-                _transition(i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B)
-                _trained_mask(batch, generator, window, plan) -> mask_B_T
     the model   _denoise(model, x, t_B, cond, cfg)        the (guided) model output at x_t
-    log-probs   _step_logprob(out, t_R, x_R, next_R) -> (logp_R, mean, std) of recorded steps
-                _step_std(timesteps_B_T)                   the step Gaussian's std [B, N] (entropy)
-                _step_kl(mean, ref_mean, std)              the closed-form KL [R] (default ``gaussian_kl``)
     pairs       _draw_pair_times(b)                        one training time per pair, for the payload
                 _pair_times(payload, b)                    the payload's times (drawn when missing)
                 _noised(x0, eps, times) -> (x_t, t, target)  forward noising and the regression target
@@ -46,8 +43,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unialign.algos.kl import gaussian_kl
-from unialign.image.ddim import HALF_LOG_2PI
 from unialign.policy import ReferencePolicy
 from unialign.types import PreferenceBatch, Trajectory
 
@@ -245,26 +240,8 @@ class DenoiserPolicy:
                                for i in range(0, len(prompts), size)])
 
     def _sample(self, model, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
-        """The N steps from x_T to x_0 with ``model`` (the policy's or the reference's). The generator is
-        drawn in this order: x_T, the stochastic window, each step's noise, the trained-steps mask."""
-        batch = len(prompts)
-        cond = self._sampling_cond(prompts)
-        latents = self._initial_latents(batch, generator)
-        start, end = self._stochastic_window(generator)
-        timesteps = self.scheduler.timesteps.to(self.device)
-        plan = self._step_plan()
-        all_latents, all_logps = [latents], []
-        for i, t in enumerate(timesteps):
-            t_B = t.expand(batch)
-            out = self._denoise(model, latents, t_B, cond, self._cfg)
-            latents, logp = self._transition(i, out, t_B, latents, generator, plan, start <= i < end)
-            all_latents.append(latents)
-            all_logps.append(logp)
-        payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
-        return Trajectory(prompts=list(prompts), completions=self.decode(latents),
-                          mask_B_T=self._trained_mask(batch, generator, (start, end), plan),
-                          old_logp_B_T=torch.stack(all_logps, dim=1),
-                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=self.device), payload=payload)
+        """One trajectory per prompt with ``model`` (the policy's or the reference's): the kernel's sampler."""
+        return self.kernel.sample(self, model, prompts, generator)
 
     # ------------------------------------------------------------------ Policy protocol
     def log_prob(self, trajectory: Trajectory) -> Tensor:
@@ -283,46 +260,15 @@ class DenoiserPolicy:
     def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[Tensor, Tensor, Tensor]:
         """``(logp_B_T, entropy_B_T, kl_B_T)``: ``log_prob_and_entropy(trajectory)`` plus the closed-form KL of
         each trained step to the reference's step at the same x_t (both Gaussians with the step's std, so
-        KL_t = mean_CHW (mu_theta - mu_ref)^2 / (2 std^2): ``_step_kl``), differentiable through mu_theta; 0
+        KL_t = mean_CHW (mu_theta - mu_ref)^2 / (2 std^2): the kernel's ``step_kl``), differentiable through mu_theta; 0
         where masked. The reference (``reference()``: adapters off, or the frozen copy) runs here, without
         gradients, with the same CFG -- as Flow-GRPO's training step does -- so the trainer needs no
         reference pass of its own."""
         return self._log_prob(self.model, trajectory, True, reference=self.reference())
 
     def _log_prob(self, model, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
-        """Every trained (sample, step) pair of the batch in ONE model call (each row its own x_t, t and
-        conditioning): a micro-batch's trained steps are scattered over the N columns, and a call per
-        column runs the model on a few rows at a time."""
-        payload = trajectory.payload
-        latents, timesteps = payload["latents"], payload["timesteps"]
-        mask = trajectory.mask_B_T.to(latents.device)
-        batch, steps = timesteps.shape
-        logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
-        kl_B_T = torch.zeros_like(logp_B_T)
-        rows, cols = (mask > 0).nonzero(as_tuple=True)
-        if rows.numel() > 0:
-            t_R, x_R, next_R = timesteps[rows, cols], latents[rows, cols], latents[rows, cols + 1]
-            cond = {k: payload[k][rows] for k in self.cond_keys}
-            logp, mean, std = self._step_logprob(self._denoise(model, x_R, t_R, cond, self._cfg), t_R, x_R, next_R)
-            logp_B_T = logp_B_T.index_put((rows, cols), logp)
-            if reference is not None:
-                with reference._frozen():
-                    ref_out = self._denoise(reference.model, x_R, t_R, cond, self._cfg)
-                    ref_mean = self._step_logprob(ref_out, t_R, x_R, next_R)[1]
-                kl_B_T = kl_B_T.index_put((rows, cols), self._step_kl(mean, ref_mean, std))
-        if not with_entropy:
-            return logp_B_T
-        std_B_T = self._step_std(timesteps).to(logp_B_T.device)
-        live = (mask > 0) & (std_B_T > 0)
-        entropy_B_T = torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
-                                  torch.zeros_like(std_B_T))
-        if reference is None:
-            return logp_B_T, entropy_B_T
-        return logp_B_T, entropy_B_T, kl_B_T
-
-    def _step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
-        """KL(N(mean, std^2) || N(ref_mean, std^2)) per row, mean over the other dims [R]."""
-        return gaussian_kl(mean, ref_mean, std)
+        """The kernel's log-probs of ``trajectory`` under ``model`` (with entropy; with a reference: the KL)."""
+        return self.kernel.log_prob(self, model, trajectory, with_entropy, reference)
 
     # ------------------------------------------------------------------ preference pairs
     def _pixel_multiple(self) -> int:

@@ -43,13 +43,7 @@ from typing import Any
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
-from unialign.image.flow import (
-    check_noise_level,
-    flow_step_coefficients,
-    flow_step_kl,
-    sde_step_with_logprob,
-    sde_window_bounds,
-)
+from unialign.image.kernels import FlowSDEKernel
 from unialign.types import Trajectory
 
 Tensor = torch.Tensor
@@ -76,8 +70,7 @@ class FlowPolicyBase(DenoiserPolicy):
                     train_chunk_size: int, seed: int, caption_dropout: float) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        check_noise_level(sde_type, noise_level)
-        lo, hi = sde_window_bounds(num_steps, sde_window_size, sde_window_range)
+        kernel = FlowSDEKernel(num_steps, noise_level, sde_type, sde_window_size, sde_window_range)
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.transformer = transformer
@@ -90,8 +83,7 @@ class FlowPolicyBase(DenoiserPolicy):
         self.train_timesteps = train.timesteps.detach().float().cpu()
         self.train_sigmas = train.sigmas.detach().float().cpu()[: len(self.train_timesteps)]
         self.num_steps, self.guidance_scale = num_steps, guidance_scale
-        self.noise_level, self.sde_type = noise_level, sde_type
-        self.sde_window_size, self.sde_window_range = sde_window_size, (lo, hi)
+        self.kernel = kernel
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.height, self.width = height, width
         multiple = self._pixel_multiple()
@@ -131,16 +123,30 @@ class FlowPolicyBase(DenoiserPolicy):
         """The stock diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights``)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ the SDE step kernel's knobs
+    @property
+    def noise_level(self) -> float:
+        return self.kernel.noise_level
+
+    @property
+    def sde_type(self) -> str:
+        return self.kernel.sde_type
+
+    @property
+    def sde_window_size(self) -> int:
+        return self.kernel.sde_window_size
+
+    @property
+    def sde_window_range(self) -> tuple[int, int]:
+        return self.kernel.sde_window_range
+
     def sde_window(self, generator: torch.Generator | None = None) -> tuple[int, int]:
-        """[start, end) of the stochastic, trained steps: all N without a window; else a window of
-        ``sde_window_size`` steps starting uniformly in [lo, hi - size] (one draw from ``generator``)."""
-        if self.sde_window_size == 0:
-            return 0, self.num_steps
-        lo, hi = self.sde_window_range
-        device = generator.device if generator is not None else "cpu"
-        start = lo + int(torch.randint(0, hi - self.sde_window_size - lo + 1, (1,), generator=generator,
-                                       device=device).item())
-        return start, start + self.sde_window_size
+        """[start, end) of the stochastic, trained steps (the kernel's ``window``)."""
+        return self.kernel.window(generator)
+
+    def kl_weights(self, trajectory: Trajectory) -> Tensor:
+        """[B, T] std^2 / g^2 of each step, the kernel's: |dt| for the SDE step, 1 for CPS (``gaussian_g2``)."""
+        return self.kernel.kl_weights(self, trajectory)
 
     def draw_training_timesteps(self, batch: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """(timesteps [B], sigmas [B]) float32 drawn uniformly over the scheduler's ``num_train_timesteps``
@@ -151,7 +157,7 @@ class FlowPolicyBase(DenoiserPolicy):
         index = torch.randint(0, len(self.train_timesteps), (batch,), generator=generator or self.generator)
         return self.train_timesteps[index], self.train_sigmas[index]
 
-    # ------------------------------------------------------------------ the SDE step (DenoiserPolicy hooks)
+    # ------------------------------------------------------------------ what the step kernel reads
     def _sampling_cond(self, prompts: list[Any]) -> dict[str, Tensor]:
         return self.encode_prompts(prompts)
 
@@ -159,60 +165,6 @@ class FlowPolicyBase(DenoiserPolicy):
         from diffusers.utils.torch_utils import randn_tensor
 
         return randn_tensor(self._latent_shape(batch), generator=generator, device=self.device, dtype=torch.float32)
-
-    def _stochastic_window(self, generator: torch.Generator | None) -> tuple[int, int]:
-        return self.sde_window(generator)
-
-    def _step_plan(self) -> tuple[dict[str, Tensor], Tensor]:
-        coefs = flow_step_coefficients(self.scheduler, self.scheduler.timesteps, self.num_steps, self.noise_level,
-                                       self.sde_type)
-        return coefs, self.scheduler.sigmas.to(self.device, torch.float32)
-
-    def _transition(self, i: int, out: Tensor, t_B: Tensor, latents: Tensor, generator: torch.Generator | None,
-                    plan: tuple[dict[str, Tensor], Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
-        coefs, sigmas = plan
-        v, batch = out.float(), latents.shape[0]
-        if stochastic:
-            latents, logp, _, _ = sde_step_with_logprob(
-                self.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
-                coefficients={k: c[i].expand(batch) for k, c in coefs.items()})
-            return latents, logp
-        # a deterministic Euler step (FlowMatchEulerDiscreteScheduler.step), not trained
-        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=self.device)
-
-    def _trained_mask(self, batch: int, generator: torch.Generator | None, window: tuple[int, int],
-                      plan: tuple[dict[str, Tensor], Tensor]) -> Tensor:
-        start, end = window
-        mask = torch.zeros(batch, self.num_steps, device=self.device)
-        mask[:, start:end] = 1.0
-        # a step of std 0 (the last "cps" step, sigma' = 0) is deterministic: no Gaussian to train or to take
-        # a KL of (Flow-GRPO trains int(0.99 N) steps, never the last)
-        mask[:, plan[0]["std"].to(self.device) <= 0] = 0.0
-        return mask
-
-    def _step_logprob(self, out: Tensor, t_R: Tensor, x_R: Tensor, next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        _, logp, mean, std = sde_step_with_logprob(self.scheduler, out, t_R, x_R, self.noise_level,
-                                                   prev_sample=next_R, sde_type=self.sde_type)
-        return logp, mean, std
-
-    def _step_std(self, timesteps_B_T: Tensor) -> Tensor:
-        std = flow_step_coefficients(self.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
-                                     self.noise_level, self.sde_type)["std"]
-        return std.view(timesteps_B_T.shape).to(torch.float32)
-
-    def _step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
-        return flow_step_kl(mean, ref_mean, std)  # refuses a step of std 0
-
-    def kl_weights(self, trajectory: Trajectory) -> Tensor:
-        """[B, T] std^2 / g^2 of each step: the factor from the exact step KL to Flow-GRPO's, which divides the
-        squared mean gap by the diffusion coefficient g^2 (``kl_estimator="gaussian_g2"``): |dt| for the SDE step
-        (std = g sqrt(|dt|)), 1 for CPS (its KL divides by the step's own std^2)."""
-        timesteps = trajectory.payload["timesteps"]
-        if self.sde_type == "cps":
-            return torch.ones(timesteps.shape, dtype=torch.float32)
-        dt = flow_step_coefficients(self.scheduler, timesteps.reshape(-1).cpu(), timesteps.numel(), self.noise_level,
-                                    self.sde_type)["dt"]
-        return dt.abs().view(timesteps.shape).to(torch.float32)
 
     # ------------------------------------------------------------------ Diffusion-DPO pairs (hooks)
     def _draw_pair_times(self, batch: int) -> dict[str, Tensor]:

@@ -29,13 +29,8 @@ from typing import Any
 
 import torch
 
-from unialign.image.ddim import (
-    ddim_step_coefficients,
-    ddim_step_mean,
-    ddim_step_with_logprob,
-    gaussian_logprob_mean,
-)
 from unialign.image.denoiser import DenoiserPolicy
+from unialign.image.kernels import DDIMKernel
 from unialign.types import PreferenceBatch
 
 Tensor = torch.Tensor
@@ -216,8 +211,8 @@ def choose_family(unet, text_encoder, tokenizer, text_encoder_2=None, tokenizer_
 
 
 class DiffusionPolicy(DenoiserPolicy):
-    """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs (the DDIM hooks of
-    ``DenoiserPolicy``).
+    """SD1.x / SDXL policy with a DDIM sampler that records per-step log-probs (the family adapter on
+    ``DenoiserPolicy``, with ``unialign.image.kernels.DDIMKernel`` as its step kernel).
 
     Args:
         unet, vae, text_encoder, tokenizer, scheduler: diffusers / transformers components. Any scheduler
@@ -299,17 +294,12 @@ class DiffusionPolicy(DenoiserPolicy):
         self.vae = vae if vae.dtype == torch.float32 else vae.to(torch.float32)
         self.family = choose_family(unet, text_encoder, tokenizer, text_encoder_2, tokenizer_2)
         self.scheduler = DDIMScheduler.from_config(scheduler.config)
-        self.num_steps, self.guidance_scale, self.eta = num_steps, guidance_scale, eta
+        self.num_steps, self.guidance_scale = num_steps, guidance_scale
         self.scheduler.set_timesteps(num_steps)
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.height = height or unet.config.sample_size * self.vae_scale_factor
         self.width = width or unet.config.sample_size * self.vae_scale_factor
-        self.timestep_fraction = timestep_fraction
-        step_std = ddim_step_coefficients(self.scheduler, self.scheduler.timesteps, eta)["std"]
-        self.trainable_steps = torch.nonzero(step_std >= min_step_std).flatten()
-        if self.trainable_steps.numel() == 0:
-            raise ValueError(f"min_step_std={min_step_std} leaves no trainable step (the largest sigma_t of "
-                             f"{num_steps} steps at eta {eta} is {float(step_std.max()):.3g})")
+        self.kernel = DDIMKernel(self.scheduler, num_steps, eta, timestep_fraction, min_step_std)
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
@@ -460,45 +450,21 @@ class DiffusionPolicy(DenoiserPolicy):
         latents = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
         return latents * self.scheduler.init_noise_sigma
 
-    def _stochastic_window(self, generator: torch.Generator | None) -> tuple[int, int]:
-        return 0, self.num_steps  # every DDIM step (eta > 0) is stochastic; which are trained: _trained_mask
+    # ------------------------------------------------------------------ the DDIM step kernel's knobs
+    @property
+    def eta(self) -> float:
+        return self.kernel.eta
 
-    def _step_plan(self) -> dict[str, Tensor]:
-        # every step's coefficients at once (float64 on the host, then one copy): no host sync per step
-        coefs = ddim_step_coefficients(self.scheduler, self.scheduler.timesteps, self.eta)
-        return {k: v.to(self.device) for k, v in coefs.items()}
+    @property
+    def timestep_fraction(self) -> float:
+        return self.kernel.timestep_fraction
 
-    def _transition(self, i: int, out: Tensor, t_B: Tensor, latents: Tensor, generator: torch.Generator | None,
-                    plan: dict[str, Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
-        batch = latents.shape[0]
-        return ddim_step_with_logprob(self.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
-                                      coefficients={k: v[i].expand(batch) for k, v in plan.items()})
-
-    def _trained_mask(self, batch: int, generator: torch.Generator | None, window: tuple[int, int],
-                      plan: dict[str, Tensor]) -> Tensor:
-        return self._trained_steps_mask(batch, generator).to(self.device)
+    @property
+    def trainable_steps(self) -> Tensor:
+        return self.kernel.trainable_steps
 
     def _trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
-        """mask_B_T: K = max(1, int(M * timestep_fraction)) of the M trainable steps per sample, chosen by an
-        independent random permutation per sample (as ddpo-pytorch, which has M = N)."""
-        n, steps = self.num_steps, self.trainable_steps
-        k = max(1, int(len(steps) * self.timestep_fraction))
-        mask = torch.zeros(batch, n)
-        if k == len(steps):
-            mask[:, steps] = 1.0
-            return mask
-        gen_device = generator.device if generator is not None else "cpu"
-        for i in range(batch):
-            mask[i, steps[torch.randperm(len(steps), generator=generator, device=gen_device)[:k].cpu()]] = 1.0
-        return mask
-
-    def _step_logprob(self, out: Tensor, t_R: Tensor, x_R: Tensor, next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        mean, std = ddim_step_mean(self.scheduler, out, t_R, x_R, self.eta)
-        return gaussian_logprob_mean(next_R.detach().float(), mean, std), mean, std
-
-    def _step_std(self, timesteps_B_T: Tensor) -> Tensor:
-        return ddim_step_coefficients(self.scheduler, timesteps_B_T.reshape(-1), self.eta)["std"].view(
-            timesteps_B_T.shape)
+        return self.kernel.trained_steps_mask(batch, generator)
 
     # ------------------------------------------------------------------ Diffusion-DPO pairs (hooks)
     def _side_cond(self, sizes: tuple, crops: tuple, resolution: int) -> dict[str, Tensor]:

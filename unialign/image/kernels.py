@@ -1,0 +1,255 @@
+"""Step kernels: how a denoising policy turns its denoiser into trajectories and log-probs.
+
+A ``DenoiserPolicy`` is composed of a **family adapter** (the policy class itself: prompt encoding, the
+denoiser call with its guidance, the latent shape and initial noise, forward noising and the regression target,
+decode, the stock pipeline) and one **step kernel** (this module), held as ``policy.kernel``:
+
+    GaussianStepKernel   the N steps x_T -> x_0 of a stochastic sampler whose every step is a Gaussian with a
+                         theta-independent std; a trajectory's steps are its transitions, ``logp_B_T`` their
+                         log-densities (mean over C,H,W), the closed-form step KL beside them
+      DDIMKernel         DDIM with eta > 0 (DDPO, Black et al. 2023; ``unialign.image.ddim``)
+      FlowSDEKernel      Flow-GRPO's SDE / CPS step with an optional stochastic window (``unialign.image.flow``)
+
+A kernel asks the family only for: ``device``, ``scheduler``, ``num_steps``, ``_cfg``, ``cond_keys``,
+``_sampling_cond(prompts)``, ``_initial_latents(batch, generator)``, ``_denoise(model, x, t_B, cond, cfg)`` and
+``decode(latents)``; so a kernel is tested alone on a stand-in family (tests/image/test_kernels.py) and a new
+kernel never touches a family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unialign.algos.kl import gaussian_kl
+from unialign.image.ddim import (
+    HALF_LOG_2PI,
+    ddim_step_coefficients,
+    ddim_step_mean,
+    ddim_step_with_logprob,
+    gaussian_logprob_mean,
+)
+from unialign.image.flow import (
+    check_noise_level,
+    flow_step_coefficients,
+    flow_step_kl,
+    sde_step_with_logprob,
+    sde_window_bounds,
+)
+from unialign.types import Trajectory
+
+Tensor = torch.Tensor
+
+
+class GaussianStepKernel:
+    """The shared part of the Gaussian-step kernels: the sampling loop with per-step log-prob recording and the
+    recomputed log-probs (with entropy and the closed-form KL) of the trained steps. A subclass gives the steps:
+
+        window(generator)                                [start, end) of the stochastic steps
+        plan(family)                                     every step's coefficients (opaque here)
+        transition(family, i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B)
+        trained_mask(family, batch, generator, window, plan) -> mask_B_T
+        step_logprob(family, out, t_R, x_R, next_R) -> (logp_R, mean, std) of recorded steps
+        step_std(family, timesteps_B_T)                  the step Gaussian's std [B, N] (entropy)
+        step_kl(mean, ref_mean, std)                     the closed-form KL [R]
+    """
+
+    def sample(self, family: Any, model: torch.nn.Module, prompts: list[Any],
+               generator: torch.Generator | None) -> Trajectory:
+        """The N steps from x_T to x_0 with ``model`` (the policy's or the reference's). The generator is
+        drawn in this order: x_T, the stochastic window, each step's noise, the trained-steps mask."""
+        batch = len(prompts)
+        cond = family._sampling_cond(prompts)
+        latents = family._initial_latents(batch, generator)
+        start, end = self.window(generator)
+        timesteps = family.scheduler.timesteps.to(family.device)
+        plan = self.plan(family)
+        all_latents, all_logps = [latents], []
+        for i, t in enumerate(timesteps):
+            t_B = t.expand(batch)
+            out = family._denoise(model, latents, t_B, cond, family._cfg)
+            latents, logp = self.transition(family, i, out, t_B, latents, generator, plan, start <= i < end)
+            all_latents.append(latents)
+            all_logps.append(logp)
+        payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
+        return Trajectory(prompts=list(prompts), completions=family.decode(latents),
+                          mask_B_T=self.trained_mask(family, batch, generator, (start, end), plan),
+                          old_logp_B_T=torch.stack(all_logps, dim=1),
+                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=family.device), payload=payload)
+
+    def log_prob(self, family: Any, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool,
+                 reference: Any = None) -> Any:
+        """``logp_B_T`` (with ``with_entropy``: and ``entropy_B_T``; with a ``reference``: and the closed-form
+        ``kl_B_T`` to it) of the trained steps. Every trained (sample, step) pair of the batch in ONE model call
+        (each row its own x_t, t and conditioning): a micro-batch's trained steps are scattered over the N
+        columns, and a call per column runs the model on a few rows at a time."""
+        payload = trajectory.payload
+        latents, timesteps = payload["latents"], payload["timesteps"]
+        mask = trajectory.mask_B_T.to(latents.device)
+        batch, steps = timesteps.shape
+        logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
+        kl_B_T = torch.zeros_like(logp_B_T)
+        rows, cols = (mask > 0).nonzero(as_tuple=True)
+        if rows.numel() > 0:
+            t_R, x_R, next_R = timesteps[rows, cols], latents[rows, cols], latents[rows, cols + 1]
+            cond = {k: payload[k][rows] for k in family.cond_keys}
+            out = family._denoise(model, x_R, t_R, cond, family._cfg)
+            logp, mean, std = self.step_logprob(family, out, t_R, x_R, next_R)
+            logp_B_T = logp_B_T.index_put((rows, cols), logp)
+            if reference is not None:
+                with reference._frozen():
+                    ref_out = family._denoise(reference.model, x_R, t_R, cond, family._cfg)
+                    ref_mean = self.step_logprob(family, ref_out, t_R, x_R, next_R)[1]
+                kl_B_T = kl_B_T.index_put((rows, cols), self.step_kl(mean, ref_mean, std))
+        if not with_entropy:
+            return logp_B_T
+        std_B_T = self.step_std(family, timesteps).to(logp_B_T.device)
+        live = (mask > 0) & (std_B_T > 0)
+        entropy_B_T = torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
+                                  torch.zeros_like(std_B_T))
+        if reference is None:
+            return logp_B_T, entropy_B_T
+        return logp_B_T, entropy_B_T, kl_B_T
+
+    def step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+        """KL(N(mean, std^2) || N(ref_mean, std^2)) per row, mean over the other dims [R]."""
+        return gaussian_kl(mean, ref_mean, std)
+
+
+class DDIMKernel(GaussianStepKernel):
+    """The DDIM step with eta > 0 on the family's ``DDIMScheduler`` (``unialign.image.ddim``): every step is
+    stochastic; K = max(1, int(M x ``timestep_fraction``)) of the M trainable steps (those whose std is at least
+    ``min_step_std``) are trained per sample, chosen by an independent random permutation (ddpo-pytorch)."""
+
+    def __init__(self, scheduler, num_steps: int, eta: float, timestep_fraction: float = 1.0,
+                 min_step_std: float = 0.0) -> None:
+        if eta <= 0:
+            raise ValueError(f"eta must be > 0 (the step log-probability needs sigma_t > 0), got {eta}")
+        if not 0.0 < timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        self.num_steps, self.eta, self.timestep_fraction = num_steps, eta, timestep_fraction
+        step_std = ddim_step_coefficients(scheduler, scheduler.timesteps, eta)["std"]
+        self.trainable_steps = torch.nonzero(step_std >= min_step_std).flatten()
+        if self.trainable_steps.numel() == 0:
+            raise ValueError(f"min_step_std={min_step_std} leaves no trainable step (the largest sigma_t of "
+                             f"{num_steps} steps at eta {eta} is {float(step_std.max()):.3g})")
+
+    def window(self, generator: torch.Generator | None) -> tuple[int, int]:
+        return 0, self.num_steps  # every DDIM step (eta > 0) is stochastic; which are trained: trained_mask
+
+    def plan(self, family: Any) -> dict[str, Tensor]:
+        # every step's coefficients at once (float64 on the host, then one copy): no host sync per step
+        coefs = ddim_step_coefficients(family.scheduler, family.scheduler.timesteps, self.eta)
+        return {k: v.to(family.device) for k, v in coefs.items()}
+
+    def transition(self, family: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
+                   generator: torch.Generator | None, plan: dict[str, Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
+        batch = latents.shape[0]
+        return ddim_step_with_logprob(family.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
+                                      coefficients={k: v[i].expand(batch) for k, v in plan.items()})
+
+    def trained_mask(self, family: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
+                     plan: dict[str, Tensor]) -> Tensor:
+        return self.trained_steps_mask(batch, generator).to(family.device)
+
+    def trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
+        """mask_B_T: K = max(1, int(M * timestep_fraction)) of the M trainable steps per sample, chosen by an
+        independent random permutation per sample (as ddpo-pytorch, which has M = N)."""
+        n, steps = self.num_steps, self.trainable_steps
+        k = max(1, int(len(steps) * self.timestep_fraction))
+        mask = torch.zeros(batch, n)
+        if k == len(steps):
+            mask[:, steps] = 1.0
+            return mask
+        gen_device = generator.device if generator is not None else "cpu"
+        for i in range(batch):
+            mask[i, steps[torch.randperm(len(steps), generator=generator, device=gen_device)[:k].cpu()]] = 1.0
+        return mask
+
+    def step_logprob(self, family: Any, out: Tensor, t_R: Tensor, x_R: Tensor,
+                     next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mean, std = ddim_step_mean(family.scheduler, out, t_R, x_R, self.eta)
+        return gaussian_logprob_mean(next_R.detach().float(), mean, std), mean, std
+
+    def step_std(self, family: Any, timesteps_B_T: Tensor) -> Tensor:
+        return ddim_step_coefficients(family.scheduler, timesteps_B_T.reshape(-1), self.eta)["std"].view(
+            timesteps_B_T.shape)
+
+
+class FlowSDEKernel(GaussianStepKernel):
+    """Flow-GRPO's stochastic step (``sde_type`` "sde" or "cps", noise level eta) on the family's
+    ``FlowMatchEulerDiscreteScheduler``; with ``sde_window_size`` k > 0 only a window of k consecutive steps per
+    sampling call is stochastic and trained (Flow-GRPO-Fast), the others deterministic Euler steps. A step of std
+    0 (the last "cps" step) is never trained."""
+
+    def __init__(self, num_steps: int, noise_level: float, sde_type: str, sde_window_size: int = 0,
+                 sde_window_range: tuple[int, int] | None = None) -> None:
+        check_noise_level(sde_type, noise_level)
+        lo, hi = sde_window_bounds(num_steps, sde_window_size, sde_window_range)
+        self.num_steps, self.noise_level, self.sde_type = num_steps, noise_level, sde_type
+        self.sde_window_size, self.sde_window_range = sde_window_size, (lo, hi)
+
+    def window(self, generator: torch.Generator | None = None) -> tuple[int, int]:
+        """[start, end) of the stochastic, trained steps: all N without a window; else a window of
+        ``sde_window_size`` steps starting uniformly in [lo, hi - size] (one draw from ``generator``)."""
+        if self.sde_window_size == 0:
+            return 0, self.num_steps
+        lo, hi = self.sde_window_range
+        device = generator.device if generator is not None else "cpu"
+        start = lo + int(torch.randint(0, hi - self.sde_window_size - lo + 1, (1,), generator=generator,
+                                       device=device).item())
+        return start, start + self.sde_window_size
+
+    def plan(self, family: Any) -> tuple[dict[str, Tensor], Tensor]:
+        coefs = flow_step_coefficients(family.scheduler, family.scheduler.timesteps, self.num_steps, self.noise_level,
+                                       self.sde_type)
+        return coefs, family.scheduler.sigmas.to(family.device, torch.float32)
+
+    def transition(self, family: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
+                   generator: torch.Generator | None, plan: tuple[dict[str, Tensor], Tensor],
+                   stochastic: bool) -> tuple[Tensor, Tensor]:
+        coefs, sigmas = plan
+        v, batch = out.float(), latents.shape[0]
+        if stochastic:
+            latents, logp, _, _ = sde_step_with_logprob(
+                family.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
+                coefficients={k: c[i].expand(batch) for k, c in coefs.items()})
+            return latents, logp
+        # a deterministic Euler step (FlowMatchEulerDiscreteScheduler.step), not trained
+        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=family.device)
+
+    def trained_mask(self, family: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
+                     plan: tuple[dict[str, Tensor], Tensor]) -> Tensor:
+        start, end = window
+        mask = torch.zeros(batch, self.num_steps, device=family.device)
+        mask[:, start:end] = 1.0
+        # a step of std 0 (the last "cps" step, sigma' = 0) is deterministic: no Gaussian to train or to take
+        # a KL of (Flow-GRPO trains int(0.99 N) steps, never the last)
+        mask[:, plan[0]["std"].to(family.device) <= 0] = 0.0
+        return mask
+
+    def step_logprob(self, family: Any, out: Tensor, t_R: Tensor, x_R: Tensor,
+                     next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        _, logp, mean, std = sde_step_with_logprob(family.scheduler, out, t_R, x_R, self.noise_level,
+                                                   prev_sample=next_R, sde_type=self.sde_type)
+        return logp, mean, std
+
+    def step_std(self, family: Any, timesteps_B_T: Tensor) -> Tensor:
+        std = flow_step_coefficients(family.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
+                                     self.noise_level, self.sde_type)["std"]
+        return std.view(timesteps_B_T.shape).to(torch.float32)
+
+    def step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+        return flow_step_kl(mean, ref_mean, std)  # refuses a step of std 0
+
+    def kl_weights(self, family: Any, trajectory: Trajectory) -> Tensor:
+        """[B, T] std^2 / g^2 of each step: the factor from the exact step KL to Flow-GRPO's, which divides the
+        squared mean gap by the diffusion coefficient g^2 (``kl_estimator="gaussian_g2"``): |dt| for the SDE step
+        (std = g sqrt(|dt|)), 1 for CPS (its KL divides by the step's own std^2)."""
+        timesteps = trajectory.payload["timesteps"]
+        if self.sde_type == "cps":
+            return torch.ones(timesteps.shape, dtype=torch.float32)
+        dt = flow_step_coefficients(family.scheduler, timesteps.reshape(-1).cpu(), timesteps.numel(),
+                                    self.noise_level, self.sde_type)["dt"]
+        return dt.abs().view(timesteps.shape).to(torch.float32)
