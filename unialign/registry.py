@@ -83,6 +83,13 @@ class AlgoSpec:
     entropy_coef: float = knob(0.0, "entropy bonus weight")
     stat_buffer_size: int = knob(32, "DDPO per-prompt reward tracker: rewards kept per prompt", min=1)
     stat_min_count: int = knob(16, "DDPO tracker: below this many, the batch's statistics are used", min=1)
+    log_prob_estimator: str = knob("sampler", "what the policy's log-prob estimates: the sampler's own step density "
+                                   "(text tokens; DDPO's / Flow-GRPO's steps) or the forward-process matching surrogate "
+                                   "at fresh noise (AWM, DiffusionNFT; denoisers)", choices=("sampler", "forward"))
+    advantage_scale: float = knob(1.0, "multiply the (clipped) advantages by this (AWM: 1/5 after clipping to +-5)",
+                                  gt=0.0)
+    nft_beta: float = knob(1.0, "DiffusionNFT: strength of the implicit positive / negative policies (its OCR "
+                           "runs: 0.1)", gt=0.0)
 
     def with_overrides(self, **kw) -> AlgoSpec:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -126,6 +133,24 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # ``--num_generations``).
     "flow_grpo": AlgoSpec("flow_grpo", advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1e-4,
                           advantage_clip=5.0, beta=0.04, kl_estimator="gaussian_g2"),
+    # AWM, Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; scxue/advantage_weighted_matching
+    # scripts/train_sd3_awm.py, config/dgx_awm.py GenEval): the PPO-clip loss per pair ("exp_first") on the
+    # forward-process matching log-prob (its weighting, ghuber p 0.25, is the policy's: unialign.image.recipe
+    # FORWARD_PROCESS), clip range 1 (inactive at one optimizer step per batch, where the ratio is 1, as in the
+    # paper's configs), per-prompt means over the batch's std, advantages clipped to +-5 then divided by 5, the
+    # "uniform velocity KL" mean (v - v_ref)^2 at beta 0.001 (GenEval; OCR 0.003, PickScore 1e-4), mean over pairs.
+    # Left out: its second trust term, 1.0 x mean (v - v_ema)^2 to a moving average of the LoRA.
+    "awm": AlgoSpec("awm", advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1.0,
+                    advantage_clip=5.0, advantage_scale=0.2, beta=0.001, kl_estimator="prediction_mse",
+                    log_prob_estimator="forward"),
+    # DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117, ICLR 2026; NVlabs/DiffusionNFT scripts/train_nft_sd3.py,
+    # config/nft.py): the NFT loss with r = clip(A, -5, 5) / 5 / 2 + 1/2 and beta 1 (OCR 0.1), times A_max as the
+    # code scales it, no ratio; per-prompt means over the batch's std; the velocity MSE to the reference at 1e-4;
+    # the old policy (a moving average of the trained one, min(0.001 step, 0.5)) collects the samples and anchors
+    # the implicit policies (the policy's side: unialign.image.recipe FORWARD_PROCESS).
+    "nft": AlgoSpec("nft", advantage="group", scale_rewards="batch", loss_type="token_mean", policy_loss="nft",
+                    advantage_clip=5.0, beta=1e-4, kl_estimator="prediction_mse", log_prob_estimator="forward",
+                    nft_beta=1.0),
 }
 
 

@@ -15,7 +15,9 @@ estimator name ``"gaussian"`` selects it (``CLOSED_FORM_ESTIMATORS``). ``"gaussi
 (Liu et al. 2025, ``scripts/train_sd3.py``): the squared mean gap over 2 g^2, g^2 the step's diffusion coefficient
 rather than its variance -- for the SDE step (std^2 = g^2 |dt|) the exact KL times |dt|, for CPS (whose ``std_dev_t``
 is the step's std) the exact KL. ``closed_form_kl`` applies the policy's per-step weights std^2 / g^2
-(``kl_weights``).
+(``kl_weights``). ``"prediction_mse"`` is the forward-process policies' regulariser (AWM, DiffusionNFT): mean_D of
+the squared gap between the model's and the reference's predictions at the same x_t (their "uniform velocity
+KL"; no Gaussian step to take a KL of).
 
 Why it matters for images: a diffusion step's log-prob is a **mean** over its D = C*H*W elements, and
 the per-element log-ratios at x' ~ pi are delta^2/(2 sigma^2) + (delta/sigma) z with delta = mu - mu_ref,
@@ -33,7 +35,7 @@ import torch
 Tensor = torch.Tensor
 
 KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
-CLOSED_FORM_ESTIMATORS = ("gaussian", "gaussian_g2")
+CLOSED_FORM_ESTIMATORS = ("gaussian", "gaussian_g2", "prediction_mse")
 NEEDS_KL_WEIGHTS = ("gaussian_g2",)  # closed forms that need the policy's ``kl_weights(trajectory)``
 
 
@@ -61,7 +63,7 @@ def closed_form_kl(kl_B_T: Tensor, estimator: str, weights_B_T: Tensor | None = 
     """The closed-form estimator ``estimator`` from the exact per-step KL ``kl_B_T`` [B, T]: ``gaussian`` is
     ``kl_B_T`` itself; ``gaussian_g2`` (Flow-GRPO) is ``kl_B_T * weights_B_T``, the weights std^2 / g^2 of each step
     (|dt| for Flow-GRPO's SDE step, 1 for CPS). Returns [B, T]."""
-    if estimator == "gaussian":
+    if estimator in ("gaussian", "prediction_mse"):  # the policy's own closed form, as it computed it
         return kl_B_T
     if estimator == "gaussian_g2":
         if weights_B_T is None:

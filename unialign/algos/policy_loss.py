@@ -100,13 +100,16 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator over ``fn(logp_B_T, old_logp_B_T, advantages, mask_B_T, spec) -> (loss_B_T, metrics)``;
+def register_policy_loss(name: str, inputs: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator over ``fn(logp_B_T, old_logp_B_T, advantages, mask_B_T, spec, **terms) -> (loss_B_T, metrics)``;
     ``spec`` is any object with the ``AlgoSpec`` fields the loss reads. The trainer looks the preset's
-    ``policy_loss`` up here (verl's ``register_policy_loss``)."""
+    ``policy_loss`` up here (verl's ``register_policy_loss``). ``inputs``: names of extra per-step terms the loss
+    reads, which the policy computes beside its log-probs (``log_prob_terms``; e.g. DiffusionNFT's ``"nft"``); a
+    policy without them is refused when the trainer starts. They arrive as keyword arguments (``fn.inputs``)."""
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
+        fn.inputs = tuple(inputs)
         POLICY_LOSSES[name] = fn
         return fn
     return add
@@ -123,3 +126,24 @@ def _clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, s
     """``clipped_policy_loss`` with the spec's clip bounds, ratio level and dual clip (PPO, DAPO, GSPO, ...)."""
     return clipped_policy_loss(logp, old_logp, advantages, mask, spec.epsilon, spec.epsilon_high,
                                spec.importance_sampling_level, spec.dual_clip)
+
+
+@register_policy_loss("nft", inputs=("nft",))
+def _nft(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec: Any, nft: tuple[Tensor, Tensor]):
+    """DiffusionNFT (Zheng et al. 2025; NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py``): per trained pair the
+    loss ``unialign.algos.forward.nft_loss_terms`` with r = ``nft_weight(A, advantage_clip)`` and beta =
+    ``spec.nft_beta``, times A_max as the reference scales it; no ratio, no clip (``logp`` / ``old_logp`` only
+    feed the metrics). ``nft``: (old_err, delta) [B, T, C, H, W] from the policy."""
+    from unialign.algos.forward import nft_loss_terms, nft_weight
+
+    old_err, delta = nft
+    b, t = mask.shape
+    a_max = spec.advantage_clip if spec.advantage_clip is not None else 1.0
+    adv = advantages.unsqueeze(-1).expand(b, t) if advantages.dim() == 1 else advantages
+    r = nft_weight(adv.reshape(-1).float(), a_max)
+    flat = nft_loss_terms(old_err.reshape(b * t, -1), delta.reshape(b * t, -1), r, spec.nft_beta)
+    loss = (a_max * flat.view(b, t)).to(logp.dtype) * mask
+    with torch.no_grad():
+        metrics = {"nft_r_mean": _masked_mean(r.view(b, t).to(mask.dtype), mask),
+                   "ratio_mean": _masked_mean(torch.exp(logp.detach() - old_logp.detach()), mask)}
+    return loss, metrics

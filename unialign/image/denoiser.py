@@ -229,19 +229,21 @@ class DenoiserPolicy:
     @torch.no_grad()
     def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
                record_logp: bool = True) -> Trajectory:
-        """One image per prompt, recording every latent, the timesteps, the conditioning and each step's
-        log-prob. The log-probs come free with each step, so ``record_logp`` is ignored. With
+        """One image per prompt, recording what the kernel trains on (a Gaussian-step kernel: every latent, the
+        timesteps, the conditioning and each step's log-prob, which come free with each step, so ``record_logp``
+        is ignored; the forward kernel: the clean latent, the condition and its (t, eps) pairs). With
         ``sample_batch_size`` the prompts are denoised in chunks of that many, one after the other from the
         same generator."""
         size = self.sample_batch_size
         if size <= 0 or len(prompts) <= size:
-            return self._sample(self.model, prompts, generator)
-        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator)
+            return self._sample(self.model, prompts, generator, record_logp)
+        return Trajectory.cat([self._sample(self.model, list(prompts[i:i + size]), generator, record_logp)
                                for i in range(0, len(prompts), size)])
 
-    def _sample(self, model, prompts: list[Any], generator: torch.Generator | None) -> Trajectory:
+    def _sample(self, model, prompts: list[Any], generator: torch.Generator | None,
+                record_logp: bool = True) -> Trajectory:
         """One trajectory per prompt with ``model`` (the policy's or the reference's): the kernel's sampler."""
-        return self.kernel.sample(self, model, prompts, generator)
+        return self.kernel.sample(self, model, prompts, generator, record_logp)
 
     # ------------------------------------------------------------------ Policy protocol
     def log_prob(self, trajectory: Trajectory) -> Tensor:
@@ -269,6 +271,80 @@ class DenoiserPolicy:
     def _log_prob(self, model, trajectory: Trajectory, with_entropy: bool, reference: Any = None) -> Any:
         """The kernel's log-probs of ``trajectory`` under ``model`` (with entropy; with a reference: the KL)."""
         return self.kernel.log_prob(self, model, trajectory, with_entropy, reference)
+
+    def log_prob_terms(self, trajectory: Trajectory, names: tuple[str, ...],
+                       with_kl: bool = False) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Any]]:
+        """(logp_B_T, entropy_B_T, kl_B_T or None, {name: ...}): the log-probs with the extra per-step terms a
+        registered policy loss reads (``unialign.algos.policy_loss``; e.g. ``"nft"``), in one model call; the
+        closed-form KL to ``reference()`` when ``with_kl``."""
+        terms = getattr(self.kernel, "terms", None)
+        if terms is None:
+            raise ValueError(f"the {type(self.kernel).__name__} offers no extra loss terms {list(names)}")
+        return terms(self, self.model, trajectory, tuple(names), self.reference() if with_kl else None)
+
+    @property
+    def closed_form_kls(self) -> tuple[str, ...]:
+        """The closed-form KL estimators the kernel computes (``log_prob_and_kl``)."""
+        return self.kernel.closed_form_kls
+
+    @property
+    def log_prob_estimator(self) -> str:
+        """What ``log_prob`` estimates: "sampler" (the recorded sampler's step densities) or "forward" (the
+        forward-process matching surrogate): an algorithm's ``log_prob_estimator`` must match it."""
+        return self.kernel.estimator
+
+    # ------------------------------------------------------------------ forward-process RL
+    #: the old policy's decay schedule step -> decay (an exponential moving average of the trained weights,
+    #: updated by ``after_optimizer_step``); None: no old policy, ``_old_weights`` is the current one
+    old_decay: Callable[[int], float] | None = None
+    _old_state: list[Tensor] | None = None
+
+    def use_forward_process(self, old_decay: Callable[[int], float] | None = None, **kernel_kwargs: Any) -> None:
+        """Train on the forward process (``unialign.image.kernels.ForwardKernel(num_steps, **kernel_kwargs)``:
+        AWM, DiffusionNFT) instead of the sampler's steps; ``old_decay`` keeps an old policy, a moving average of
+        the trained weights (DiffusionNFT's), for the NFT terms and, with ``sample_old``, for collection."""
+        from unialign.image.kernels import ForwardKernel
+
+        self.kernel = ForwardKernel(self.num_steps, **kernel_kwargs)
+        self.old_decay = old_decay
+        if old_decay is not None:
+            self._old_state = [p.detach().clone() for p in self.trainable_parameters()]
+
+    @contextlib.contextmanager
+    def _old_weights(self) -> Iterator[None]:
+        """The old policy's weights swapped into the trainable parameters for the duration (no gradient may be
+        taken inside: the same parameters hold them); the current weights when there is no old policy."""
+        if self._old_state is None:
+            yield
+            return
+        params = list(self.trainable_parameters())
+        current = [p.data for p in params]
+        for p, old in zip(params, self._old_state):
+            p.data = old
+        try:
+            yield
+        finally:
+            for p, data in zip(params, current):
+                p.data = data
+
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int) -> None:
+        """Trainer hook after optimizer step ``step`` (1-based): old <- decay(step) old + (1 - decay(step)) theta."""
+        if self._old_state is None or self.old_decay is None:
+            return
+        decay = float(self.old_decay(step))
+        for old, p in zip(self._old_state, self.trainable_parameters()):
+            old.mul_(decay).add_(p.detach().to(old.dtype), alpha=1.0 - decay)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Training state beyond the weights and optimizer that a checkpoint must carry (the old policy)."""
+        return {f"old.{i}": t for i, t in enumerate(self._old_state or [])}
+
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        if self._old_state is None:
+            return
+        for i, old in enumerate(self._old_state):
+            old.copy_(tensors[f"old.{i}"])
 
     # ------------------------------------------------------------------ preference pairs
     def _pixel_multiple(self) -> int:

@@ -27,7 +27,7 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
     generator = torch.Generator().manual_seed(seed)
     images = []
     for i in range(0, len(prompts), batch_size):
-        images += policy.sample(prompts[i:i + batch_size], generator=generator).completions
+        images += policy.sample(prompts[i:i + batch_size], generator=generator, record_logp=False).completions
     out: dict[str, Any] = {"images": images}
     if reward is not None:
         from unialign.rewards import CombinedReward

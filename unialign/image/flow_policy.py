@@ -166,6 +166,21 @@ class FlowPolicyBase(DenoiserPolicy):
 
         return randn_tensor(self._latent_shape(batch), generator=generator, device=self.device, dtype=torch.float32)
 
+    # ------------------------------------------------------------------ the forward process
+    is_flow_matching = True
+
+    def _forward_process(self, x0: Tensor, eps: Tensor, t_R: Tensor) -> dict[str, Tensor]:
+        """x_t = (1 - sigma) x0 + sigma eps at scheduler timesteps ``t_R`` [R] (sigma = t / num_train_timesteps, as
+        ``FlowMatchEulerDiscreteScheduler`` sets them), the rectified-flow target eps - x0, alpha = 1 - sigma and
+        sigma [R]."""
+        sigma = t_R.float().to(self.device) / self.scheduler.config.num_train_timesteps
+        s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+        return {"x_t": (1 - s) * x0 + s * eps, "target": eps.float() - x0.float(), "alpha": 1 - sigma, "sigma": sigma}
+
+    def _x0_from(self, pred: Tensor, p: dict[str, Tensor]) -> Tensor:
+        """x0 = x_t - sigma v."""
+        return p["x_t"].float() - p["sigma"].view(-1, *([1] * (pred.dim() - 1))) * pred
+
     # ------------------------------------------------------------------ Diffusion-DPO pairs (hooks)
     def _draw_pair_times(self, batch: int) -> dict[str, Tensor]:
         timesteps, sigmas = self.draw_training_timesteps(batch)

@@ -55,10 +55,18 @@ class GaussianStepKernel:
         step_kl(mean, ref_mean, std)                     the closed-form KL [R]
     """
 
-    def sample(self, family: Any, model: torch.nn.Module, prompts: list[Any],
-               generator: torch.Generator | None) -> Trajectory:
-        """The N steps from x_T to x_0 with ``model`` (the policy's or the reference's). The generator is
-        drawn in this order: x_T, the stochastic window, each step's noise, the trained-steps mask."""
+    estimator = "sampler"  # the log-prob is the sampler's own step density
+    closed_form_kls: tuple[str, ...] = ("gaussian",)
+
+    def sample(self, family: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
+               record_logp: bool = True) -> Trajectory:
+        """The N steps from x_T to x_0 with ``model`` (the policy's or the reference's). The log-probs come free
+        with each step (``record_logp`` is ignored). The generator is drawn in this order: x_T, the stochastic
+        window, each step's noise, the trained-steps mask."""
+        return self._sample(family, model, prompts, generator)
+
+    def _sample(self, family: Any, model: torch.nn.Module, prompts: list[Any],
+                generator: torch.Generator | None) -> Trajectory:
         batch = len(prompts)
         cond = family._sampling_cond(prompts)
         latents = family._initial_latents(batch, generator)
@@ -183,6 +191,8 @@ class FlowSDEKernel(GaussianStepKernel):
     sampling call is stochastic and trained (Flow-GRPO-Fast), the others deterministic Euler steps. A step of std
     0 (the last "cps" step) is never trained."""
 
+    closed_form_kls = ("gaussian", "gaussian_g2")
+
     def __init__(self, num_steps: int, noise_level: float, sde_type: str, sde_window_size: int = 0,
                  sde_window_range: tuple[int, int] | None = None) -> None:
         check_noise_level(sde_type, noise_level)
@@ -253,3 +263,211 @@ class FlowSDEKernel(GaussianStepKernel):
         dt = flow_step_coefficients(family.scheduler, timesteps.reshape(-1).cpu(), timesteps.numel(),
                                     self.noise_level, self.sde_type)["dt"]
         return dt.abs().view(timesteps.shape).to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward process: any sampler, then the model's own matching loss at fresh noise
+# ---------------------------------------------------------------------------------------------
+SAMPLERS = ("auto", "euler", "ddim", "dpmpp")
+TIME_SAMPLING = ("stratified", "random")
+
+
+class ForwardKernel:
+    """Forward-process trajectories (AWM, DiffusionNFT): a sample's steps are K training pairs (t, eps) at which
+    the denoiser's own pre-training loss is evaluated, not the transitions of a sampler.
+
+    Collection: the N steps of a **deterministic** solver with the family's schedule and guidance (``sampler``:
+    "auto" = Euler for flow matching, DDIM eta 0 for UNets; "dpmpp" = diffusers' DPM-Solver++ 2M for UNets),
+    no log-density recorded; only the clean latent x0, the condition and the K pairs are kept. The K times are
+    step indices of the solver's schedule within the first ``timestep_fraction`` of it: "stratified" (AWM's
+    ``discrete_wo_init``: K strata of [1, int(N f)), one index drawn in each, per sample; AWM draws one set per
+    micro-batch) or "random" (DiffusionNFT: a random K of the N indices without replacement, per sample); eps is
+    fresh per pair.
+
+    ``log_prob``: the weighted matching log-prob of every pair ``unialign.algos.forward.matching_logprob`` at
+    x_t = alpha x0 + sigma eps (the family's ``_forward_process``: rectified flow's (1 - sigma) x0 + sigma eps with
+    target eps - x0; a UNet's scheduler with target eps / v / x0 by its ``prediction_type``), the weighting's time
+    being the noise level sigma; no CFG in training (both papers train CFG-free). Its closed-form KL to the
+    reference, ``prediction_mse``, is mean_D (pred - pred_ref)^2 (AWM's and NFT's "uniform" velocity KL).
+    ``terms(..., "nft")``: what DiffusionNFT's loss reads, the old prediction from the policy's old (moving-average)
+    weights. ``sample_old``: collect with the old weights (DiffusionNFT)."""
+
+    estimator = "forward"  # the log-prob is the forward-process matching surrogate
+    closed_form_kls = ("prediction_mse",)
+
+    def __init__(self, num_steps: int, train_timesteps: int = 6, timestep_fraction: float = 0.9,
+                 time_sampling: str = "stratified", weighting: str = "ghuber", power: float = 0.25,
+                 sampler: str = "auto", sample_old: bool = False) -> None:
+        from unialign.algos.forward import WEIGHTINGS
+
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if time_sampling not in TIME_SAMPLING:
+            raise ValueError(f"time_sampling must be one of {TIME_SAMPLING}, got {time_sampling!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        if not 0.0 < timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        span = self._span(num_steps, timestep_fraction, time_sampling)
+        if not 1 <= train_timesteps <= span:
+            raise ValueError(f"train_timesteps must be in [1, {span}] for {num_steps} steps at timestep_fraction "
+                             f"{timestep_fraction} ({time_sampling}), got {train_timesteps}")
+        self.num_steps, self.train_timesteps, self.timestep_fraction = num_steps, train_timesteps, timestep_fraction
+        self.time_sampling, self.weighting, self.power, self.sampler = time_sampling, weighting, power, sampler
+        self.sample_old = sample_old
+
+    @staticmethod
+    def _span(num_steps: int, fraction: float, time_sampling: str) -> int:
+        """How many distinct step indices the K times may take: [1, int(N f)) stratified, int(N f) random."""
+        top = int(num_steps * fraction)
+        return top - 1 if time_sampling == "stratified" else max(top, 1)
+
+    # ------------------------------------------------------------------ collection
+    @staticmethod
+    def _solver_kind(sampler: str, flow: bool) -> str:
+        """The solver ``sampler`` names for a flow-matching (``flow``) or UNet family; ValueError when it has none."""
+        kind = sampler if sampler != "auto" else ("euler" if flow else "ddim")
+        if flow and kind != "euler":
+            raise ValueError(f"{kind!r}: flow-matching models collect with 'euler' (or 'auto')")
+        if not flow and kind == "euler":
+            raise ValueError("'euler' is the flow-matching solver; a UNet collects with 'ddim' or 'dpmpp'")
+        return kind
+
+    def _solver(self, family: Any):
+        """(kind, scheduler) of the collection sampler for ``family``."""
+        kind = self._solver_kind(self.sampler, getattr(family, "is_flow_matching", False))
+        if kind == "dpmpp":
+            from diffusers import DPMSolverMultistepScheduler
+
+            solver = DPMSolverMultistepScheduler.from_config(family.scheduler.config, algorithm_type="dpmsolver++",
+                                                             solver_order=2)
+            solver.set_timesteps(self.num_steps, device=family.device)
+            return kind, solver
+        return kind, family.scheduler
+
+    def schedule(self, family: Any) -> Tensor:
+        """The collection sampler's N timesteps (the model's time input at each step)."""
+        return self._solver(family)[1].timesteps
+
+    @torch.no_grad()
+    def sample(self, family: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
+               record_logp: bool = True) -> Trajectory:
+        """x_T -> x0 with the deterministic solver (the old weights with ``sample_old``), then K (t, eps) pairs
+        per sample. The generator is drawn in this order: x_T, one seed for the pairs' own generator (their step
+        indices, then their noise; with no generator both come from torch's global one).
+        ``record_logp``: the sampling policy's log-probs of the pairs (one more forward); False leaves them None
+        (a batch with one optimizer step: the trainer takes the first forward's, detached)."""
+        import contextlib
+
+        batch = len(prompts)
+        cond = family._sampling_cond(prompts)
+        kind, solver = self._solver(family)
+        old = family._old_weights() if self.sample_old else contextlib.nullcontext()
+        with old:
+            x = family._initial_latents(batch, generator)
+            timesteps = solver.timesteps.to(family.device)
+            sigmas = solver.sigmas.to(family.device, torch.float32) if kind == "euler" else None
+            for i, t in enumerate(timesteps):
+                out = family._denoise(model, x, t.expand(batch), cond, family._cfg)
+                if kind == "euler":
+                    x = x + (sigmas[i + 1] - sigmas[i]) * out.float()
+                elif kind == "ddim":
+                    x = solver.step(out, t, x, eta=0.0).prev_sample
+                else:
+                    x = solver.step(out, t, x).prev_sample
+        x0 = x.float()
+        # the pairs from a generator of their own seeded by ONE draw: a chunked evaluation's next x_T is the same
+        # whatever K or the time sampling (so AWM and NFT runs evaluate on the same noise)
+        pairs = None if generator is None else torch.Generator().manual_seed(
+            int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
+        idx = self._draw_indices(batch, pairs)
+        noise = torch.randn((batch, self.train_timesteps, *x0.shape[1:]), generator=pairs,
+                            dtype=torch.float32).to(family.device)
+        payload = {"x0": x0, "timesteps": timesteps[idx.to(timesteps.device)].to(family.device), "noise": noise,
+                   **cond}
+        traj = Trajectory(prompts=list(prompts), completions=family.decode(x0),
+                          mask_B_T=torch.ones(batch, self.train_timesteps, device=family.device), old_logp_B_T=None,
+                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=family.device), payload=payload)
+        if record_logp:
+            traj.old_logp_B_T = self.log_prob(family, model, traj, False)
+        return traj
+
+    def _draw_indices(self, batch: int, generator: torch.Generator | None) -> Tensor:
+        """[B, K] step indices of the solver's schedule (class docstring), long."""
+        k, top = self.train_timesteps, int(self.num_steps * self.timestep_fraction)
+        if self.time_sampling == "random":
+            return torch.stack([torch.randperm(max(top, 1), generator=generator)[:k] for _ in range(batch)])
+        bounds = torch.linspace(1, top, k + 1).long()  # AWM: linspace(1, int(N f), K + 1), strata [lo, hi)
+        lo, hi = bounds[:-1], bounds[1:]
+        u = torch.rand(batch, k, generator=generator)
+        return lo + (u * (hi - lo)).long()
+
+    # ------------------------------------------------------------------ training
+    def _pairs(self, family: Any, trajectory: Trajectory) -> dict[str, Any] | None:
+        """The trained pairs of ``trajectory`` (its mask) as rows: indices, forward-process values (x_t, target,
+        alpha, sigma) and condition, for one model call over all of them. None when no pair is trained."""
+        payload, mask = trajectory.payload, trajectory.mask_B_T
+        rows, cols = (mask.to(payload["x0"].device) > 0).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return None
+        x0, eps, t = payload["x0"][rows], payload["noise"][rows, cols], payload["timesteps"][rows, cols]
+        fp = family._forward_process(x0, eps, t)
+        cond = {k: payload[k][rows] for k in family.cond_keys}
+        return {"rows": rows, "cols": cols, "x0": x0, "t": t, "cond": cond, **fp}
+
+    def _scatter(self, trajectory: Trajectory, rows: Tensor, cols: Tensor, values: Tensor) -> Tensor:
+        out = torch.zeros(trajectory.mask_B_T.shape, device=values.device, dtype=torch.float32)
+        return out.index_put((rows.to(values.device), cols.to(values.device)), values.float())
+
+    def log_prob(self, family: Any, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool,
+                 reference: Any = None) -> Any:
+        """``logp_B_K`` (class docstring); with ``with_entropy`` and zeros for the entropy (no step Gaussian);
+        with a ``reference`` also ``kl_B_K`` = mean_D (pred - pred_ref)^2, differentiable through pred."""
+        logp, kl, _ = self._evaluate(family, model, trajectory, reference, ())
+        if not with_entropy:
+            return logp
+        entropy = torch.zeros_like(logp)
+        return (logp, entropy) if reference is None else (logp, entropy, kl)
+
+    def terms(self, family: Any, model: torch.nn.Module, trajectory: Trajectory, names: tuple[str, ...],
+              reference: Any = None) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Any]]:
+        """(logp, entropy, kl or None, {name: ...}) in one model call; ``"nft"``: (old_err [B, K, C, H, W], delta
+        [B, K, C, H, W]), the old weights' clean-image error x0_old - x0 and x0_theta - x0_old (differentiable), what
+        ``unialign.algos.forward.nft_loss_terms`` reads (0 at untrained pairs)."""
+        logp, kl, extra = self._evaluate(family, model, trajectory, reference, names)
+        return logp, torch.zeros_like(logp), (kl if reference is not None else None), extra
+
+    def _evaluate(self, family, model, trajectory, reference, names):
+        from unialign.algos.forward import matching_logprob
+
+        unknown = sorted(set(names) - {"nft"})
+        if unknown:
+            raise ValueError(f"ForwardKernel.terms: unknown terms {unknown} (it offers 'nft')")
+        p = self._pairs(family, trajectory)
+        zeros = torch.zeros(trajectory.mask_B_T.shape, device=family.device, dtype=torch.float32)
+        if p is None:
+            return zeros, zeros, {name: (zeros, zeros) for name in names}
+        old = None
+        if "nft" in names:  # before the differentiable call: the old weights are swapped into the same parameters
+            with torch.no_grad(), family._old_weights():
+                old = family._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
+        p["pred"] = family._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
+        logp = matching_logprob(p["pred"], p["target"], p["sigma"], self.weighting, self.power)
+        rows, cols = p["rows"], p["cols"]
+        kl = zeros
+        if reference is not None:
+            with reference._frozen():
+                ref = family._denoise(reference.model, p["x_t"], p["t"], p["cond"], False).float()
+            d = (p["pred"] - ref) ** 2
+            kl = self._scatter(trajectory, rows, cols, d.reshape(d.shape[0], -1).mean(1))
+        extra = {}
+        if old is not None:
+            x0_old = family._x0_from(old, p)
+            extra["nft"] = (self._scatter_D(trajectory, rows, cols, x0_old - p["x0"].float()),
+                            self._scatter_D(trajectory, rows, cols, family._x0_from(p["pred"], p) - x0_old))
+        return self._scatter(trajectory, rows, cols, logp), kl, extra
+
+    def _scatter_D(self, trajectory: Trajectory, rows: Tensor, cols: Tensor, values_R_D: Tensor) -> Tensor:
+        b, k = trajectory.mask_B_T.shape
+        out = torch.zeros((b, k, *values_R_D.shape[1:]), device=values_R_D.device, dtype=torch.float32)
+        return out.index_put((rows.to(values_R_D.device), cols.to(values_R_D.device)), values_R_D.float())

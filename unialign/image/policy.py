@@ -497,6 +497,37 @@ class DiffusionPolicy(DenoiserPolicy):
             raise ValueError(f"unsupported prediction_type {kind!r}")
         return self.scheduler.add_noise(x0, eps, t2), t2, target
 
+    is_flow_matching = False
+
+    def _forward_process(self, x0: Tensor, eps: Tensor, t_R: Tensor) -> dict[str, Tensor]:
+        """x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps at DDPM timesteps ``t_R`` [R] (the scheduler's ``add_noise``),
+        the target of its ``prediction_type`` (eps, v or x0), and alpha = sqrt(a_t), sigma = sqrt(1 - a_t) [R]
+        (sigma: the noise level a forward-process weighting reads)."""
+        t = t_R.long().to(self.device)
+        acp = self.scheduler.alphas_cumprod.to(self.device, torch.float32)[t]
+        alpha, sigma = acp.sqrt(), (1 - acp).sqrt()
+        kind = self.scheduler.config.prediction_type
+        if kind == "epsilon":
+            target = eps
+        elif kind == "v_prediction":
+            target = self.scheduler.get_velocity(x0, eps, t)
+        elif kind == "sample":
+            target = x0
+        else:
+            raise ValueError(f"unsupported prediction_type {kind!r}")
+        return {"x_t": self.scheduler.add_noise(x0, eps, t), "target": target, "alpha": alpha, "sigma": sigma}
+
+    def _x0_from(self, pred: Tensor, p: dict[str, Tensor]) -> Tensor:
+        """The clean-image estimate from a prediction at ``p["x_t"]`` (``_forward_process``'s values)."""
+        view = (-1,) + (1,) * (pred.dim() - 1)
+        alpha, sigma, x_t = p["alpha"].view(view), p["sigma"].view(view), p["x_t"].float()
+        kind = self.scheduler.config.prediction_type
+        if kind == "epsilon":
+            return (x_t - sigma * pred) / alpha
+        if kind == "v_prediction":
+            return alpha * x_t - sigma * pred
+        return pred
+
     def _pair_side_cond(self, batch: PreferenceBatch, latent_shape: torch.Size) -> dict[str, Tensor]:
         """Per-side micro-conditioning (SDXL time_ids) from the batch's sides, default: the latent's pixel
         size, no crop."""

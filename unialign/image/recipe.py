@@ -81,6 +81,24 @@ class ImageRLConfig(OnlineConfig):
                 "this many, one backward each, the same update (0: all in one UNet call; memory only)"})
     sample_batch_size: int = field(default=0, metadata={
         "help": "images denoised at once while sampling (0: the whole step's batch; memory only)"})
+    # forward-process RL (--algorithm awm | nft; unset: the algorithm's published values, FORWARD_PROCESS)
+    sampler: str = field(default="auto", metadata={
+        "help": "forward-process algorithms: the deterministic collection solver (auto: Euler for flow matching, "
+                "DDIM eta 0 for UNets; dpmpp: DPM-Solver++ 2M, UNets)", "choices": ("auto", "euler", "ddim", "dpmpp")})
+    train_timesteps: int | None = field(default=None, metadata={
+        "help": "forward-process algorithms: training pairs (t, eps) per sample (AWM 6, DiffusionNFT int(N x 0.99))",
+        "min": 1})
+    forward_fraction: float | None = field(default=None, metadata={
+        "help": "forward-process algorithms: the share of the solver's schedule the pairs' times come from (AWM 0.9, "
+                "DiffusionNFT 0.99)", "gt": 0.0, "max": 1.0})
+    forward_weighting: str | None = field(default=None, metadata={
+        "help": "AWM: the matching log-prob's time weighting (uniform | t | t2 | ghuber; AWM's default ghuber)",
+        "choices": ("uniform", "t", "t2", "ghuber")})
+    ghuber_power: float = field(default=0.25, metadata={"help": "AWM: the ghuber weighting's power p", "gt": 0.0})
+    old_policy_decay: str | None = field(default=None, metadata={
+        "help": "forward-process algorithms: the old policy, a moving average of the trained weights, decayed per "
+                "step by 'nft' (DiffusionNFT: min(0.001 step, 0.5)), a constant in [0, 1), or 'off' (unset: the "
+                "algorithm's: DiffusionNFT samples from it and mixes it into its loss, AWM keeps none)"})
     torch_dtype: str = field(default="float32", metadata={"help": "UNet / text-encoder dtype (the VAE runs in fp32)"})
     num_eval: int = field(default=168, metadata={"help": "held-out images (prompts cycled), sampled with eval_seed"})
     eval_seed: int = field(default=1234, metadata={"help": "seed of the held-out samples: the same noise every time"})
@@ -182,6 +200,14 @@ def check_sampling_knobs(cfg: ImageRLConfig, family: str) -> None:
         sde_window_bounds(cfg.num_steps, cfg.sde_window_size, window)
     elif not cfg.eta > 0:
         raise ValueError(f"eta: must be > 0 for DDIM (the step log-probability needs sigma_t > 0), got {cfg.eta}")
+    forward = forward_process_kwargs(cfg)
+    if forward is not None:
+        from unialign.image.kernels import ForwardKernel
+
+        try:  # a solver for the family
+            ForwardKernel._solver_kind(forward["sampler"], family in FLOW_FAMILIES)
+        except ValueError as err:
+            raise ValueError(f"sampler: {err}") from None
 
 
 def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
@@ -198,6 +224,58 @@ def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
     else:
         common.update(eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std)
     return {**common, **{k: v for k, v in optional.items() if v is not None}}  # unset: the policy's default
+
+
+# The policy side of the forward-process algorithms, by algorithm (the trainer side is unialign.registry's):
+# AWM (scxue/advantage_weighted_matching, config/dgx_awm.py GenEval): 6 pairs per sample stratified over the
+# solver's steps 1 .. int(0.9 N) - 1 ("discrete_wo_init"), ghuber weighting p 0.25, collection by the current policy;
+# DiffusionNFT (NVlabs/DiffusionNFT, config/nft.py): int(0.99 N) pairs, a random subset of the N steps per sample,
+# collection by the old policy, a moving average of the trained one decayed by min(0.001 step, 0.5).
+FORWARD_PROCESS = {
+    "awm": dict(train_timesteps=6, timestep_fraction=0.9, time_sampling="stratified", weighting="ghuber",
+                old_policy_decay="off"),
+    "nft": dict(train_timesteps=None, timestep_fraction=0.99, time_sampling="random", weighting="uniform",
+                old_policy_decay="nft"),
+}
+OLD_DECAYS = {"nft": lambda step: min(0.001 * step, 0.5)}
+
+
+def old_decay(value: str | None) -> Callable[[int], float] | None:
+    """``--old_policy_decay`` as a schedule step -> decay (None: no old policy); ValueError naming the field."""
+    if value in (None, "off"):
+        return None
+    if value in OLD_DECAYS:
+        return OLD_DECAYS[value]
+    try:
+        constant = float(value)
+    except ValueError:
+        raise ValueError(f"old_policy_decay: {value!r} is not 'nft', 'off' or a number in [0, 1)") from None
+    if not 0.0 <= constant < 1.0:
+        raise ValueError(f"old_policy_decay: a constant decay must be in [0, 1), got {constant}")
+    return lambda step: constant
+
+
+def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
+    """The forward kernel's knobs (``DenoiserPolicy.use_forward_process``) for ``cfg``'s algorithm, or None when
+    it trains on the sampler's steps: the algorithm's ``FORWARD_PROCESS`` entry (AWM's for another forward-process
+    algorithm) under the set fields. Checked before any model loads."""
+    if cfg.algo_spec().log_prob_estimator != "forward":
+        return None
+    base = FORWARD_PROCESS.get(cfg.algorithm, FORWARD_PROCESS["awm"])
+    fraction = cfg.forward_fraction or base["timestep_fraction"]
+    k = cfg.train_timesteps or base["train_timesteps"] or max(1, int(cfg.num_steps * fraction))
+    decay_name = cfg.old_policy_decay or base["old_policy_decay"]
+    decay = old_decay(decay_name)
+    kw = dict(train_timesteps=k, timestep_fraction=fraction, time_sampling=base["time_sampling"],
+              weighting=cfg.forward_weighting or base["weighting"], power=cfg.ghuber_power, sampler=cfg.sampler,
+              sample_old=decay is not None, old_decay=decay)
+    from unialign.image.kernels import ForwardKernel
+
+    try:  # the kernel's own checks, now
+        ForwardKernel(cfg.num_steps, **{k: v for k, v in kw.items() if k != "old_decay"})
+    except ValueError as err:
+        raise ValueError(f"train_timesteps / forward_fraction / sampler: {err}") from None
+    return kw
 
 
 def load_prompts(name: str, encoding_errors: str = "strict") -> tuple[list[str], list[str]]:
@@ -255,6 +333,9 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
     start = time.time()
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
+    forward = forward_process_kwargs(cfg)
+    if forward is not None:  # AWM / DiffusionNFT: train on the forward process, collect with a deterministic solver
+        policy.use_forward_process(**forward)
     prompts = [eval_prompts[i % len(eval_prompts)] for i in range(cfg.num_eval)]
     evaluator = HeldOutImages(policy, prompts, cfg.eval_seed, reward=reward, gold=gold, verifier=verifier)
     trainer = OnlineTrainer(policy, reward, [{"prompt": p} for p in train_prompts], cfg, evaluator=evaluator)

@@ -515,7 +515,8 @@ def log_images(acc, images: dict[str, object], step: int) -> None:
 
 
 def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int, run_id: str | None = None,
-                    random_states: dict[str, torch.Tensor] | None = None, legacy: bool = False) -> Path:
+                    random_states: dict[str, torch.Tensor] | None = None, legacy: bool = False,
+                    state_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """accelerate state (model, optimizer, scheduler, global RNGs) + the loop's own ``state`` dict (as
     ``trainer_state.json``: plain JSON, NaN kept as JSON's NaN extension, which Python reads back
     exactly, with ``run_id``) + ``random_states`` (the policies' own generators, a safetensors file) +
@@ -536,6 +537,11 @@ def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: i
                 from safetensors.torch import save_file
 
                 save_file({k: v.contiguous() for k, v in random_states.items()}, str(tmp / RANDOM_STATES_FILE))
+            if state_tensors:
+                from safetensors.torch import save_file
+
+                save_file({k: v.detach().cpu().contiguous() for k, v in state_tensors.items()},
+                          str(tmp / STATE_TENSORS_FILE))
             (tmp / STATE_FILE).write_text(json.dumps(_plain({**state, "run_id": run_id,
                                                              "checkpoint_format": CHECKPOINT_FORMAT})))
             (tmp / CHECKSUM_FILE).write_text(json.dumps({"algorithm": "sha256", "files": file_digests(tmp)}, indent=0))
@@ -547,16 +553,36 @@ def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: i
 
 
 RANDOM_STATES_FILE = "random_states.safetensors"  # the policies' own torch.Generator states, uint8 tensors
+STATE_TENSORS_FILE = "state_tensors.safetensors"  # training state the policies hold beyond weights (an old policy)
 
 
-def read_random_states(ckpt: str | Path) -> dict[str, torch.Tensor]:
-    """The generator states ``save_checkpoint`` wrote (none for older checkpoints); safetensors, never a pickle."""
-    path = Path(ckpt) / RANDOM_STATES_FILE
+def read_random_states(ckpt: str | Path, name: str = RANDOM_STATES_FILE) -> dict[str, torch.Tensor]:
+    """The generator states (or, ``name=STATE_TENSORS_FILE``, the sources' state tensors) ``save_checkpoint``
+    wrote (none for older checkpoints); safetensors, never a pickle."""
+    path = Path(ckpt) / name
     if not path.is_file():
         return {}
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def source_state_tensors(sources: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every source's ``state_tensors()`` (e.g. a policy's old policy) as ``"<source>.<name>"``."""
+    out = {}
+    for prefix, obj in sources.items():
+        own = getattr(obj, "state_tensors", None)
+        if callable(own):
+            out.update({f"{prefix}.{k}": v for k, v in own().items()})
+    return out
+
+
+def set_source_state_tensors(sources: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    for prefix, obj in sources.items():
+        load = getattr(obj, "load_state_tensors", None)
+        mine = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        if callable(load) and mine:
+            load(mine)
 
 
 class DiskFullError(ValueError):

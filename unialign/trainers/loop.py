@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from unialign.config import validate
 from unialign.trainers import rundir
 from unialign.trainers.common import (
+    STATE_TENSORS_FILE,
     StopSignals,
     check_launch,
     generator_states,
@@ -38,6 +39,8 @@ from unialign.trainers.common import (
     resume_settings,
     save_checkpoint,
     set_generator_states,
+    set_source_state_tensors,
+    source_state_tensors,
 )
 
 
@@ -108,7 +111,7 @@ class TrainerLoop:
                  "config": asdict(self.cfg), **self._extra_state()}
         path = save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit,
                                self.run.run_id, random_states=generator_states(self._random_sources()),
-                               legacy=self.run.legacy)
+                               legacy=self.run.legacy, state_tensors=source_state_tensors(self._random_sources()))
         self._last_save = time.monotonic()
         return path
 
@@ -117,6 +120,7 @@ class TrainerLoop:
         accepted."""
         state = load_checkpoint(self.acc, resume, self.optimizer, self.scheduler, self.cfg)
         set_generator_states(self._random_sources(), read_random_states(resume.path), resume.path)
+        set_source_state_tensors(self._random_sources(), read_random_states(resume.path, STATE_TENSORS_FILE))
         self.config_changes = state.get("config_changes") or []
         self.step, self.cursor, self.history = state["step"], state["cursor"], state["history"]
         self.counters = state["counters"]

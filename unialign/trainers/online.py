@@ -225,12 +225,25 @@ class OnlineTrainer(TrainerLoop):
             raise ValueError(f"kl_in_reward puts the KL into per-step rewards, which the advantage estimator "
                              f"{self.spec.advantage!r} does not read: use a loss KL (kl_in_reward false)")
         algos.check_kl_estimator(self.spec.kl_estimator)
+        estimator = getattr(policy, "log_prob_estimator", "sampler")
+        if estimator != self.spec.log_prob_estimator:
+            raise ValueError(f"{self.spec.name} trains on the {self.spec.log_prob_estimator!r} log-prob estimator, "
+                             f"but this {type(policy).__name__} provides {estimator!r} (a denoiser: "
+                             "policy.use_forward_process() for 'forward'; the image scripts choose it from the algorithm)")
+        self._loss_inputs = tuple(getattr(self.policy_loss, "inputs", ()))
+        if self._loss_inputs and not hasattr(policy, "log_prob_terms"):
+            raise ValueError(f"policy_loss={self.spec.policy_loss!r} reads {list(self._loss_inputs)} from the policy "
+                             f"(log_prob_terms), which {type(policy).__name__} does not provide")
         # a closed-form KL comes from the policy's own forward (it needs both step means)
         self._kl_from_policy = self.spec.beta > 0 and self.spec.kl_estimator in algos.CLOSED_FORM_ESTIMATORS
         if self._kl_from_policy:
             if not hasattr(policy, "log_prob_and_kl"):
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} needs a policy with Gaussian steps and "
                                  f"log_prob_and_kl() (DiffusionPolicy); {type(policy).__name__} has none: use k1, k2 or k3")
+            offered = getattr(policy, "closed_form_kls", algos.CLOSED_FORM_ESTIMATORS)
+            if self.spec.kl_estimator not in offered:
+                raise ValueError(f"kl_estimator={self.spec.kl_estimator!r}: this {type(policy).__name__}'s log-prob "
+                                 f"offers the closed forms {list(offered)} (or k1, k2, k3)")
             if self.spec.kl_estimator in algos.NEEDS_KL_WEIGHTS and not hasattr(policy, "kl_weights"):
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} (Flow-GRPO's KL) needs a flow-matching "
                                  f"policy's kl_weights(); {type(policy).__name__} has none: use 'gaussian'")
@@ -321,6 +334,8 @@ class OnlineTrainer(TrainerLoop):
         adv = out.advantages_B_T.float()
         if spec.advantage_clip is not None:
             adv = adv.clamp(-spec.advantage_clip, spec.advantage_clip)
+        if spec.advantage_scale != 1.0:
+            adv = adv * spec.advantage_scale
         traj.advantages_B_T = adv.expand_as(mask).contiguous()
         if out.returns_B_T is not None:
             traj.returns_B_T = out.returns_B_T.float()
@@ -407,8 +422,14 @@ class OnlineTrainer(TrainerLoop):
             mb = dataclasses.replace(mb, mask_B_T=step_mask)
         mask = mb.mask_B_T.to(self.acc.device)
         values = kl = None
+        terms: dict[str, Any] = {}
         if spec.value_coef > 0:
             logp, entropy, values = self.policy.log_prob_and_values(mb)
+        elif self._loss_inputs:  # a policy loss that reads more than log-probs: all in the policy's one forward
+            logp, entropy, kl, terms = self.policy.log_prob_terms(mb, self._loss_inputs, with_kl=self._kl_from_policy)
+            if kl is not None:
+                weights = self.policy.kl_weights(mb) if spec.kl_estimator in algos.NEEDS_KL_WEIGHTS else None
+                kl = algos.closed_form_kl(kl, spec.kl_estimator, weights)
         elif self._kl_from_policy:
             logp, entropy, kl = self.policy.log_prob_and_kl(mb)
             weights = self.policy.kl_weights(mb) if spec.kl_estimator in algos.NEEDS_KL_WEIGHTS else None
@@ -420,7 +441,7 @@ class OnlineTrainer(TrainerLoop):
         old_logp = logp.detach() if mb.old_logp_B_T is None else mb.old_logp_B_T.to(logp.device)
         if not self.ratio_checked:
             self._check_ratio(logp.detach(), old_logp, mask)
-        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec)
+        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec, **terms)
         if mb.rollout_logp_B_T is not None:  # sampled by another engine: pi_old / pi_rollout per token
             cfg = self.cfg
             weights, rc = algos.rollout_correction(
@@ -539,6 +560,9 @@ class OnlineTrainer(TrainerLoop):
             self.counters["skipped_steps"] += 1
             return stats
         stats.update(self.update(traj))                           # 4
+        after = getattr(self.policy, "after_optimizer_step", None)   # e.g. an old policy's moving average
+        if after is not None:
+            after(self.step + 1)
         local = [[float(traj.mask_B_T.sum()), float(len(traj))]]
         counts = gather(torch.tensor(local, device=acc.device)).sum(0)
         seconds = time.perf_counter() - t0
