@@ -40,7 +40,7 @@ class DDPOAestheticConfig(ImageRLConfig):
     reward: str = field(default="aesthetic,shape_verifier_partial", metadata={
         "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier[_partial], jpeg_compressibility, ...)"})
     reward_weights: str | None = field(default="1,0.3", metadata={"help": "comma-separated floats, one per reward"})
-    algorithm: str = field(default="ddpo", metadata={"help": "ddpo | grpo | dapo | dr_grpo | gspo | rloo | reinforce"})
+    algorithm: str = field(default="ddpo", metadata={"help": "ddpo | grpo | awm | nft | dapo | dr_grpo | gspo | rloo | reinforce"})
     guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
     timestep_fraction: float = field(default=0.5, metadata={"help": "share of the trainable steps trained per sample"})
     beta: float | None = field(default=0.02, metadata={"help": "KL coefficient (0: no reference model)"})

@@ -41,7 +41,8 @@ class GRPOImageConfig(ImageRLConfig):
     #   policy gradient is mostly noise (cosine of two independent batch gradients ~0.05, partial ~0.27);
     reward: str = field(default="shape_verifier_partial", metadata={
         "help": "comma-separated registry names (shape_verifier[_partial], aesthetic, clip_score, jpeg_compressibility, ...)"})
-    algorithm: str = field(default="grpo", metadata={"help": "grpo | flow_grpo | dapo | dr_grpo | gspo | gspo_token | rloo | reinforce"})
+    algorithm: str = field(default="grpo", metadata={"help": "grpo | flow_grpo | awm | nft | dapo | dr_grpo | gspo | "
+                                                            "gspo_token | rloo | reinforce"})
     # * no CFG: half the UNet calls, and RL learns what CFG 3 buys (the base model's fidelity at CFG 3)
     guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
     # * the last two of 8 steps (sigma 0.04, 0.02) never trained (min_step_std 0.05, ImageRLConfig's
@@ -98,6 +99,19 @@ PRESETS = {
         lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
         train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
         num_threads=0, output_dir="outputs/grpo_sd35m_geneval"),
+    # SD3.5-M with the forward-process methods' GenEval settings, CFG-free (both papers): AWM (scxue/
+    # advantage_weighted_matching config/dgx_awm.py: 14 solver steps, 6 pairs per image, ghuber, lr 3e-4, LoRA
+    # r32 / a64, groups of 24, one optimizer step per batch, KL 0.001; its SA-Solver collection is Euler here) and
+    # DiffusionNFT (NVlabs/DiffusionNFT config/nft.py: 10 steps, 9 pairs, beta 1, old policy decay min(0.001 s,
+    # 0.5); its DPM2 collection is Euler here). The CLIP-score reward stands in for GenEval's scorer, as above.
+    **{f"sd3.5-medium-geneval-{algo}": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set="animals",
+        reward="clip_score", algorithm=algo, num_steps=steps, guidance_scale=1.0, resolution=512,
+        max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant",
+        weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1, micro_batch_size=micro,
+        train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50, torch_dtype="bfloat16",
+        num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
+       for algo, steps, micro in (("awm", 14, 3), ("nft", 10, 9))},
     # FLUX.1-dev on PickScore (flow_grpo config/grpo.py pickscore_flux; DanceGRPO's FLUX runs (XueZeyue/DanceGRPO)
     # share the group / clip / advantage-clip choices but use a constant-eta SDE and HPS): 6 SDE steps at 512 px,
     # guidance embedding 3.5 (no CFG), groups of 24, T5 512 tokens, beta 0.01 (PickScore's); PickScore on its published

@@ -28,6 +28,8 @@ SCRIPTS = {  # each script's embedded default, shrunk; 4 steps with a checkpoint
     "train_reward_model": ["--num_eval", "8", "--batch_size", "8"],
     "ddpo_aesthetic": IMAGE,
     "grpo_image": [*IMAGE, "--model_name_or_path", "embedded-sd3"],
+    # forward-process RL with DiffusionNFT's old policy, a moving average kept in the checkpoint
+    "grpo_image:nft": [*IMAGE, "--model_name_or_path", "embedded-sd3", "--algorithm", "nft"],
     "dpo_sdxl": ["--num_prompts", "4", "--pairs_per_prompt", "2", "--eval_pairs_per_prompt", "2", "--min_gap", "0",
                  "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "1",
                  "--num_eval_images", "4", "--caption_dropout", "0.5"],
@@ -73,11 +75,12 @@ def test_resume_from_a_copied_checkpoint_is_the_uninterrupted_run(tmp_path, name
     args = SCRIPTS.get(name, ["--num_eval", "8", "--prompts_per_step", "4", "--micro_batch_size", "4"])
     args = [*args, *QUIET, "--max_steps", "4", *extra(name, tmp_path)]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run(name, [*args, "--output_dir", str(whole)])
+    script = name.split(":")[0]
+    run(script, [*args, "--output_dir", str(whole)])
     assert (whole / "checkpoint-2").is_dir()
     resumed.mkdir()
     shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")  # the run as a kill after step 2 leaves it
-    run(name, [*args, "--output_dir", str(resumed), "--resume_from_checkpoint", str(resumed / "checkpoint-2")])
+    run(script, [*args, "--output_dir", str(resumed), "--resume_from_checkpoint", str(resumed / "checkpoint-2")])
     assert_same_run(whole, resumed)
 
 

@@ -73,7 +73,9 @@ def test_grpo_math_preset_fails_fast_offline(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("preset,names", [("sd3.5-medium-geneval", "vit_base_patch32_clip_224"),  # its CLIP reward
-                                          ("flux.1-dev-pickscore", "PickScore_v1")])
+                                          ("flux.1-dev-pickscore", "PickScore_v1"),
+                                          ("sd3.5-medium-geneval-awm", "vit_base_patch32_clip_224"),
+                                          ("sd3.5-medium-geneval-nft", "vit_base_patch32_clip_224")])
 def test_flow_matching_presets_fail_fast_offline(monkeypatch, capsys, preset, names):
     import time
 
