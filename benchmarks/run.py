@@ -11,7 +11,9 @@ copy; P6 the math reward's agreement with labelled truth and time per 1,000 comp
 P9 DDPO end to end (time per epoch split into sampling / training, peak memory) vs TRL 0.23's DDPOTrainer
 in its own cached environment; P10 the SD3 family (``FlowMatchingPolicy``): P10a sampling with Flow-GRPO's
 SDE log-prob recording vs the stock ``StableDiffusion3Pipeline``, P10b a GRPO step's time and working memory
-with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says).
+with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says); P11 forward-process
+image RL (AWM, DiffusionNFT) against Flow-GRPO and the grpo_image default, seconds to held-out fidelity 0.85 on the
+embedded SD3 world over 3 seeds (about an hour: only with ``--long`` or ``--only P11``; ``--quick`` runs it small).
 Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
 "target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
 """
@@ -37,7 +39,8 @@ from benchmarks.common import error_row, machine_info, markdown_table, row  # no
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
-           "P10": "p10_flow"}
+           "P10": "p10_flow", "P11": "p11_forward"}
+LONG = ("P11",)  # about an hour: the default suite leaves it out (``--long`` or ``--only P11``); --quick runs it
 
 
 def p1_rows(quick: bool) -> list[dict]:
@@ -75,6 +78,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="smoke version (~3-5 min)")
     p.add_argument("--only", default="", help="comma-separated row groups, e.g. P2,P4")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--long", action="store_true", help=f"also the long groups {', '.join(LONG)} (~1 h)")
     p.add_argument("--in-process", action="store_true",
                    help="run every group in this process (default: each group in a fresh child process, so one "
                         "group's memory high-water mark, compiled kernels and imports cannot skew the next)")
@@ -83,7 +87,10 @@ def main(argv=None) -> dict:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    want = [k for k in MODULES if not a.only or k in a.only.split(",")]
+    if a.only:
+        want = [k for k in MODULES if k in a.only.split(",")]
+    else:
+        want = [k for k in MODULES if a.quick or a.long or k not in LONG]
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "mode": "quick" if a.quick else "default",

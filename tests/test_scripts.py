@@ -470,3 +470,18 @@ def test_skipped_reward_errors_are_counted_in_the_summary(tmp_path, monkeypatch)
                           "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",
                           "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
     assert s["reward_errors"] == 4  # half of the 8 samples of the one step
+
+
+def test_a_scripts_own_defaults_for_another_algorithm_apply_under_what_is_set(tmp_path):
+    """grpo_image's measured KL for AWM on its world (ALGORITHM_DEFAULTS) fills only an unset --beta; other knobs
+    take AWM's published values, and the script's default algorithm keeps the script's own."""
+    from unialign.config import parse_config
+
+    module = load_script("grpo_image")
+
+    def spec(*argv):
+        return parse_config(module.GRPOImageConfig, [*argv, "--output_dir", str(tmp_path)]).algo_spec()
+
+    assert spec("--algorithm", "awm").beta == 0.03 and spec("--algorithm", "awm").advantage_scale == 0.2
+    assert spec("--algorithm", "awm", "--beta", "0.001").beta == 0.001
+    assert spec("--algorithm", "nft").beta == 1e-4 and spec().beta == 0.1

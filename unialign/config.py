@@ -276,8 +276,10 @@ def _algorithm_knobs_follow_the_algorithm(cls: type, fields: dict[str, dataclass
     """A script's own defaults for algorithm knobs (``grpo_image.py``'s clip 1e-2 and beta 0.1, ...) are tuned for
     the script's default ``algorithm``. When a preset, YAML or the command line picks another algorithm, every knob
     nobody set falls back to None: the chosen algorithm's published value (``unialign.registry``), so
-    ``--algorithm flow_grpo`` trains Flow-GRPO, not Flow-GRPO with the script's GRPO clip. Only online configs
-    (those with ``algo_spec``); ``values`` (what was set, by name) is updated in place."""
+    ``--algorithm flow_grpo`` trains Flow-GRPO, not Flow-GRPO with the script's GRPO clip. A script may still
+    measure its own values for another algorithm: ``cls.ALGORITHM_DEFAULTS[algorithm]`` (field -> value) fills
+    those fields nobody set. Only online configs (those with ``algo_spec``); ``values`` (what was set, by name) is
+    updated in place."""
     algorithm = fields.get("algorithm")
     if not hasattr(cls, "algo_spec") or algorithm is None or values.get("algorithm", algorithm.default) == algorithm.default:
         return
@@ -286,6 +288,10 @@ def _algorithm_knobs_follow_the_algorithm(cls: type, fields: dict[str, dataclass
     for knob in (f.name for f in dataclasses.fields(AlgoSpec) if f.name != "name"):
         if knob in fields and knob not in values and fields[knob].default is not None:
             values[knob] = None
+    # a script's own defaults for a non-default algorithm (its measured choices there), under what was set
+    for name, value in getattr(cls, "ALGORITHM_DEFAULTS", {}).get(values.get("algorithm"), {}).items():
+        if values.get(name) is None and name in fields:
+            values[name] = value
 
 
 def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
