@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,19 +196,21 @@ def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
     assert [e.step for e in events.Scalars("eval/fidelity")] == [0, 1, 2]  # before, every eval_steps, after
 
 
-def test_grpo_image_embedded_sd3_lora_window_loads_in_the_stock_pipeline(tmp_path):
-    """The flow-matching route end to end: ``--model_name_or_path embedded-sd3`` with Flow-GRPO's preset, an SDE
-    window and LoRA; the saved LoRA loads with stock ``StableDiffusion3Pipeline`` + ``load_lora_weights`` and
-    changes its transformer's output."""
+@pytest.mark.parametrize("algorithm,extra", [("flow_grpo", ["--sde_window_size", "2", "--sde_window_range", "0,6"]),
+                                             ("awm", []), ("nft", [])])
+def test_grpo_image_embedded_sd3_lora_loads_in_the_stock_pipeline(tmp_path, algorithm, extra):
+    """The flow-matching route end to end: ``--model_name_or_path embedded-sd3`` with Flow-GRPO's preset and an SDE
+    window, or forward-process RL (AWM, DiffusionNFT with its old policy), with LoRA; the saved LoRA loads with
+    stock ``StableDiffusion3Pipeline`` + ``load_lora_weights`` and changes its transformer's output."""
     from diffusers import StableDiffusion3Pipeline
 
     from unialign.embedded import shapes_world
 
-    run("grpo_image", IMAGE_SMOKE + ["--model_name_or_path", "embedded-sd3", "--algorithm", "flow_grpo", "--lora_rank",
-                                     "4", "--sde_window_size", "2", "--sde_window_range", "0,6", "--learning_rate",
-                                     "1e-2", "--output_dir", str(tmp_path), "--report_to", "none"])
+    run("grpo_image", IMAGE_SMOKE + ["--model_name_or_path", "embedded-sd3", "--algorithm", algorithm, "--lora_rank",
+                                     "4", *extra, "--learning_rate", "1e-2", "--output_dir", str(tmp_path),
+                                     "--report_to", "none"])
     s = check_summary(tmp_path, "reward")
-    assert s["config"]["algorithm"] == "flow_grpo" and s["config"]["sde_window_size"] == 2
+    assert s["config"]["algorithm"] == algorithm
     assert {"fidelity_before", "fidelity_after"} <= set(s)
     pipe = StableDiffusion3Pipeline.from_pretrained(str(shapes_world.sd3_dir()), text_encoder_3=None, tokenizer_3=None)
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -220,6 +223,27 @@ def test_grpo_image_embedded_sd3_lora_window_loads_in_the_stock_pipeline(tmp_pat
         tuned = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds,
                                  pooled_projections=pooled).sample
     assert (tuned - base).abs().max() > 1e-6  # the adapters were loaded and trained
+
+
+def test_grpo_image_awm_full_weights_load_in_the_stock_pipeline(tmp_path):
+    """Forward-process RL without LoRA: ``final/transformer`` is a diffusers ``SD3Transformer2DModel`` folder that
+    the stock ``StableDiffusion3Pipeline`` takes as its transformer and samples with (changed weights, finite
+    images)."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from unialign.embedded import shapes_world
+
+    run("grpo_image", IMAGE_SMOKE + ["--model_name_or_path", "embedded-sd3", "--algorithm", "awm", "--learning_rate",
+                                     "1e-2", "--output_dir", str(tmp_path), "--report_to", "none"])
+    tuned = SD3Transformer2DModel.from_pretrained(str(tmp_path / "final" / "transformer"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(shapes_world.sd3_dir()), text_encoder_3=None, tokenizer_3=None)
+    base = dict(pipe.transformer.named_parameters())
+    assert any((p - base[n]).abs().max() > 1e-6 for n, p in tuned.named_parameters())
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(shapes_world.sd3_dir()), transformer=tuned,
+                                                    text_encoder_3=None, tokenizer_3=None)
+    out = pipe(["a red circle on a blue background"], num_inference_steps=4, guidance_scale=1.0, height=32, width=32,
+               max_sequence_length=shapes_world.SD3_MAX_SEQUENCE_LENGTH, output_type="np").images
+    assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
 
 
 def test_dpo_sdxl_on_the_flow_matching_embedded_model(tmp_path):
