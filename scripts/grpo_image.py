@@ -109,15 +109,16 @@ PRESETS = {
     # advantage_weighted_matching config/dgx_awm.py: 14 solver steps, 6 pairs per image, ghuber, lr 3e-4, LoRA
     # r32 / a64, groups of 24, one optimizer step per batch, KL 0.001; its SA-Solver collection is Euler here) and
     # DiffusionNFT (NVlabs/DiffusionNFT config/nft.py: 10 steps, 9 pairs, beta 1, old policy decay min(0.001 s,
-    # 0.5); its DPM2 collection is Euler here). The CLIP-score reward stands in for GenEval's scorer, as above.
+    # 0.5); its DPM2 collection is Euler here). The CLIP-score reward stands in for GenEval's scorer, as above. The
+    # papers' KL is set here, not left to ALGORITHM_DEFAULTS (the embedded world's AWM KL).
     **{f"sd3.5-medium-geneval-{algo}": dict(
         model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set="animals",
-        reward="clip_score", algorithm=algo, num_steps=steps, guidance_scale=1.0, resolution=512,
+        reward="clip_score", algorithm=algo, beta=beta, num_steps=steps, guidance_scale=1.0, resolution=512,
         max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant",
         weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1, micro_batch_size=micro,
         train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50, torch_dtype="bfloat16",
         num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
-       for algo, steps, micro in (("awm", 14, 3), ("nft", 10, 9))},
+       for algo, steps, micro, beta in (("awm", 14, 3, 0.001), ("nft", 10, 9, 1e-4))},
     # FLUX.1-dev on PickScore (flow_grpo config/grpo.py pickscore_flux; DanceGRPO's FLUX runs (XueZeyue/DanceGRPO)
     # share the group / clip / advantage-clip choices but use a constant-eta SDE and HPS): 6 SDE steps at 512 px,
     # guidance embedding 3.5 (no CFG), groups of 24, T5 512 tokens, beta 0.01 (PickScore's); PickScore on its published

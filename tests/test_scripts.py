@@ -91,6 +91,19 @@ def test_flow_matching_presets_fail_fast_offline(monkeypatch, capsys, preset, na
     assert time.perf_counter() - start < 30  # seconds, not a minute of retries
 
 
+@pytest.mark.parametrize("argv,beta", [(["--algorithm", "awm"], 0.03),  # the embedded world's measured AWM KL
+                                       (["--algorithm", "awm", "--beta", "0.001"], 0.001),
+                                       (["--preset", "sd3.5-medium-geneval-awm"], 0.001),  # the paper's
+                                       (["--preset", "sd3.5-medium-geneval-nft"], 1e-4),
+                                       (["--algorithm", "nft"], 1e-4)])
+def test_forward_process_kl_resolves_to_the_measured_or_published_value(argv, beta):
+    module = load_script("grpo_image")
+    from unialign.config import parse_config
+
+    cfg = parse_config(module.GRPOImageConfig, argv, presets=module.PRESETS)
+    assert cfg.algo_spec().beta == pytest.approx(beta)
+
+
 def test_model_family_from_folder_and_name(tmp_path):
     from unialign.image.recipe import ImageRLConfig, model_family, policy_kwargs, window_range
 
