@@ -95,7 +95,8 @@ def test_flow_matching_presets_fail_fast_offline(monkeypatch, capsys, preset, na
                                        (["--algorithm", "awm", "--beta", "0.001"], 0.001),
                                        (["--preset", "sd3.5-medium-geneval-awm"], 0.001),  # the paper's
                                        (["--preset", "sd3.5-medium-geneval-nft"], 1e-4),
-                                       (["--algorithm", "nft"], 1e-4)])
+                                       (["--algorithm", "nft"], 0.03),  # and nft_beta 0.1 (below)
+                                       (["--algorithm", "nft", "--beta", "1e-4"], 1e-4)])
 def test_forward_process_kl_resolves_to_the_measured_or_published_value(argv, beta):
     module = load_script("grpo_image")
     from unialign.config import parse_config
@@ -191,6 +192,19 @@ def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
             "aesthetic_after", "shape_verifier_partial_before", "shape_verifier_partial_after"} <= set(s)
     assert 0.0 <= s["fidelity_before"] <= 1.0 and s["config"]["beta"] == 0.04
     assert all((tmp_path / f).exists() for f in ("grid_before.png", "grid_after.png", "reward_curve.png"))
+
+
+@pytest.mark.parametrize("script,extra", [("ddpo_aesthetic", []), ("grpo_image", ["--sampler", "dpmpp"])])
+def test_forward_process_rl_on_the_embedded_unet(tmp_path, script, extra):
+    """``--algorithm awm`` on the SD1-family UNet of ddpo_aesthetic (the aesthetic reward) and on grpo_image's
+    embedded SDXL model (DPM-Solver++ collection): the forward-process trajectory (K pairs, not sampler steps)
+    trains the UNet through the unchanged trainer and reports reward, fidelity, gold and grids."""
+    run(script, IMAGE_SMOKE + ["--algorithm", "awm", "--train_timesteps", "2", *extra, "--output_dir", str(tmp_path),
+                               "--report_to", "none"])
+    s = check_summary(tmp_path, "reward")
+    assert s["algorithm_spec"]["log_prob_estimator"] == "forward" and s["config"]["algorithm"] == "awm"
+    assert {"gold_before", "gold_after", "fidelity_before", "fidelity_after"} <= set(s)
+    assert all((tmp_path / f).exists() for f in ("grid_before.png", "grid_after.png", "final"))
 
 
 def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
@@ -517,8 +531,10 @@ def test_a_scripts_own_defaults_for_another_algorithm_apply_under_what_is_set(tm
     module = load_script("grpo_image")
 
     def spec(*argv):
-        return parse_config(module.GRPOImageConfig, [*argv, "--output_dir", str(tmp_path)]).algo_spec()
+        return parse_config(module.GRPOImageConfig, [*argv, "--output_dir", str(tmp_path)],
+                            presets=module.PRESETS).algo_spec()
 
     assert spec("--algorithm", "awm").beta == 0.03 and spec("--algorithm", "awm").advantage_scale == 0.2
     assert spec("--algorithm", "awm", "--beta", "0.001").beta == 0.001
-    assert spec("--algorithm", "nft").beta == 1e-4 and spec().beta == 0.1
+    assert spec("--algorithm", "nft").beta == 0.03 and spec("--algorithm", "nft").nft_beta == 0.1
+    assert spec("--preset", "sd3.5-medium-geneval-nft").nft_beta == 1.0 and spec().beta == 0.1
