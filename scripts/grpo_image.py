@@ -117,9 +117,9 @@ PRESETS = {
         model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set="animals",
         reward="clip_score", algorithm=algo, beta=beta, nft_beta=nft_beta, num_steps=steps, guidance_scale=1.0,
         resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
-        lr_scheduler_type="constant", weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1, micro_batch_size=micro,
-        train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50, torch_dtype="bfloat16",
-        num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
+        lr_scheduler_type="constant", weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1,
+        micro_batch_size=micro, train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50,
+        torch_dtype="bfloat16", num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
        for algo, steps, micro, beta, nft_beta in (("awm", 14, 3, 0.001, None), ("nft", 10, 9, 1e-4, 1.0))},
     # FLUX.1-dev on PickScore (flow_grpo config/grpo.py pickscore_flux; DanceGRPO's FLUX runs (XueZeyue/DanceGRPO)
     # share the group / clip / advantage-clip choices but use a constant-eta SDE and HPS): 6 SDE steps at 512 px,
