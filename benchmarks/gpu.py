@@ -12,6 +12,8 @@ Architectures (random init from configs with the published dims):
          head dim 8), 64x64 latents (512 px), fp16.
   SDXL   UNet2DConditionModel(block_out_channels (320, 640, 1280), transformer layers (1, 2, 10), head dims
          (5, 10, 20), cross-attn 2048, text_time embedding 256 / 2816), 128x128 latents (1024 px), fp16.
+  SD3.5-M SD3Transformer2DModel(24 layers, 24 heads x 64, dual attention in layers 0-12, RMS qk-norm, joint dim
+         4096, caption projection 1536, pooled 2048, patch 2, 16 latent channels), 64x64 latents, bf16.
   Text encoders / VAE: small random ones (they are not what is measured), except where noted.
 
 Rows (each in try/except; a failure is recorded in its row and the rest continue; a time guard skips
@@ -24,6 +26,9 @@ what would overrun the budget):
   G-P3     DPO step ours vs TRL DPOTrainer on the Qwen-sized model: step time, first-step loss
   G-P4-*   SD1.5 / SDXL sampling, DiffusionPolicy.sample vs the stock pipeline: samples/s, MFU of the UNet
   G-P5     Diffusion-DPO peak memory at SD1.5 size: adapter-disabled reference vs frozen copy (subprocesses)
+  G-P11-*  image RL on an SD3.5-medium-sized SD3Transformer2DModel (random weights, bf16, LoRA r32, 64x64 latents):
+           seconds per optimizer step and images/s of collection for flow_grpo (10 SDE steps, CFG 4.5), awm (14
+           Euler steps, no CFG, 6 pairs) and nft (10 Euler steps from the old policy, 9 pairs), one group of 24
 
 Memory: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. MFU = FLOPs / time / peak,
 FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` on one extra (untimed) iteration of the
@@ -481,6 +486,81 @@ def rows_p5(rows):
     go(rows)
 
 
+# ----------------------------------------------------------------------------- forward-process image RL
+SD35M = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+             num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+             pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+# the papers' batch shapes per method (Flow-GRPO config/grpo.py geneval_sd3; AWM config/dgx_awm.py; DiffusionNFT
+# config/nft.py): solver steps, CFG, samples per micro-batch; each timed step is one group of 24 images
+P11_METHODS = {"flow_grpo": dict(num_steps=10, guidance_scale=4.5, micro_batch_size=4, sde_window_size=0),
+               "awm": dict(num_steps=14, guidance_scale=1.0, micro_batch_size=3),
+               "nft": dict(num_steps=10, guidance_scale=1.0, micro_batch_size=9)}
+
+
+def rows_p11(rows):
+    @guarded("G-P11", "image RL step on an SD3.5-M-sized transformer", 240)
+    def go():
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+        from benchmarks import p10_flow, sd_parts
+        from benchmarks.p10_flow import _timed_step, clip_with_projection, sd3_vae
+        from unialign.image.flow_policy import FlowMatchingPolicy
+        from unialign.image.recipe import ImageRLConfig, forward_process_kwargs
+        from unialign.trainers import OnlineTrainer
+
+        dev, dtype = ARGS.device, (torch.float32 if ARGS.device == "cpu" else torch.bfloat16)
+        size = (dict(sample_size=16, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+                     caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=16,
+                     dual_attention_layers=(0,), qk_norm="rms_norm", patch_size=2, in_channels=16, out_channels=16)
+                if ARGS.tiny else SD35M)
+        group, latent = (4, 8) if ARGS.tiny else (24, 64)
+        torch.manual_seed(0)
+        with torch.device(dev):
+            base = SD3Transformer2DModel(**size)
+        base.to(dtype)
+        proj = size["pooled_projection_dim"] // 2  # CLIP-L / CLIP-G stand-ins: their pooled projections concatenate
+        out = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for method, shape in P11_METHODS.items():
+                cfg = ImageRLConfig(algorithm=method, prompts_per_step=1, num_generations=group, lora_rank=32,
+                                    learning_rate=3e-4, num_mini_batches=1, max_steps=10**6, seed=0, report_to="none",
+                                    output_dir=f"{tmp}/{method}", num_eval=1, beta=0.0,
+                                    **{k: v for k, v in shape.items() if k != "sde_window_size"},
+                                    **({"sde_window_size": 0} if "sde_window_size" in shape else {}))
+                parts = dict(transformer=copy.deepcopy(base), vae=sd3_vae().to(dev),
+                             text_encoder=clip_with_projection(projection=proj).to(dev, dtype),
+                             text_encoder_2=clip_with_projection(projection=proj).to(dev, dtype),
+                             tokenizer=sd_parts.tokenizer(), tokenizer_2=sd_parts.tokenizer(),
+                             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+                policy = FlowMatchingPolicy(**parts, num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale,
+                                            noise_level=0.7, max_sequence_length=p10_flow.TEXT_TOKENS,
+                                            sde_window_size=0, lora_rank=32, height=2 * latent, width=2 * latent,
+                                            train_chunk_size=cfg.micro_batch_size, sample_batch_size=8)
+                forward = forward_process_kwargs(cfg)
+                if forward is not None:
+                    policy.use_forward_process(**forward)
+                trainer = OnlineTrainer(policy, p10_flow._brightness, [{"prompt": p} for p in sd_parts.PROMPTS], cfg)
+                _timed_step(trainer)  # warm-up: allocations, the first update's ratio-1 check
+                reset_peak()
+                times = [_timed_step(trainer) for _ in range(1 if ARGS.tiny else 2)]
+                peak = peak_mem()
+                step_s, collect_s = median([t["step_s"] for t in times]), median([t["collect_s"] for t in times])
+                out.append(row(f"G-P11-{method}", f"{method}: seconds per optimizer step (one group of {group})",
+                               step_s, None, "s", "lower", None,
+                               f"SD3.5-M-sized transformer, random weights, {dtype}, LoRA r32, {latent}x{latent} "
+                               f"latents; {cfg.num_steps} steps, CFG {cfg.guidance_scale}, micro-batch "
+                               f"{cfg.micro_batch_size}; collection {group / collect_s:.2f} images/s, update "
+                               f"{step_s - collect_s:.1f} s; peak mem {gib(peak)}",
+                               collect_images_per_s=group / collect_s, update_s=step_s - collect_s, peak_bytes=peak,
+                               raw=times))
+                del trainer, policy, parts
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        return out
+    go(rows)
+
+
 def main(argv=None):
     global ARGS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -488,7 +568,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU dry run of the code paths)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16/fp16 peak of the accelerator")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped past it")
-    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5")
+    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5,P11")
     p.add_argument("--output-dir", default=os.environ.get("OUT") or ".")
     ARGS = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -499,10 +579,10 @@ def main(argv=None):
     out_dir = Path(ARGS.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "args": vars(ARGS), "rows": []}
-    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5"}
+    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5", "P11"}
     steps = [("P1", rows_p1), ("LM", rows_lm), ("P4", lambda r: rows_p4(r, "sd15", 60)),
              ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2),
-             ("P2V", rows_p2_vllm)]
+             ("P2V", rows_p2_vllm), ("P11", rows_p11)]
     for key, fn in steps:
         if key in want:
             fn(result["rows"])

@@ -4,6 +4,7 @@
 # Results: $OUT/gpu_results.json and $OUT/gpu_results.md (./gpu_results.* when $OUT is unset).
 #   bash benchmarks/gpu.sh                 # everything, real sizes, time guard 420 s
 #   bash benchmarks/gpu.sh --only P4,P5    # a subset
+#   bash benchmarks/gpu.sh --only P11      # image RL steps at SD3.5-M size: flow_grpo, awm, nft (~3 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"

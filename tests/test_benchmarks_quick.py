@@ -29,3 +29,16 @@ def test_every_benchmark_group_runs_quick_without_an_error_row(tmp_path):
     groups = {r["id"].split("-")[0].rstrip("ab") for r in rows}
     assert groups == set(MODULES), f"groups without a row: {sorted(set(MODULES) - groups)}"
     assert result["mode"] == "quick"
+
+
+def test_the_gpu_image_rl_rows_run_as_a_cpu_dry_run(tmp_path):
+    """``benchmarks/gpu.py --device cpu --tiny --only P11``: the forward-process and Flow-GRPO rows prepared for a
+    lent GPU run their code paths end to end at tiny sizes, each a timed row without an error."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--tiny", "--only",
+                           "P11", "--time-budget", "5000", "--output-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_results.json").read_text())["rows"]
+    assert [r["id"] for r in rows] == ["G-P11-flow_grpo", "G-P11-awm", "G-P11-nft"], rows
+    assert all(r["ours"] and r["ours"] > 0 and r["collect_images_per_s"] > 0 for r in rows), rows
