@@ -84,7 +84,8 @@ class ImageRLConfig(OnlineConfig):
     # forward-process RL (--algorithm awm | nft; unset: the algorithm's published values, FORWARD_PROCESS)
     sampler: str = field(default="auto", metadata={
         "help": "forward-process algorithms: the deterministic collection solver (auto: Euler for flow matching, "
-                "DDIM eta 0 for UNets; dpmpp: DPM-Solver++ 2M, UNets)", "choices": ("auto", "euler", "ddim", "dpmpp"), "group": "algorithm"})
+                "DDIM eta 0 for UNets; dpmpp: DPM-Solver++ 2M, UNets)", "choices": ("auto", "euler", "ddim", "dpmpp"),
+        "group": "algorithm"})
     train_timesteps: int | None = field(default=None, metadata={
         "help": "forward-process algorithms: training pairs (t, eps) per sample (AWM 6, DiffusionNFT int(N x 0.99))",
         "min": 1, "group": "algorithm"})
@@ -94,11 +95,13 @@ class ImageRLConfig(OnlineConfig):
     forward_weighting: str | None = field(default=None, metadata={
         "help": "AWM: the matching log-prob's time weighting (uniform | t | t2 | ghuber; AWM's default ghuber)",
         "choices": ("uniform", "t", "t2", "ghuber"), "group": "algorithm"})
-    ghuber_power: float = field(default=0.25, metadata={"help": "AWM: the ghuber weighting's power p", "gt": 0.0, "group": "algorithm"})
+    ghuber_power: float = field(default=0.25, metadata={"help": "AWM: the ghuber weighting's power p", "gt": 0.0,
+                                                        "group": "algorithm"})
     old_policy_decay: str | None = field(default=None, metadata={
         "help": "forward-process algorithms: the old policy, a moving average of the trained weights, decayed per "
                 "step by 'nft' (DiffusionNFT: min(0.001 step, 0.5)), a constant in [0, 1), or 'off' (unset: the "
-                "algorithm's: DiffusionNFT samples from it and mixes it into its loss, AWM keeps none)", "group": "algorithm"})
+                "algorithm's: DiffusionNFT samples from it and mixes it into its loss, AWM keeps none)",
+        "group": "algorithm"})
     torch_dtype: str = field(default="float32", metadata={"help": "UNet / text-encoder dtype (the VAE runs in fp32)"})
     num_eval: int = field(default=168, metadata={"help": "held-out images (prompts cycled), sampled with eval_seed"})
     eval_seed: int = field(default=1234, metadata={"help": "seed of the held-out samples: the same noise every time"})
