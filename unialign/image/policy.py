@@ -486,16 +486,19 @@ class DiffusionPolicy(DenoiserPolicy):
         """x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps (the scheduler's ``add_noise``) for the doubled batch, and the
         target of the scheduler's ``prediction_type``: eps, v = sqrt(a_t) eps - sqrt(1 - a_t) x0, or x0."""
         t2 = torch.cat([t_B, t_B])
+        return self.scheduler.add_noise(x0, eps, t2), t2, self._target(x0, eps, t2)
+
+    def _target(self, x0: Tensor, eps: Tensor, t: Tensor) -> Tensor:
+        """What the UNet predicts at x_t under the scheduler's ``prediction_type``: eps, v = sqrt(a_t) eps -
+        sqrt(1 - a_t) x0 (``get_velocity``), or x0; ValueError for any other type."""
         kind = self.scheduler.config.prediction_type
         if kind == "epsilon":
-            target = eps
-        elif kind == "v_prediction":
-            target = self.scheduler.get_velocity(x0, eps, t2)
-        elif kind == "sample":
-            target = x0
-        else:
-            raise ValueError(f"unsupported prediction_type {kind!r}")
-        return self.scheduler.add_noise(x0, eps, t2), t2, target
+            return eps
+        if kind == "v_prediction":
+            return self.scheduler.get_velocity(x0, eps, t)
+        if kind == "sample":
+            return x0
+        raise ValueError(f"unsupported prediction_type {kind!r}")
 
     is_flow_matching = False
 
@@ -506,16 +509,8 @@ class DiffusionPolicy(DenoiserPolicy):
         t = t_R.long().to(self.device)
         acp = self.scheduler.alphas_cumprod.to(self.device, torch.float32)[t]
         alpha, sigma = acp.sqrt(), (1 - acp).sqrt()
-        kind = self.scheduler.config.prediction_type
-        if kind == "epsilon":
-            target = eps
-        elif kind == "v_prediction":
-            target = self.scheduler.get_velocity(x0, eps, t)
-        elif kind == "sample":
-            target = x0
-        else:
-            raise ValueError(f"unsupported prediction_type {kind!r}")
-        return {"x_t": self.scheduler.add_noise(x0, eps, t), "target": target, "alpha": alpha, "sigma": sigma}
+        return {"x_t": self.scheduler.add_noise(x0, eps, t), "target": self._target(x0, eps, t), "alpha": alpha,
+                "sigma": sigma}
 
     def _x0_from(self, pred: Tensor, p: dict[str, Tensor]) -> Tensor:
         """The clean-image estimate from a prediction at ``p["x_t"]`` (``_forward_process``'s values)."""
