@@ -212,12 +212,14 @@ def _iteration(name, fn, h, w, tok, upstream, device):
     return dt, act, (None if loss_val is None else float(loss_val)), meter.method
 
 
-def run(repeats: int = 3, *, device: str = "cpu", batch: int = 4, tokens: int = 1024, vocab: int = 151936,
+def run(repeats: int | dict = 3, *, device: str = "cpu", batch: int = 4, tokens: int = 1024, vocab: int = 151936,
         hidden: int = 896, dtype: str = "float32", chunk_size: int = DEFAULT_CHUNK_SIZE,
         methods=("ours", "trl", "naive", "floor"), warmup: bool = True, seed: int = 0,
-        sweep_chunks=()) -> list[dict]:
+        sweep_chunks=(), warmup_tokens: int | None = None) -> list[dict]:
     """Run P1 and return JSON-able rows: per-method rows, then "P1-time" and "P1-mem" summary rows
-    (ours vs TRL and vs the floor), then optional "chunk-<n>" rows for ``sweep_chunks``."""
+    (ours vs TRL and vs the floor), then optional "chunk-<n>" rows for ``sweep_chunks``. ``repeats``: timed
+    iterations, one number for every method or ``{method: n}``; ``warmup_tokens``: the warm-up iteration on the
+    first that many tokens only (first-call overheads do not depend on T; saves a full-size round)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         _rss_tracks_tensors()
@@ -234,12 +236,18 @@ def run(repeats: int = 3, *, device: str = "cpu", batch: int = 4, tokens: int = 
     fns = {"ours": lambda a, b, c: loss_ours(a, b, c, chunk_size), "trl": loss_trl, "naive": loss_naive,
            "floor": None}
     if warmup:  # first-call overheads (thread pools, MKL/cuBLAS handles, lazy imports)
+        n = min(warmup_tokens or tokens, tokens)
+        wh = h if n == tokens else h[:, :n].detach().clone().requires_grad_(True)
+        wu = upstream if upstream is None or n == tokens else upstream[:, :n].contiguous()
         for m in methods:
-            _iteration(m, fns[m], h, w, tok, upstream, dev)
+            _iteration(m, fns[m], wh, w, tok[:, :n], wu, dev)
+        del wh, wu
+    counts = repeats if isinstance(repeats, dict) else {m: repeats for m in methods}
     raw = {m: [] for m in methods}
-    for _ in range(repeats):  # round-robin, so background load hits every method alike
+    for i in range(max(counts[m] for m in methods)):  # round-robin, so background load hits every method alike
         for m in methods:
-            raw[m].append(_iteration(m, fns[m], h, w, tok, upstream, dev))
+            if i < counts[m]:
+                raw[m].append(_iteration(m, fns[m], h, w, tok, upstream, dev))
     res, rows = {}, []
     for m in methods:
         times = [r[0] for r in raw[m]]
@@ -273,7 +281,7 @@ def run(repeats: int = 3, *, device: str = "cpu", batch: int = 4, tokens: int = 
                      "target_ratio": 1 / 8, "mem_method": res["ours"]["mem_method"], **sizes})
     for c in sweep_chunks:
         its = [_iteration("ours", lambda a, b, t, c=c: loss_ours(a, b, t, c), h, w, tok, None, dev)
-               for _ in range(repeats)]
+               for _ in range(counts.get("ours", 1))]
         rows.append({"id": f"chunk-{c}", "time_s": statistics.median(r[0] for r in its),
                      "times_s": [r[0] for r in its], "act_mem_bytes": max(r[1] for r in its),
                      **{**sizes, "chunk_size": c}})

@@ -22,8 +22,10 @@ the denoising loop with its recorded log-probs, VAE decode) and training (the up
 step's forward, backward and the optimizer step); rewards / advantages are the rest of the epoch. Peak
 memory is the process's peak RSS (VmHWM, glibc told to ``mmap`` large blocks so freed tensors leave the
 resident set) minus its RSS after imports (the same diffusers / transformers / peft model classes on both
-sides), before the model loads. Median of ``runs`` runs per side,
-the sides alternating.
+sides), before the model loads. ``runs`` pairs of fresh processes, the two sides of a pair at once, each on its
+own core (swapped every pair; one after the other on a 1-core machine), so that what the machine does meanwhile
+falls on both alike, and the pair's ratio cancels it; medians of the runs per side, and the per-pair ratios.
+Then one pair of ours with ``cfg_uncond_grad`` off beside TRL (the "detached" rows).
 """
 
 from __future__ import annotations
@@ -231,43 +233,73 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
             "torch_threads": torch.get_num_threads()}
 
 
-def _launch(python: Path, kwargs: dict, timeout: float = 600) -> dict:
-    code = (f"import json, sys; from benchmarks.p9_ddpo import side; r = side(**json.loads(sys.argv[1])); "
+def _start(python: Path, kwargs: dict, cpu: int | None = None) -> subprocess.Popen:
+    """Start one side in a fresh process (pinned to core ``cpu`` when given)."""
+    pin = f"import os; os.sched_setaffinity(0, {{{cpu}}}); " if cpu is not None else ""
+    code = (f"{pin}import json, sys; from benchmarks.p9_ddpo import side; r = side(**json.loads(sys.argv[1])); "
             f"print({RESULT_MARK!r} + json.dumps(r), flush=True)")
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
-    p = subprocess.run([str(python), "-c", code, json.dumps(kwargs)], cwd=str(ROOT), env=env, capture_output=True,
-                       text=True, timeout=timeout)
-    for line in p.stdout.splitlines()[::-1]:
+    return subprocess.Popen([str(python), "-c", code, json.dumps(kwargs)], cwd=str(ROOT), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(p: subprocess.Popen, which: str, timeout: float = 600) -> dict:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    for line in out.splitlines()[::-1]:
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK):])
-    raise RuntimeError(f"{kwargs['which']} side exited {p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
+    raise RuntimeError(f"{which} side exited {p.returncode}: {(err or out)[-2000:]}")
+
+
+def _launch(python: Path, kwargs: dict, timeout: float = 600) -> dict:
+    return _result(_start(python, kwargs), kwargs["which"], timeout)
+
+
+def _pair(a: tuple[Path, dict], b: tuple[Path, dict], swap: bool) -> tuple[dict, dict]:
+    """Both sides at once, each on its own core (cores swapped when ``swap``), when the machine has two cores
+    this process may use; one after the other otherwise. At once, what the machine does meanwhile (other
+    load, frequency, the host) falls on both sides of the pair alike."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return _launch(*a), _launch(*b)
+    c0, c1 = (cores[1], cores[0]) if swap else (cores[0], cores[1])
+    pa, pb = _start(a[0], a[1], c0), _start(b[0], b[1], c1)
+    return _result(pa, a[1]["which"]), _result(pb, b[1]["which"])
 
 
 # --quick: a smoke run of every row (4 DDIM steps, 2 samples per prompt: one 8-sample batch), numbers meaningless
 QUICK_SETTINGS = dict(num_steps=4, per_prompt=2)
 
 
-def measure(lora: bool, runs: int = 3, epochs: int = 2, threads: int = 1, folder: str | None = None,
+def measure(lora: bool, runs: int = 3, epochs: int = 1, threads: int = 1, folder: str | None = None,
             settings: dict | None = None) -> dict:
-    """``runs`` alternating fresh-process runs per side; medians of the per-run medians."""
+    """``runs`` pairs (ours, TRL), each pair's two fresh processes at once on two cores (``_pair``), the cores
+    swapped every pair; one more pair (ours with ``cfg_uncond_grad`` off, TRL). Medians of the per-run medians
+    and, per pair, ours' epoch time over TRL's (``pair_ratios``)."""
     trl_py = trl_python()
     folder = folder or str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
-    res = {"ours": [], "trl": [], "ours_detached": []}
-    for i in range(runs):
-        for name in (("ours", "trl", "ours_detached") if i % 2 == 0 else ("ours_detached", "trl", "ours")):
-            which = "trl" if name == "trl" else "ours"
-            py = Path(sys.executable) if which == "ours" else trl_py
-            extra = {"uncond_grad": False} if name == "ours_detached" else {}
-            res[name].append(_launch(py, dict(which=which, folder=folder, lora=lora, epochs=epochs, threads=threads,
-                                              settings=settings, **extra)))
+    res = {"ours": [], "trl": [], "ours_detached": [], "trl_beside_detached": []}
+    kw = dict(folder=folder, lora=lora, epochs=epochs, threads=threads, settings=settings)
+    ours, trl = (Path(sys.executable), dict(kw, which="ours")), (trl_py, dict(kw, which="trl"))
+    for i in range(runs + 1):
+        detached = i == runs
+        a = (ours[0], dict(ours[1], uncond_grad=False)) if detached else ours
+        ra, rb = _pair(a, trl, swap=i % 2 == 1)
+        res["ours_detached" if detached else "ours"].append(ra)
+        res["trl_beside_detached" if detached else "trl"].append(rb)
     med = {w: {k: statistics.median(r[k] for r in rs) for k in ("epoch_s", "sample_s", "train_s", "peak_bytes")}
            for w, rs in res.items()}
-    return {"median": med, "runs": res}
+    pair_ratios = [o["epoch_s"] / t["epoch_s"] for o, t in zip(res["ours"], res["trl"])]
+    return {"median": med, "runs": res, "pair_ratios": pair_ratios}
 
 
 def run(quick: bool = False) -> list[dict]:
-    runs, epochs = (1, 1) if quick else (3, 1)
+    runs, epochs = 1 if quick else 3, 1
     rows = []
     try:
         folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
@@ -282,10 +314,13 @@ def run(quick: bool = False) -> list[dict]:
             note = (f"{'LoRA r4' if lora else 'full fine-tuning'}; tiny SD1.x UNet (32, 64) x1 layer, 32 px, DDIM "
                     f"{s['num_steps']} steps, eta 1, CFG 5, 4 prompts x {s['per_prompt']} samples"
                     f"{' (--quick)' if quick else ''}, timestep fraction 0.5, micro-batch 8, one optimizer "
-                    f"step per epoch, ours train_chunk_size {CHUNK} / sample_batch_size {CHUNK and 8}, fp32 CPU, 1 thread; each side alone in a fresh process, median of {runs} runs "
-                    f"x {epochs} epochs after a warm-up epoch; TRL 0.23.1 in its own environment")
+                    f"step per epoch, ours train_chunk_size {CHUNK} / sample_batch_size {CHUNK and 8}, fp32 CPU, 1 thread; "
+                    f"each side in a fresh process, {runs} pairs run at once on two cores (cores swapped each "
+                    f"pair), median of {runs} runs x {epochs} epoch after a warm-up epoch; TRL 0.23.1 in its own "
+                    f"environment")
             split = (f"; sampling ours {o['sample_s']:.2f} s vs TRL {t['sample_s']:.2f} s, training ours "
-                     f"{o['train_s']:.2f} s vs TRL {t['train_s']:.2f} s")
+                     f"{o['train_s']:.2f} s vs TRL {t['train_s']:.2f} s; per-pair ratios "
+                     f"{', '.join(f'{x:.3f}' for x in r['pair_ratios'])}")
             # target: parity at DDPO's exact gradient (restated from 0.8: both sides run the same UNet kernels on
             # the same rows, 0.97x measured; the 0.8 lever drops a term of the gradient, see benchmarks/README.md)
             rows += [row(f"P9-{tag}-time", f"DDPO time per epoch ({tag})", o["epoch_s"], t["epoch_s"], "s", "lower", 1.0,
@@ -296,13 +331,14 @@ def run(quick: bool = False) -> list[dict]:
                          "lower", None, note),
                      row(f"P9-{tag}-mem", f"DDPO peak RSS over imports ({tag})", o["peak_bytes"], t["peak_bytes"],
                          "bytes", "lower", 1.0, note)]
-            d = r["median"]["ours_detached"]
+            d, td = r["median"]["ours_detached"], r["median"]["trl_beside_detached"]
             detached = (note + "; ours with --cfg_uncond_grad false: CFG's unconditional branch under no_grad in "
-                        "training (Flow-GRPO's layout; NOT DDPO's gradient, which also flows through it)")
+                        "training (Flow-GRPO's layout; NOT DDPO's gradient, which also flows through it); this row: one pair, "
+                        "ours so beside TRL")
             rows += [row(f"P9-{tag}-detached-time", f"DDPO time per epoch, uncond no_grad ({tag})", d["epoch_s"],
-                         t["epoch_s"], "s", "lower", None, detached + f"; training {d['train_s']:.2f} s"),
+                         td["epoch_s"], "s", "lower", None, detached + f"; training {d['train_s']:.2f} s"),
                      row(f"P9-{tag}-detached-mem", f"DDPO peak RSS, uncond no_grad ({tag})", d["peak_bytes"],
-                         t["peak_bytes"], "bytes", "lower", None, detached)]
+                         td["peak_bytes"], "bytes", "lower", None, detached)]
         except Exception as e:  # noqa: BLE001
             rows.append(error_row(f"P9-{tag}", f"DDPO vs TRL DDPOTrainer ({tag})", e))
     return rows
