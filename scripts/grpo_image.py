@@ -5,6 +5,9 @@
     accelerate launch scripts/grpo_image.py --beta 0.04 --lora_rank 4         # KL to the reference, LoRA
     accelerate launch scripts/grpo_image.py --reward aesthetic,shape_verifier --reward_weights 1,1
     accelerate launch scripts/grpo_image.py --preset sd15-clip --prompt_set my_prompts.txt
+    accelerate launch scripts/grpo_image.py --model_name_or_path embedded-sd3 --reward geneval  # GenEval's rules
+    accelerate launch scripts/grpo_image.py --preset sd3.5-medium-geneval --prompt_set train_metadata.jsonl
+    accelerate launch scripts/grpo_image.py --preset sd3.5-medium-ocr --prompt_set ocr_train.txt  # .[ocr] extra
 
 The same ``OnlineTrainer`` as ``scripts/grpo_math.py`` trains a ``DiffusionPolicy`` (SD1.x / SDXL, DDIM) or a
 flow-matching policy (SD3 / FLUX.1, Flow-GRPO's SDE step; ``--algorithm flow_grpo``) whose steps are
@@ -26,6 +29,7 @@ from typing import Any, ClassVar
 
 from unialign.config import exit_on_user_error, parse_config
 from unialign.embedded import parts
+from unialign.image.presets import GRPO_IMAGE_PRESETS as PRESETS
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 from unialign.recipes import check_rewards
 
@@ -36,14 +40,16 @@ class GRPOImageConfig(ImageRLConfig):
         "help": "SD1.x / SDXL / SD3 / FLUX.1 hub id or local diffusers folder, or 'embedded' (the shipped tiny "
                 "SDXL-architecture model) / 'embedded-sd3' (its flow-matching twin)"})
     prompt_set: str = field(default="embedded", metadata={
-        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
+        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', a .txt file (one per line) or a "
+                ".jsonl file (a 'prompt' and other columns per line, e.g. GenEval's metadata)"})
     # The embedded default, each choice measured on held-out fidelity (README, "Images"):
     # * partial credit: the 0 / 1 verifier flips only where a sample crosses a decision boundary, so its
     #   policy gradient is mostly noise (cosine of two independent batch gradients ~0.05, partial ~0.27);
     reward: str = field(default="shape_verifier_partial", metadata={
-        "help": "comma-separated registry names (shape_verifier[_partial], aesthetic, clip_score, jpeg_compressibility, ...)"})
-    algorithm: str = field(default="grpo", metadata={"help": "grpo | flow_grpo | awm | nft | dapo | dr_grpo | gspo | "
-                                                            "gspo_token | rloo | reinforce"})
+        "help": "comma-separated registry names (shape_verifier[_partial], geneval, ocr, aesthetic, clip_score, "
+                "pickscore, jpeg_compressibility, ...)"})
+    algorithm: str = field(default="grpo", metadata={"help": "grpo | flow_grpo | pref_grpo | awm | nft | dapo | dr_grpo "
+                                                            "| gspo | gspo_token | rloo | reinforce"})
     # * no CFG: half the UNet calls, and RL learns what CFG 3 buys (the base model's fidelity at CFG 3)
     guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
     # * the last two of 8 steps (sigma 0.04, 0.02) never trained (min_step_std 0.05, ImageRLConfig's
@@ -82,58 +88,6 @@ class GRPOImageConfig(ImageRLConfig):
     # beta 0.1 halves that, and with the same KL 0.03 the pictures stay as clean as at beta 1
     ALGORITHM_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"awm": {"beta": 0.03},
                                                                "nft": {"nft_beta": 0.1, "beta": 0.03}}
-
-
-PRESETS = {
-    # SD1.5, CLIP score on a prompt file, LoRA; the Flow-GRPO knobs that carry over to a DDIM UNet
-    # (group of 16, clip 1e-4 on mean-reduced step log-probs, closed-form KL at beta 0.04)
-    "sd15-clip": dict(
-        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="clip_score", num_steps=20,
-        guidance_scale=4.5, eta=1.0, resolution=512, lora_rank=32, learning_rate=3e-4, prompts_per_step=8,
-        num_generations=16, micro_batch_size=4, train_chunk_size=4, max_steps=300, num_eval=64, torch_dtype="float16",
-        timestep_fraction=0.5, num_mini_batches=1, epsilon=1e-4, beta=0.04, eval_steps=50, num_threads=0,
-        output_dir="outputs/grpo_sd15_clip"),
-    # Flow-GRPO on SD3.5-Medium (Liu et al. 2025, arXiv 2505.05470; yifan123/flow_grpo config/grpo.py, geneval
-    # configs): 10 SDE steps at 512 px, CFG 4.5, noise level 0.7, groups of 24, LoRA r32 / alpha 64 on the attention
-    # projections, lr 3e-4, the flow_grpo preset (clip 1e-4, advantages +-5, batch std, beta 0.04 on its own KL).
-    # GenEval itself needs object detectors that Flow-GRPO runs as a separate server; unialign ships no GenEval
-    # scorer, so give yours with TRL's signature: --reward my_pkg.geneval:score --prompt_set geneval_prompts.txt
-    # (the default below is Flow-GRPO's CLIP-score reward on ddpo-pytorch's prompts).
-    "sd3.5-medium-geneval": dict(
-        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set="animals",
-        reward="clip_score", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
-        sde_window_size=0, sde_window_range=None,
-        resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
-        lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
-        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
-        num_threads=0, output_dir="outputs/grpo_sd35m_geneval"),
-    # SD3.5-M with the forward-process methods' GenEval settings, CFG-free (both papers): AWM (scxue/
-    # advantage_weighted_matching config/dgx_awm.py: 14 solver steps, 6 pairs per image, ghuber, lr 3e-4, LoRA
-    # r32 / a64, groups of 24, one optimizer step per batch, KL 0.001; its SA-Solver collection is Euler here) and
-    # DiffusionNFT (NVlabs/DiffusionNFT config/nft.py: 10 steps, 9 pairs, beta 1, old policy decay min(0.001 s,
-    # 0.5); its DPM2 collection is Euler here). The CLIP-score reward stands in for GenEval's scorer, as above. The
-    # papers' KL and NFT beta are set here, not left to ALGORITHM_DEFAULTS (the embedded world's).
-    **{f"sd3.5-medium-geneval-{algo}": dict(
-        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set="animals",
-        reward="clip_score", algorithm=algo, beta=beta, nft_beta=nft_beta, num_steps=steps, guidance_scale=1.0,
-        resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
-        lr_scheduler_type="constant", weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1,
-        micro_batch_size=micro, train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50,
-        torch_dtype="bfloat16", num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
-       for algo, steps, micro, beta, nft_beta in (("awm", 14, 3, 0.001, None), ("nft", 10, 9, 1e-4, 1.0))},
-    # FLUX.1-dev on PickScore (flow_grpo config/grpo.py pickscore_flux; DanceGRPO's FLUX runs (XueZeyue/DanceGRPO)
-    # share the group / clip / advantage-clip choices but use a constant-eta SDE and HPS): 6 SDE steps at 512 px,
-    # guidance embedding 3.5 (no CFG), groups of 24, T5 512 tokens, beta 0.01 (PickScore's); PickScore on its published
-    # scale (Flow-GRPO divides by 26, which normalised advantages do not see).
-    "flux.1-dev-pickscore": dict(
-        model_name_or_path="black-forest-labs/FLUX.1-dev", model_family="flux", prompt_set="animals",
-        reward="pickscore", algorithm="flow_grpo", beta=0.01, num_steps=6, guidance_scale=3.5, noise_level=0.7,
-        sde_type="sde", sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=512, lora_rank=32,
-        lora_alpha=64.0, learning_rate=3e-4,
-        lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
-        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
-        num_threads=0, output_dir="outputs/grpo_flux_pickscore"),
-}
 
 
 def main(cfg: GRPOImageConfig) -> dict:

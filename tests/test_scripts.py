@@ -73,10 +73,14 @@ def test_grpo_math_preset_fails_fast_offline(monkeypatch, capsys):
     assert exit_info.value.code == 2 and "openai/gsm8k" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset,names", [("sd3.5-medium-geneval", "vit_base_patch32_clip_224"),  # its CLIP reward
+@pytest.mark.parametrize("preset,names", [("sd3.5-medium-geneval", "owlv2-base-patch16"),  # GenEval's detector
                                           ("flux.1-dev-pickscore", "PickScore_v1"),
-                                          ("sd3.5-medium-geneval-awm", "vit_base_patch32_clip_224"),
-                                          ("sd3.5-medium-geneval-nft", "vit_base_patch32_clip_224")])
+                                          ("sd3.5-medium-geneval-awm", "owlv2-base-patch16"),
+                                          ("sd3.5-medium-geneval-nft", "owlv2-base-patch16"),
+                                          pytest.param("sd3.5-medium-ocr", "stable-diffusion-3.5-medium",
+                                                       marks=pytest.mark.skipif(
+                                                           importlib.util.find_spec("rapidocr_onnxruntime") is None,
+                                                           reason="the ocr extra is not installed"))])
 def test_flow_matching_presets_fail_fast_offline(monkeypatch, capsys, preset, names):
     import time
 

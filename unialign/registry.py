@@ -133,6 +133,12 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # ``--num_generations``).
     "flow_grpo": AlgoSpec("flow_grpo", advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1e-4,
                           advantage_clip=5.0, beta=0.04, kl_estimator="gaussian_g2"),
+    # Pref-GRPO (Wang et al. 2025, arXiv 2508.20751; CodeGoat24/Pref-GRPO, built on Flow-GRPO): Flow-GRPO with each
+    # reward replaced by its win rate within the group before the normalisation (``win_rate``), so tiny score gaps
+    # are not blown up into full advantages. Its pairwise judge (UnifiedReward-Think) is a reward of two images:
+    # ``unialign.rewards.pairwise`` gives the win rates as the reward (then the plain group advantage suffices).
+    "pref_grpo": AlgoSpec("pref_grpo", advantage="win_rate", scale_rewards="batch", loss_type="token_mean",
+                          epsilon=1e-4, advantage_clip=5.0, beta=0.04, kl_estimator="gaussian_g2"),
     # AWM, Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; scxue/advantage_weighted_matching
     # scripts/train_sd3_awm.py, config/dgx_awm.py GenEval): the PPO-clip loss per pair ("exp_first") on the
     # forward-process matching log-prob (its weighting, ghuber p 0.25, is the policy's: unialign.image.recipe

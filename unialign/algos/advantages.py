@@ -77,6 +77,33 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return adv.reshape(-1)
 
 
+def preferences_from_scores(scores_P_G: Tensor) -> Tensor:
+    """Pairwise preferences of a score compared within each group: ``pref[p, i, j]`` = 1 if ``s_i > s_j``,
+    0.5 if equal, 0 if lower; NaN where either score is not finite. [P, G] -> [P, G, G]."""
+    s_i, s_j = scores_P_G.unsqueeze(-1), scores_P_G.unsqueeze(-2)
+    pref = (s_i > s_j).to(scores_P_G.dtype) + 0.5 * (s_i == s_j).to(scores_P_G.dtype)
+    valid = torch.isfinite(s_i) & torch.isfinite(s_j)
+    return torch.where(valid, pref, torch.full_like(pref, float("nan")))
+
+
+def win_rates(pref_P_G_G: Tensor) -> Tensor:
+    """Pref-GRPO's win rate (Wang et al. 2025, arXiv 2508.20751, eq. 6): each sample's mean preference over the
+    other samples of its group,
+
+        w_i = 1 / (k_i - 1) * sum_{j != i} pref[i, j]       (k_i - 1 = the finite pref[i, j], j != i)
+
+    ``pref_P_G_G[p, i, j]``: the probability (or 0 / 0.5 / 1 verdict) that sample i beats sample j, NaN for a
+    pair not judged; the diagonal is ignored. Returns [P, G]; NaN for a sample with no judged pair. Replacing
+    scores by win rates keeps only the group's order: a 0.001 gap in a reward model's score, blown up by the
+    std normalisation to a full unit of advantage (the "illusory advantage"), becomes one win out of G - 1."""
+    G = pref_P_G_G.shape[-1]
+    off = ~torch.eye(G, dtype=torch.bool, device=pref_P_G_G.device)
+    valid = torch.isfinite(pref_P_G_G) & off
+    total = torch.where(valid, pref_P_G_G, torch.zeros_like(pref_P_G_G)).sum(-1)
+    n = valid.sum(-1)
+    return torch.where(n > 0, total / n.clamp(min=1).to(total.dtype), torch.full_like(total, float("nan")))
+
+
 class PerPromptStatTracker:
     """DDPO's per-prompt reward normaliser (Black et al. 2023; ddpo-pytorch ``stat_tracking.py``).
 

@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from unialign.algos.advantages import PerPromptStatTracker, gae, group_advantages, rloo_advantages, whiten
+from unialign.algos.advantages import (
+    PerPromptStatTracker,
+    gae,
+    group_advantages,
+    preferences_from_scores,
+    rloo_advantages,
+    whiten,
+    win_rates,
+)
 
 Tensor = torch.Tensor
 
@@ -90,6 +98,16 @@ def _per_sequence(adv_B: Tensor, inputs: AdvantageInputs) -> AdvantageOutput:
 def _group(inputs: AdvantageInputs, spec) -> AdvantageOutput:
     """GRPO: (r - group mean) / (group or batch std), ``spec.scale_rewards``."""
     return _per_sequence(group_advantages(inputs.rewards_B, inputs.group_size, spec.scale_rewards), inputs)
+
+
+@register_advantage("win_rate", uses_groups=True)
+def _win_rate(inputs: AdvantageInputs, spec) -> AdvantageOutput:
+    """Pref-GRPO (arXiv 2508.20751): each reward replaced by its win rate against the rest of its group (the
+    reward compared pairwise), then GRPO's group normalisation (``spec.scale_rewards``). A pairwise judge of two
+    images gives the win rates as its reward instead (``unialign.rewards.pairwise``) with ``advantage=group``."""
+    r_P_G = inputs.rewards_B.reshape(-1, inputs.group_size)
+    w = win_rates(preferences_from_scores(r_P_G)).reshape(-1)
+    return _per_sequence(group_advantages(w, inputs.group_size, spec.scale_rewards), inputs)
 
 
 @register_advantage("rloo", uses_groups=True)

@@ -10,8 +10,9 @@ from unialign.embedded.shape_verifier import parse_shape_prompt, verify
 from unialign.image.data import normalize_pickapic, synthetic_pairs
 from unialign.image.recipe import (
     check_prompts,
+    check_reward_rows,
     check_sampling_knobs,
-    load_prompts,
+    load_prompt_rows,
     policy_kwargs,
     reward_names,
 )
@@ -32,12 +33,13 @@ def image_rl_parts(cfg) -> dict[str, Any]:
     names, weights = reward_names(cfg)
     family = embedded_family(cfg.model_name_or_path, cfg.model_family)
     check_sampling_knobs(cfg, family)  # bad input named before any model loads
-    train, held_out = ((world.prompts("train"), world.prompts("test")) if cfg.prompt_set == NAME
-                       else load_prompts(cfg.prompt_set, getattr(cfg, "encoding_errors", "strict")))
-    if any(n.startswith("shape_verifier") for n in names):
-        check_prompts(train, parse_shape_prompt, "prompt_set")
+    train, held_out = (([{"prompt": p} for p in world.prompts(s)] for s in ("train", "test")) if cfg.prompt_set == NAME
+                       else load_prompt_rows(cfg.prompt_set, getattr(cfg, "encoding_errors", "strict")))
+    if any(n.startswith("shape_verifier") or n == "geneval" for n in names):  # both read this world's prompts
+        check_prompts([r["prompt"] for r in train], parse_shape_prompt, "prompt_set")
+    check_reward_rows(names, train + held_out)
     try:
-        check_prompts(held_out, parse_shape_prompt, "prompt_set")
+        check_prompts([r["prompt"] for r in held_out], parse_shape_prompt, "prompt_set")
         verifier = verify
     except ValueError:
         verifier = None  # prompts from elsewhere: no fidelity to read

@@ -240,6 +240,7 @@ class Reading:
     background_rgb: np.ndarray | None = None   # the statistics the decisions snap or take the argmax of
     colour_rgb: np.ndarray | None = None
     shape_ious: dict[str, float] | None = None
+    box: tuple[int, int, int, int] | None = None  # the object's bounding box (x0, y0, x1, y1) on the SIDE grid
 
     @property
     def found(self) -> bool:
@@ -306,15 +307,18 @@ def read_image(arr: np.ndarray) -> Reading:
     core = _interior(comp)
     colour_rgb = arr[core if core.sum() >= 3 else comp].mean(0)
     colour = names[int(nearest_colour(colour_rgb[None])[0])]
+    rows, cols = np.nonzero(comp)
+    box = (int(cols.min()), int(rows.min()), int(cols.max()) + 1, int(rows.max()) + 1)
     return Reading(background, colour, shape, iou, background_rgb=background_rgb, colour_rgb=colour_rgb,
-                   shape_ious=ious)
+                   shape_ious=ious, box=box)
 
 
-def verify(prompts: list[str], images: Any) -> dict[str, torch.Tensor]:
+def verify(prompts: list[str], images: Any, **_columns: Any) -> dict[str, torch.Tensor]:
     """Per-image checks -> float32 [B] tensors ``background``, ``colour``, ``shape`` (1 right, 0 wrong),
     ``all`` (all three right), ``score`` (their mean), ``credit`` (the mean of the parts' partial
     credit, ``Reading.credit``), ``invalid`` (1 where the image was not valid). A prompt that does not
-    parse raises ``ValueError`` (check prompts before training)."""
+    parse raises ``ValueError`` (check prompts before training). Dataset columns are accepted and ignored (the
+    prompt says it all)."""
     from unialign.rewards.image import to_pil_images
 
     wanted = [parse_shape_prompt(p) for p in prompts]

@@ -420,11 +420,13 @@ def clip_score_reward(path: str | Path | None = None, device: str | torch.device
 
 def reward_kwargs(name: str) -> dict[str, Any]:
     """The keyword arguments that make the registry's model-based reward ``name`` use the shipped tiny
-    CLIP / aesthetic head instead of hub weights ({} for the others)."""
+    CLIP / aesthetic head instead of hub weights, the pixel detector for GenEval ({} for the others)."""
     if name == "aesthetic":
         return {"clip": load_embedded_clip(), "head": load_embedded_head()}
     if name == "clip_score":
         return {"clip": load_embedded_clip()}
+    if name == "geneval":  # GenEval's rules read by the pixel detector (unialign/embedded/geneval_shapes.py)
+        return {"backend": "shapes"}
     return {}
 
 

@@ -12,17 +12,21 @@ import torch
 @torch.no_grad()
 def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None = None,
                   gold: Callable | None = None, verifier: Callable | None = None,
-                  batch_size: int = 64) -> dict[str, Any]:
+                  batch_size: int = 64, columns: dict[str, list[Any]] | None = None) -> dict[str, Any]:
     """Sample ``prompts`` in chunks of ``batch_size`` from one ``torch.Generator().manual_seed(seed)`` (the
     same images on every call with the same prompts, seed and ``batch_size``); returns ``images`` and,
     for each scorer given:
 
     * ``reward`` (a ``CombinedReward`` or a TRL-signature function): per-image ``scores`` [N], ``mean``,
-      ``std``, and for a combination of several, each part's mean as ``reward/<name>``;
+      ``std``, for a combination of several each part's mean as ``reward/<name>``, and the batch metrics the
+      functions report (e.g. GenEval's strict rate) as ``rewards/<name>/<metric>``;
     * ``gold`` (images -> tensor [N]): ``gold_scores``, ``gold_mean``, ``gold_std``;
     * ``verifier`` (a shape verifier's ``verify``-like: (prompts, images) -> dict of [N] tensors with
       ``all`` and per-part entries): ``fidelity`` = the all-right rate, ``fidelity/<part>`` rates and
       the per-image ``fidelity_flags`` [N].
+
+    ``columns``: dataset columns of the prompts (name -> [N] values, e.g. GenEval's metadata), given to the
+    reward and the verifier as TRL gives them to reward functions.
     """
     generator = torch.Generator().manual_seed(seed)
     images = []
@@ -33,16 +37,17 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
         from unialign.rewards import CombinedReward
 
         combined = reward if isinstance(reward, CombinedReward) else CombinedReward([reward])
-        scored = combined(prompts, images)
+        scored = combined(prompts, images, columns or None)
         scores = scored.rewards_B
         out.update(scores=scores, mean=float(scores.nanmean()), std=float(scores[torch.isfinite(scores)].std()))
         if len(scored.per_function) > 1:
             out.update({f"reward/{k}": float(v.nanmean()) for k, v in scored.per_function.items()})
+        out.update({f"rewards/{k}": v for k, v in scored.function_metrics.items()})
     if gold is not None:
         g = gold(images)
         out.update(gold_scores=g, gold_mean=float(g.mean()), gold_std=float(g.std()))
     if verifier is not None:
-        checks = verifier(prompts, images)
+        checks = verifier(prompts, images, **columns) if columns else verifier(prompts, images)
         out.update(fidelity=float(checks["all"].mean()), fidelity_flags=checks["all"],
                    **{f"fidelity/{k}": float(v.mean()) for k, v in checks.items() if k not in ("all", "score", "invalid")})
     return out
@@ -56,8 +61,9 @@ class HeldOutImages:
 
     def __init__(self, policy, prompts: list[str], seed: int, reward: Callable | None = None,
                  gold: Callable | None = None, verifier: Callable | None = None, grid_size: int = 32,
-                 batch_size: int = 64) -> None:
+                 batch_size: int = 64, columns: dict[str, list[Any]] | None = None) -> None:
         self.policy, self.prompts, self.seed = policy, list(prompts), seed
+        self.columns = columns
         self.reward, self.gold, self.verifier = reward, gold, verifier
         self.grid_size, self.batch_size = grid_size, batch_size
         self.last: dict[str, Any] = {}
@@ -66,12 +72,12 @@ class HeldOutImages:
         from unialign.image.grid import make_grid
 
         res = sample_scores(self.policy, self.prompts, self.seed, self.reward, self.gold, self.verifier,
-                            self.batch_size)
+                            self.batch_size, self.columns)
         self.last = res
         metrics: dict[str, Any] = {}
         if self.reward is not None:
             metrics.update(reward=res["mean"], reward_std=res["std"],
-                           **{k: v for k, v in res.items() if k.startswith("reward/")})
+                           **{k: v for k, v in res.items() if k.startswith(("reward/", "rewards/"))})
         if self.verifier is not None:
             metrics.update({k: v for k, v in res.items() if k == "fidelity" or k.startswith("fidelity/")})
         if self.gold is not None:

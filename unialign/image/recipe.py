@@ -40,7 +40,8 @@ class ImageRLConfig(OnlineConfig):
         "help": "auto (a folder's model_index.json, else the hub id's name) | sd | sdxl (DDIM, DiffusionPolicy) | "
                 "sd3 | flux (flow matching with Flow-GRPO's SDE step)", "choices": ("auto", "sd", "sdxl", "sd3", "flux")})
     prompt_set: str = field(default="animals", metadata={
-        "help": "'animals' (ddpo-pytorch's list) or a .txt file (one prompt per line)"})
+        "help": "'animals' (ddpo-pytorch's list), a .txt file (one prompt per line) or a .jsonl file (a 'prompt' and "
+                "other columns per line, given to the rewards: GenEval's metadata files as they are)"})
     encoding_errors: str = field(default="strict", metadata={
         "help": "a --prompt_set file that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' "
                 "(read each bad byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
@@ -284,21 +285,62 @@ def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
 def load_prompts(name: str, encoding_errors: str = "strict") -> tuple[list[str], list[str]]:
     """(train, held-out) prompts of ``'animals'`` (the same list twice, as ddpo-pytorch) or a .txt file
     (one prompt per line; every line both trains and evaluates), read a line at a time; a line that is not
-    UTF-8 is refused naming ``file:line`` unless ``encoding_errors="replace"``."""
+    UTF-8 is refused naming ``file:line`` unless ``encoding_errors="replace"``. A ``.jsonl`` file gives its
+    rows' prompts (``load_prompt_rows`` keeps their other columns)."""
+    train, held_out = load_prompt_rows(name, encoding_errors)
+    return [r["prompt"] for r in train], [r["prompt"] for r in held_out]
+
+
+def load_prompt_rows(name: str, encoding_errors: str = "strict") -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows ``{"prompt": ..., <other columns>}`` of ``load_prompts``'s sources, or of a
+    ``.jsonl`` file: one JSON object per line with a string ``prompt`` and any other columns, which reach the
+    rewards as TRL's dataset columns (GenEval's / Flow-GRPO's ``*_metadata.jsonl`` files work as they are: ``tag``,
+    ``include``, ``exclude``). A bad line is refused naming ``file:line``."""
+    import json
+
     from unialign.data import BOM, decode_text
 
     if name == "animals":
-        return list(ANIMALS), list(ANIMALS)
+        return [{"prompt": p} for p in ANIMALS], [{"prompt": p} for p in ANIMALS]
     path = Path(name)
     if not path.is_file():
         raise FileNotFoundError(f"prompt_set: {name!r} is neither 'animals' nor a prompt file")
+    rows = []
     with path.open("rb") as f:
-        lines = [decode_text(path, raw.removeprefix(BOM) if i == 1 else raw, encoding_errors, i).strip()
-                 for i, raw in enumerate(f, start=1)]
-    lines = [ln for ln in lines if ln]
-    if not lines:
+        for i, raw in enumerate(f, start=1):
+            line = decode_text(path, raw.removeprefix(BOM) if i == 1 else raw, encoding_errors, i).strip()
+            if not line:
+                continue
+            if path.suffix != ".jsonl":
+                rows.append({"prompt": line})
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"prompt_set: {path}:{i} is not JSON ({err.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise ValueError(f"prompt_set: {path}:{i} needs a non-empty string 'prompt'")
+            rows.append(row)
+    if not rows:
         raise ValueError(f"prompt_set: {name!r} has no prompts")
-    return lines, lines
+    return rows, rows
+
+
+def check_reward_rows(names: list[str], rows: list[dict], field_name: str = "prompt_set") -> None:
+    """Before any model loads: what the verifiable rewards need of each row -- GenEval's metadata (``geneval``,
+    unless a backend reads its prompts), a quoted target (``ocr``); a ValueError naming the field and row."""
+    if "geneval" in names and any("include" in r for r in rows):
+        from unialign.rewards.geneval import parse_metadata
+
+        for i, r in enumerate(rows):
+            parse_metadata(r, f"{field_name}[{i}] (geneval metadata)", colors=None)
+    if "ocr" in names:
+        from unialign.rewards.ocr import ocr_targets
+
+        try:
+            ocr_targets([r["prompt"] for r in rows])
+        except ValueError as err:
+            raise ValueError(f"{field_name}: {err}") from None
 
 
 def load_policy(cfg: ImageRLConfig):
@@ -308,12 +350,18 @@ def load_policy(cfg: ImageRLConfig):
 
 
 def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
-    """Policy, reward and prompts for a hub / local model (rewards with their published weights)."""
+    """Policy, reward and prompts for a hub / local model (rewards with their published weights); GenEval's
+    strict verdict as the held-out fidelity when ``geneval`` is a reward and the rows carry its metadata."""
     names, weights = reward_names(cfg)
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
-    train, held_out = load_prompts(cfg.prompt_set, cfg.encoding_errors)
+    train, held_out = load_prompt_rows(cfg.prompt_set, cfg.encoding_errors)
+    check_reward_rows(names, train + held_out)
     reward = CombinedReward([get_reward(n) for n in names], weights, timeout_s=cfg.reward_timeout)
-    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out)
+    verifier = None
+    if "geneval" in names and all("include" in r for r in held_out):
+        verifier = next(f.fn for f in reward.functions if f.name == "geneval").verify
+    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out,
+                verifier=verifier)
 
 
 def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: str) -> None:
@@ -325,23 +373,30 @@ def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: s
             raise ValueError(f"{field_name}[{i}]: {err}") from None
 
 
-def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_prompts: list[str],
-                 eval_prompts: list[str], gold: Callable | None = None, verifier: Callable | None = None) -> dict:
+def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_prompts: list[str | dict],
+                 eval_prompts: list[str | dict], gold: Callable | None = None, verifier: Callable | None = None
+                 ) -> dict:
     """Train ``policy`` on ``train_prompts`` with the online trainer and ``reward``; evaluate on
     ``num_eval`` held-out samples (``eval_prompts`` cycled, fixed seed) before, every ``eval_steps`` and
     after: the reward (and each of its parts), prompt fidelity when a ``verifier`` is given (the
     all-three-right rate of a verifier such as the demo shapes world's), the ``gold`` score when given. Writes
     ``summary.json``, ``grid_before.png`` / ``grid_after.png`` (also to the trackers), the curves and
-    ``final/``; returns the summary."""
+    ``final/``; returns the summary. Prompts are strings or rows ``{"prompt": ..., <columns>}`` (the columns
+    reach the reward and the verifier, as TRL's dataset columns)."""
     start = time.time()
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     forward = forward_process_kwargs(cfg)
     if forward is not None:  # AWM / DiffusionNFT: train on the forward process, collect with a deterministic solver
         policy.use_forward_process(**forward)
-    prompts = [eval_prompts[i % len(eval_prompts)] for i in range(cfg.num_eval)]
-    evaluator = HeldOutImages(policy, prompts, cfg.eval_seed, reward=reward, gold=gold, verifier=verifier)
-    trainer = OnlineTrainer(policy, reward, [{"prompt": p} for p in train_prompts], cfg, evaluator=evaluator)
+    rows = [r if isinstance(r, dict) else {"prompt": r} for r in eval_prompts]
+    rows = [rows[i % len(rows)] for i in range(cfg.num_eval)]
+    prompts = [r["prompt"] for r in rows]
+    columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"}
+    evaluator = HeldOutImages(policy, prompts, cfg.eval_seed, reward=reward, gold=gold, verifier=verifier,
+                              columns=columns)
+    trainer = OnlineTrainer(policy, reward, [r if isinstance(r, dict) else {"prompt": r} for r in train_prompts], cfg,
+                            evaluator=evaluator)
     before, before_res = trainer.evaluate(), evaluator.last
     before_captions = evaluator.captions()
     history = trainer.train()
@@ -353,13 +408,15 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
         "gain_in_before_std": (after["eval/reward"] - before["eval/reward"]) / max(before["eval/reward_std"], 1e-12),
         "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval": len(prompts),
         "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
-    for key in sorted(k for k in after if k.startswith("eval/reward/")):  # each part of a combined reward
-        summary[f"{key[len('eval/reward/'):]}_before"], summary[f"{key[len('eval/reward/'):]}_after"] = before[key], after[key]
+    # each part of a combined reward, and the batch metrics a reward reports (GenEval's strict rate: geneval/strict)
+    for prefix in ("eval/reward/", "eval/rewards/"):
+        for key in sorted(k for k in after if k.startswith(prefix) and k in before):
+            summary[f"{key[len(prefix):]}_before"], summary[f"{key[len(prefix):]}_after"] = before[key], after[key]
     if verifier is not None:
         summary.update(fidelity_before=before["eval/fidelity"], fidelity_after=after["eval/fidelity"])
-        for part in ("background", "colour", "shape"):
-            summary[f"fidelity_{part}_before"] = before[f"eval/fidelity/{part}"]
-            summary[f"fidelity_{part}_after"] = after[f"eval/fidelity/{part}"]
+        for key in sorted(k for k in after if k.startswith("eval/fidelity/") and k in before):
+            part = key[len("eval/fidelity/"):]
+            summary[f"fidelity_{part}_before"], summary[f"fidelity_{part}_after"] = before[key], after[key]
     if gold is not None:
         summary.update(gold_before=before["eval/gold"], gold_after=after["eval/gold"])
     if trainer.acc.is_main_process:

@@ -38,6 +38,11 @@ REWARDS: dict[str, str] = {
     "clip_score": "unialign.rewards.image:ClipScoreReward",
     "pickscore": "unialign.rewards.image:PickScoreReward",
     "hps": "unialign.rewards.image:HpsReward",
+    # image, verifiable (unialign/rewards/geneval.py): GenEval's compositional verifier, zero-shot detector + CLIP
+    "geneval": "unialign.rewards.geneval:GenEvalReward",
+    # any modality (unialign/rewards/pairwise.py): Pref-GRPO's win rate in the group under a pairwise judge
+    "pairwise": "unialign.rewards.pairwise:PairwiseReward",
+    "ocr": "unialign.rewards.ocr:OcrReward",  # unialign/rewards/ocr.py; needs the ocr extra
 }  # other packages add their own entries (a name -> "module:attribute") when imported
 
 

@@ -154,12 +154,12 @@ def explained_variance(values_B_T: torch.Tensor, returns_B_T: torch.Tensor, mask
 
 def curve_keys(spec: AlgoSpec, history: list[dict]) -> list[str]:
     """The panels of ``reward_curve.png`` for ``spec``: the training reward (smoothed), the evaluator's
-    held-out numbers (``eval/*`` except spreads and per-part breakdowns), the loss; then, where they
-    vary: the KL (in the loss, or the per-sequence KL in PPO's reward), the learning rate, the clip
+    held-out numbers (``eval/*`` except spreads and per-part breakdowns, a reward's strict verdict kept), the
+    loss; then, where they vary: the KL (in the loss, or the per-sequence KL in PPO's reward), the learning rate, the clip
     fraction, the share of zero-spread groups (group baselines only: GRPO family, RLOO), PPO's value loss
     and explained variance, and the entropy (logged only where it depends on the weights)."""
-    evals = sorted({k for h in history for k in h if k.startswith("eval/")
-                    and not k.endswith("_std") and not k.startswith("eval/fidelity/")})
+    evals = sorted({k for h in history for k in h if k.startswith("eval/") and not k.endswith("_std")
+                    and (not k.startswith(("eval/fidelity/", "eval/rewards/")) or k.endswith("/strict"))})
     always = ["reward/mean", *evals, "loss"]
     varying = []
     if spec.beta > 0:

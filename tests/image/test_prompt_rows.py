@@ -1,0 +1,64 @@
+"""Prompt rows with columns (``.jsonl`` prompt sets, GenEval's metadata format): loading, the checks made before any
+model loads, and the columns reaching the reward and the held-out evaluation of an image RL run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from unialign.image.presets import GENEVAL_PROMPTS, OCR_PROMPTS
+from unialign.image.recipe import check_reward_rows, load_prompt_rows, load_prompts
+
+
+def test_jsonl_rows_keep_their_columns(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat"}]}\n\n'
+                    '{"prompt": "a dog", "extra": 3}\n')
+    train, held_out = load_prompt_rows(str(path))
+    assert train == held_out and train[1] == {"prompt": "a dog", "extra": 3} and train[0]["tag"] == "single_object"
+    assert load_prompts(str(path))[0] == ["a photo of a cat", "a dog"]
+    for bad, message in (('{"prompt": 3}', r"p\.jsonl:1 needs a non-empty string 'prompt'"),
+                         ("not json", r"p\.jsonl:1 is not JSON"), ('["a"]', "needs a non-empty")):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_prompt_rows(str(path))
+
+
+def test_shipped_example_prompt_files_pass_the_checks():
+    rows, _ = load_prompt_rows(GENEVAL_PROMPTS)
+    assert {r["tag"] for r in rows} == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    check_reward_rows(["geneval"], rows)
+    ocr_rows, _ = load_prompt_rows(OCR_PROMPTS)
+    check_reward_rows(["ocr"], ocr_rows)
+
+
+def test_bad_rows_are_named_before_any_model_loads():
+    rows = [{"prompt": "a", "tag": "single_object", "include": [{"class": "cat", "count": 1}]},
+            {"prompt": "b", "tag": "single_object", "include": [{"class": "cat", "count": -1}]}]
+    with pytest.raises(ValueError, match=r"prompt_set\[1\] \(geneval metadata\): include\[0\].count"):
+        check_reward_rows(["geneval"], rows)
+    with pytest.raises(ValueError, match=r"prompt_set: ocr: prompt 1 has no quoted target"):
+        check_reward_rows(["ocr"], [{"prompt": 'a sign "OPEN"'}, {"prompt": "a sign"}])
+    check_reward_rows(["aesthetic"], [{"prompt": "anything"}])
+
+
+def test_embedded_run_with_geneval_rows(tmp_path):
+    """The shapes world's prompts as GenEval rows in a .jsonl file: the columns reach the reward (a row asking for
+    another colour than its prompt says scores by the row), and the run logs GenEval's strict rate before/after."""
+    from tests.test_scripts import load_script
+    from unialign.config import parse_config
+    from unialign.embedded import shapes_world as E
+    from unialign.embedded.geneval_shapes import shapes_metadata
+
+    rows = [{**shapes_metadata(p).as_row()} for p in E.prompts("test")[:4]]
+    path = tmp_path / "shapes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module = load_script("grpo_image")
+    argv = ["--model_name_or_path", "embedded-sd3", "--reward", "geneval", "--prompt_set", str(path),
+            "--max_steps", "1", "--num_eval", "4", "--prompts_per_step", "1", "--num_generations", "2",
+            "--micro_batch_size", "2", "--num_mini_batches", "1", "--output_dir", str(tmp_path / "out"),
+            "--report_to", "none", "--save_steps", "0", "--eval_steps", "0"]
+    summary = module.main(parse_config(module.GRPOImageConfig, argv, presets=module.PRESETS))
+    assert {"geneval/strict_before", "geneval/strict_after", "fidelity_before"} <= set(summary)
+    assert summary["geneval/strict_before"] == summary["fidelity_before"]  # the rows say what the prompts say

@@ -1,0 +1,72 @@
+"""Named recipes of ``scripts/grpo_image.py`` (``--preset NAME``) as data: hub models with their papers' settings.
+Every one loads real weights, so offline each fails within seconds naming what it cannot reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+GENEVAL_PROMPTS = str(PROMPTS_DIR / "geneval_metadata.jsonl")  # GenEval's .jsonl format, a few rows of each tag
+OCR_PROMPTS = str(PROMPTS_DIR / "ocr_prompts.txt")              # Flow-GRPO's OCR format: the target in quotes
+
+GRPO_IMAGE_PRESETS: dict[str, dict] = {
+    # SD1.5, CLIP score on a prompt file, LoRA; the Flow-GRPO knobs that carry over to a DDIM UNet
+    # (group of 16, clip 1e-4 on mean-reduced step log-probs, closed-form KL at beta 0.04)
+    "sd15-clip": dict(
+        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="clip_score", num_steps=20,
+        guidance_scale=4.5, eta=1.0, resolution=512, lora_rank=32, learning_rate=3e-4, prompts_per_step=8,
+        num_generations=16, micro_batch_size=4, train_chunk_size=4, max_steps=300, num_eval=64, torch_dtype="float16",
+        timestep_fraction=0.5, num_mini_batches=1, epsilon=1e-4, beta=0.04, eval_steps=50, num_threads=0,
+        output_dir="outputs/grpo_sd15_clip"),
+    # Flow-GRPO on SD3.5-Medium (Liu et al. 2025, arXiv 2505.05470; yifan123/flow_grpo config/grpo.py, geneval
+    # configs): 10 SDE steps at 512 px, CFG 4.5, noise level 0.7, groups of 24, LoRA r32 / alpha 64 on the attention
+    # projections, lr 3e-4, the flow_grpo preset (clip 1e-4, advantages +-5, batch std, beta 0.04 on its own KL).
+    # GenEval's verifier in process (unialign/rewards/geneval.py: OWLv2 + CLIP colours instead of Flow-GRPO's
+    # Mask2Former server), the dense score as the reward, the strict verdict as held-out fidelity. The prompts:
+    # a few GenEval-format rows shipped as an example; give Flow-GRPO's dataset/geneval/train_metadata.jsonl
+    # (or GenEval's evaluation_metadata.jsonl) with --prompt_set.
+    "sd3.5-medium-geneval": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
+        reward="geneval", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
+        sde_window_size=0, sde_window_range=None,
+        resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
+        lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
+        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
+        num_threads=0, output_dir="outputs/grpo_sd35m_geneval"),
+    # SD3.5-M with the forward-process methods' GenEval settings, CFG-free (both papers): AWM (scxue/
+    # advantage_weighted_matching config/dgx_awm.py: 14 solver steps, 6 pairs per image, ghuber, lr 3e-4, LoRA
+    # r32 / a64, groups of 24, one optimizer step per batch, KL 0.001; its SA-Solver collection is Euler here) and
+    # DiffusionNFT (NVlabs/DiffusionNFT config/nft.py: 10 steps, 9 pairs, beta 1, old policy decay min(0.001 s,
+    # 0.5); its DPM2 collection is Euler here). GenEval as above. The papers' KL and NFT beta are set here, not left
+    # to ALGORITHM_DEFAULTS (the embedded world's).
+    **{f"sd3.5-medium-geneval-{algo}": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
+        reward="geneval", algorithm=algo, beta=beta, nft_beta=nft_beta, num_steps=steps, guidance_scale=1.0,
+        resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
+        lr_scheduler_type="constant", weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1,
+        micro_batch_size=micro, train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50,
+        torch_dtype="bfloat16", num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
+       for algo, steps, micro, beta, nft_beta in (("awm", 14, 3, 0.001, None), ("nft", 10, 9, 1e-4, 1.0))},
+    # Flow-GRPO's text rendering (config/grpo.py general_ocr_sd3): the GenEval recipe with the OCR reward
+    # (unialign/rewards/ocr.py, PP-OCRv4 through the ocr extra) on prompts quoting the text to render; give
+    # Flow-GRPO's dataset/ocr/train.txt with --prompt_set.
+    "sd3.5-medium-ocr": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=OCR_PROMPTS,
+        reward="ocr", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
+        sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=128, lora_rank=32,
+        lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant", prompts_per_step=4, num_generations=24,
+        num_mini_batches=2, micro_batch_size=4, train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64,
+        eval_steps=60, torch_dtype="bfloat16", num_threads=0, output_dir="outputs/grpo_sd35m_ocr"),
+    # FLUX.1-dev on PickScore (flow_grpo config/grpo.py pickscore_flux; DanceGRPO's FLUX runs (XueZeyue/DanceGRPO)
+    # share the group / clip / advantage-clip choices but use a constant-eta SDE and HPS): 6 SDE steps at 512 px,
+    # guidance embedding 3.5 (no CFG), groups of 24, T5 512 tokens, beta 0.01 (PickScore's); PickScore on its published
+    # scale (Flow-GRPO divides by 26, which normalised advantages do not see).
+    "flux.1-dev-pickscore": dict(
+        model_name_or_path="black-forest-labs/FLUX.1-dev", model_family="flux", prompt_set="animals",
+        reward="pickscore", algorithm="flow_grpo", beta=0.01, num_steps=6, guidance_scale=3.5, noise_level=0.7,
+        sde_type="sde", sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=512, lora_rank=32,
+        lora_alpha=64.0, learning_rate=3e-4,
+        lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
+        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
+        num_threads=0, output_dir="outputs/grpo_flux_pickscore"),
+}
