@@ -37,7 +37,7 @@ def image_rl_parts(cfg) -> dict[str, Any]:
                        else load_prompt_rows(cfg.prompt_set, getattr(cfg, "encoding_errors", "strict")))
     if any(n.startswith("shape_verifier") or n == "geneval" for n in names):  # both read this world's prompts
         check_prompts([r["prompt"] for r in train], parse_shape_prompt, "prompt_set")
-    check_reward_rows(names, train + held_out)
+    check_reward_rows(names, train + held_out, geneval_columns=False)  # the pixel detector reads the prompts
     try:
         check_prompts([r["prompt"] for r in held_out], parse_shape_prompt, "prompt_set")
         verifier = verify

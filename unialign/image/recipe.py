@@ -326,13 +326,18 @@ def load_prompt_rows(name: str, encoding_errors: str = "strict") -> tuple[list[d
     return rows, rows
 
 
-def check_reward_rows(names: list[str], rows: list[dict], field_name: str = "prompt_set") -> None:
-    """Before any model loads: what the verifiable rewards need of each row -- GenEval's metadata (``geneval``,
-    unless a backend reads its prompts), a quoted target (``ocr``); a ValueError naming the field and row."""
-    if "geneval" in names and any("include" in r for r in rows):
+def check_reward_rows(names: list[str], rows: list[dict], field_name: str = "prompt_set",
+                      geneval_columns: bool = True) -> None:
+    """Before any model loads: what the verifiable rewards need of each row -- GenEval's metadata (``geneval``;
+    ``geneval_columns=False``: only where given, the backend reading the others from their prompts, as the
+    shapes world's does), a quoted target (``ocr``); a ValueError naming the field and row."""
+    if "geneval" in names and (geneval_columns or any("include" in r for r in rows)):
         from unialign.rewards.geneval import parse_metadata
 
         for i, r in enumerate(rows):
+            if "include" not in r:
+                raise ValueError(f"{field_name}[{i}]: the geneval reward needs GenEval metadata (a .jsonl prompt set "
+                                 f"with tag / include / exclude columns, GenEval's format), got only a prompt")
             parse_metadata(r, f"{field_name}[{i}] (geneval metadata)", colors=None)
     if "ocr" in names:
         from unialign.rewards.ocr import ocr_targets
