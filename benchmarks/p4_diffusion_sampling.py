@@ -94,7 +94,10 @@ def run(quick: bool = False) -> list[dict]:
     # default is 16x16 latents, 1 layer per block (the UNet still dominates the step); the GPU script runs
     # SD1.5 / SDXL-sized UNets.
     batch, steps, hw = (2, 4, 16) if quick else (4, 20, 16)  # quick: a smoke run of the same comparison
-    repeats = 1 if quick else 7
+    # 15 pairs (was 7): one call is ~0.85 s and single calls move by +-10 % on a shared 2-core VM (the 7 of
+    # results/cpu_fresh_clone_run3.json: 0.71-0.94 s for diffusers alone), enough to push a median of 7 from
+    # 0.97-1.01 to 1.06; 15 halve the median's spread for ~14 s more
+    repeats = 1 if quick else 15
     try:
         r = measure(batch=batch, steps=steps, repeats=repeats, sample_size=hw, layers_per_block=1)
         notes = (f"UNet block_out_channels (32, 64), 1 layer/block, {r['latent_hw']}x{r['latent_hw']} latents "

@@ -51,12 +51,12 @@ def p1_rows(quick: bool) -> list[dict]:
     # the size (one fwd+bwd at T=1024 is ~0.8 TFLOP per method, 15-40 s on 2 CPU cores); quick: a smoke
     # run of every method at T=16, V 32768, H 256 (numbers meaningless, only that the comparison runs)
     T, V, H = (16, 32768, 256) if quick else (1024, 151936, 896)
-    # ours and the floor: a median of 3 (was 5): over the 5 recorded in results/cpu_full.json each method moved by
-    # <= 5 % (ours 24.3-25.6 s, TRL 45.0-49.8 s, floor 17.6-18.6 s), far inside the 0.34x-vs-1.0 margin. TRL: ONE
-    # timed iteration (60 s each; its spread over 3 in results/cpu_fresh_clone_run2.json, 59.8-63.6 s, moves the
-    # ratio by < 0.02 against a target 3x away). The warm-up round runs at T=64 (first-call costs do not depend on
-    # T). Together ~3.5 min less than 1 full-size warm-up + 3 rounds of all three.
-    repeats = 1 if quick else {"ours": 3, "trl": 1, "floor": 3}
+    # ours and the floor: a median of 2 (was 5, then 3): over the 5 recorded in results/cpu_full.json each method
+    # moved by <= 5 % (ours 24.3-25.6 s, TRL 45.0-49.8 s, floor 17.6-18.6 s), far inside the 0.4x-vs-1.0 margin.
+    # TRL: ONE timed iteration (60 s each; its spread over 3 in results/cpu_fresh_clone_run2.json, 59.8-63.6 s,
+    # moves the ratio by < 0.02 against a target 2.5x away). The warm-up round runs at T=64 (first-call costs do
+    # not depend on T). Together ~4 min less than 1 full-size warm-up + 3 rounds of all three.
+    repeats = 1 if quick else {"ours": 2, "trl": 1, "floor": 2}
     methods = ("ours", "trl", "floor")
     raw = logprob.run(repeats, tokens=T, vocab=V, hidden=H, methods=methods, warmup_tokens=None if quick else 64)
     by = {r["id"]: r for r in raw}
@@ -66,7 +66,7 @@ def p1_rows(quick: bool) -> list[dict]:
     floor_note = f"floor (bare h@W^T fwd+bwd) {t['floor_s']:.3f} s, ours/floor {t['floor_ratio']:.2f} (target 1.4)"
     return [
         row("P1-time", "log-prob+entropy fwd+bwd time", t["ours_s"], t["baseline_trl_s"], "s", "lower", 1.0,
-            f"{size}; {'1 run' if quick else 'median of 3 (ours, floor), 1 run (TRL)'}, interleaved after a "
+            f"{size}; {'1 run' if quick else 'median of 2 (ours, floor), 1 run (TRL)'}, interleaved after a "
             f"warm-up{'' if quick else ' at T=64'}; {floor_note}",
             floor_s=t["floor_s"], floor_ratio=t["floor_ratio"], times_s=t["times_s"]),
         row("P1-mem", "log-prob+entropy activation memory", m["ours_bytes_upper"], m["baseline_trl_bytes"], "bytes",

@@ -349,3 +349,21 @@ def test_reward_function_metrics_are_logged(tmp_path):
 
     history = make(tmp_path, reward=reward, max_steps=1).train()
     assert 0.0 <= history[0]["reward/reward/long"] <= 1.0
+
+
+def test_columns_some_rows_lack_reach_the_reward_aligned(tmp_path):
+    """A column only some rows have (GenEval's ``exclude`` on counting prompts only) is None on the others, so
+    every column stays as long as the batch and row-aligned."""
+    seen = []
+
+    def reward(prompts, completions, tag, exclude):
+        seen.append((list(prompts), list(tag), list(exclude)))
+        return [0.0] * len(prompts)
+
+    rows = [{"prompt": "a", "tag": "x", "exclude": [1]}, {"prompt": "b", "tag": "y"}]
+    trainer = make(tmp_path, reward=reward, rows=rows, prompts_per_step=2, num_generations=2)
+    trainer.train_step()
+    prompts, tags, excludes = seen[0]
+    assert len(prompts) == len(tags) == len(excludes) == 4
+    for p, t, e in zip(prompts, tags, excludes):
+        assert (t, e) == (("x", [1]) if p == "a" else ("y", None))

@@ -279,13 +279,14 @@ class OnlineTrainer(TrainerLoop):
 
     def _sample_groups(self, row_ids: list[int]) -> Trajectory:
         G = self.cfg.num_generations
+        rows = [self.rows[r] for r in row_ids]
+        # the batch's columns: one a row lacks (GenEval's "exclude" outside counting prompts) is None there
+        names = [k for k in dict.fromkeys(k for row in rows for k in row) if k != "prompt"]
         prompts, columns = [], {}
-        for r in row_ids:
-            row = self.rows[r]
+        for row in rows:
             prompts += [row["prompt"]] * G
-            for k, v in row.items():
-                if k != "prompt":
-                    columns.setdefault(k, []).extend([v] * G)
+            for k in names:
+                columns.setdefault(k, []).extend([row.get(k)] * G)
         traj = self.policy.sample(prompts, record_logp=not self._old_logp_from_update)
         traj.columns = columns
         return traj
