@@ -1,6 +1,6 @@
 """Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md.
 
-    .venv/bin/python benchmarks/run.py --output results/bench.json           # 25 min on 2 CPU cores (30 first time)
+    .venv/bin/python benchmarks/run.py --output results/bench.json           # 16 min on 2 CPU cores (19 first time)
     .venv/bin/python benchmarks/run.py --output /tmp/b.json --quick          # ~3-5 min smoke version
     .venv/bin/python benchmarks/run.py --output b.json --only P2,P4          # a subset
 
