@@ -41,6 +41,9 @@ def test_bad_rows_are_named_before_any_model_loads():
     with pytest.raises(ValueError, match=r"prompt_set: ocr: prompt 1 has no quoted target"):
         check_reward_rows(["ocr"], [{"prompt": 'a sign "OPEN"'}, {"prompt": "a sign"}])
     check_reward_rows(["aesthetic"], [{"prompt": "anything"}])
+    teal = [{"prompt": "a", "tag": "colors", "include": [{"class": "car", "count": 1, "color": "teal"}]}]
+    with pytest.raises(ValueError, match=r"prompt_set\[0\] \(geneval metadata\): include\[0\].color 'teal'"):
+        check_reward_rows(["geneval"], teal)
     with pytest.raises(ValueError, match=r"prompt_set\[0\]: the geneval reward needs GenEval metadata"):
         check_reward_rows(["geneval"], [{"prompt": "a photo of a cat"}])
     check_reward_rows(["geneval"], [{"prompt": "a red circle on a blue background"}], geneval_columns=False)

@@ -338,7 +338,7 @@ def check_reward_rows(names: list[str], rows: list[dict], field_name: str = "pro
             if "include" not in r:
                 raise ValueError(f"{field_name}[{i}]: the geneval reward needs GenEval metadata (a .jsonl prompt set "
                                  f"with tag / include / exclude columns, GenEval's format), got only a prompt")
-            parse_metadata(r, f"{field_name}[{i}] (geneval metadata)", colors=None)
+            parse_metadata(r, f"{field_name}[{i}] (geneval metadata)")  # GenEval's ten colours
     if "ocr" in names:
         from unialign.rewards.ocr import ocr_targets
 
