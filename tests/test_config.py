@@ -140,6 +140,8 @@ def test_every_flag_has_help_a_group_and_its_choices(name, capsys):
     (["--learning_rate", "-1"], "--learning_rate: must be >= 0.0"),
     (["--eval_fraction", "1.5"], "--eval_fraction: must be < 1.0"),
     (["--overlong_rows", "truncate"], "--overlong_rows: 'truncate' is not one of error, drop"),
+    (["--algorithm", "grop"], "(did you mean 'grpo'?)"),
+    (["--loss_type", "token_men"], "(did you mean 'token_mean'?)"),
 ])
 def test_script_settings_refused_at_parse_time(argv, message, tmp_path):
     _, cls = script_config("grpo_math")
@@ -206,3 +208,25 @@ def test_script_knob_defaults_follow_only_the_scripts_algorithm():
     assert (flow.epsilon, flow.beta) == (1e-4, 0.5)
     preset = parse_config(ScriptConfig, ["--preset", "p"], presets={"p": {"algorithm": "dapo", "epsilon": 0.3}}).algo_spec()
     assert (preset.epsilon, preset.epsilon_high, preset.beta) == (0.3, 0.28, 0.0)
+
+
+def test_a_tracker_that_is_not_installed_is_refused_not_skipped(tmp_path, monkeypatch):
+    """accelerate drops an unavailable tracker silently (a run with no logs at all); here it is one line."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    _, cls = script_config("grpo_math")
+    with pytest.raises(UserError, match=re.escape("--report_to wandb: the wandb package is not installed")):
+        parse_config(cls, ["--report_to", "wandb", "--output_dir", str(tmp_path)])
+    parse_config(cls, ["--report_to", "none", "--output_dir", str(tmp_path / "b")])
+
+
+def test_did_you_mean_for_algorithms_and_rewards():
+    from unialign.registry import get_algorithm
+    from unialign.rewards import get_reward
+
+    with pytest.raises(ValueError, match=re.escape("(did you mean 'dapo'?)")):
+        get_algorithm("dapoo")
+    with pytest.raises(ValueError, match=re.escape("unknown reward 'math_acuracy' (did you mean 'math_accuracy'?)")):
+        get_reward("math_acuracy")

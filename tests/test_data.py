@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -345,3 +346,14 @@ def test_encoding_errors_and_streaming_are_flags_of_the_scripts(name, tmp_path):
         parse_config(cls, ["--encoding_errors", "latin1", *out])
     if name in ("grpo_math", "ppo_rlhf", "dpo_text", "train_reward_model"):  # the scripts reading datasets' rows
         assert parse_config(cls, ["--streaming", *out]).streaming is True
+
+
+def test_a_missing_local_path_is_named_as_missing_not_as_an_unreachable_hub(monkeypatch):
+    from unialign.hub import HubUnavailableError, require_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("./no/such/model", "/tmp/definitely-missing-folder-xyz", "a/b/c", "rows.jsonl"):
+        with pytest.raises(FileNotFoundError, match=re.escape(f"{name!r}: no such file or directory")):
+            require_hub(name)
+    with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE is set"):
+        require_hub("someone/model")  # a hub id stays a hub question

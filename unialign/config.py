@@ -356,6 +356,7 @@ def validate(cfg: Any) -> None:
             _check_rules(f.name, converted, field_rules(cls, f))
     if hasattr(cfg, "algo_spec"):
         check_online(cfg)
+    check_tracker(getattr(cfg, "report_to", None))
     if hasattr(cfg, "resume_from_checkpoint") and hasattr(cfg, "output_dir"):  # a training run's directory
         from unialign.trainers import rundir
         from unialign.trainers.common import find_checkpoint
@@ -373,10 +374,29 @@ def validate(cfg: Any) -> None:
         check_output_dir(cfg.output_dir)
 
 
+# --report_to value -> the package accelerate's tracker imports ("all" takes whichever are installed)
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+                    "comet_ml": ("comet_ml",)}
+
+
+def check_tracker(report_to: str | None) -> None:
+    """A tracker whose package is not installed is a ``UserError`` now, not a run that trains without any log
+    (accelerate skips an unavailable tracker silently)."""
+    import importlib.util
+
+    packages = TRACKER_PACKAGES.get(str(report_to))
+    if packages and not any(importlib.util.find_spec(p) is not None for p in packages):
+        raise UserError(f"--report_to {report_to}: the {packages[0]} package is not installed (pip install "
+                        f"{packages[0]}), so nothing would be logged; or --report_to tensorboard / none")
+
+
 def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
     choices = rules.get("choices")
     if choices and value not in choices:
-        raise UserError(f"--{name}: {value!r} is not one of {', '.join(map(str, choices))}")
+        from unialign.errors import did_you_mean
+
+        raise UserError(f"--{name}: {value!r} is not one of {', '.join(map(str, choices))}"
+                        f"{did_you_mean(value, choices)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"--{name}: must be a finite number, got {value}")

@@ -5,3 +5,11 @@ prints it as one line and exits 2)."""
 
 class UserError(ValueError):
     """A mistake the user can fix (a setting, a file, a row): reported as one line, exit status 2."""
+
+
+def did_you_mean(value: object, options) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options`` to ``value`` (difflib's ratio >= 0.6), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

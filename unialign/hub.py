@@ -30,11 +30,22 @@ def _hub_cached(name: str, kind: str) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path, never a hub id ("org/name" or "name"): absolute, relative
+    (./ ../ ~), more than one "/", a Windows separator, or a file name with an extension."""
+    return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
+            or Path(name).suffix in (".json", ".jsonl", ".txt", ".csv", ".parquet", ".safetensors", ".yaml", ".yml"))
+
+
 def require_hub(name: str, kind: str = "model", timeout: float = 3.0, use_cache: bool = True) -> None:
     """Return if ``name`` is a local path, is in the local HF cache (unless ``use_cache`` is False: a
-    streamed dataset is read from the Hub itself), or the Hub answers; else raise."""
+    streamed dataset is read from the Hub itself), or the Hub answers; else raise. A name that can only be a
+    local path and does not exist is a ``FileNotFoundError`` saying so (not "the Hub is unreachable")."""
     if is_local(name) or (use_cache and _hub_cached(name, kind)):
         return
+    if looks_like_path(name):
+        raise FileNotFoundError(f"{kind} {name!r}: no such file or directory (a local path; a hub id looks like "
+                                f"'org/name')")
     reason = None
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         reason = "HF_HUB_OFFLINE is set"

@@ -163,5 +163,7 @@ ALGORITHMS: dict[str, AlgoSpec] = {
 def get_algorithm(name: str, **overrides) -> AlgoSpec:
     """The preset ``name`` with any non-None ``overrides`` applied (TRL knob names)."""
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+        from unialign.errors import did_you_mean
+
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}{did_you_mean(name, ALGORITHMS)}")
     return ALGORITHMS[name].with_overrides(**overrides)

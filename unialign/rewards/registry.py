@@ -80,7 +80,10 @@ def resolve_reward(spec: str) -> tuple[Any, str]:
         source, _, attribute = spec.rpartition(".")  # TRL: the last dotted part is the function
         module = _import(spec, source)
     else:
-        raise ValueError(f"unknown reward {spec!r}; registered: {', '.join(sorted(REWARDS))}; or give {SPEC_FORMS}")
+        from unialign.errors import did_you_mean
+
+        raise ValueError(f"unknown reward {spec!r}{did_you_mean(spec, REWARDS)}; registered: {', '.join(sorted(REWARDS))}; "
+                         f"or give {SPEC_FORMS}")
     if not source or not attribute:
         raise ValueError(f"reward {spec!r}: expected a registered name or {SPEC_FORMS}")
     obj = module
