@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from unialign.embedded import shapes_world
+from unialign.rewards.base import ScoreList
 
 logger = logging.getLogger(__name__)
 
@@ -337,12 +338,6 @@ def verify(prompts: list[str], images: Any, **_columns: Any) -> dict[str, torch.
         rows.append(parts + [float(all(parts)), sum(parts) / 3.0, sum(got.credit(want)) / 3.0, float(not got.valid)])
     table = torch.tensor(rows, dtype=torch.float32).reshape(-1, 7)
     return {k: table[:, i].contiguous() for i, k in enumerate((*PARTS, "all", "score", "credit", "invalid"))}
-
-
-class ScoreList(list):
-    """A list of scores (TRL's return type) that also carries batch-level ``metrics`` for logging."""
-
-    metrics: dict[str, float]
 
 
 class ShapeVerifierReward:

@@ -355,18 +355,15 @@ def load_policy(cfg: ImageRLConfig):
 
 
 def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
-    """Policy, reward and prompts for a hub / local model (rewards with their published weights); GenEval's
-    strict verdict as the held-out fidelity when ``geneval`` is a reward and the rows carry its metadata."""
+    """Policy, reward and prompts for a hub / local model (rewards with their published weights). A verifiable
+    reward reports its verdict rate itself (``geneval``: ``rewards/geneval/strict``), so no second verifier
+    runs the detector again on the held-out images."""
     names, weights = reward_names(cfg)
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
     train, held_out = load_prompt_rows(cfg.prompt_set, cfg.encoding_errors)
     check_reward_rows(names, train + held_out)
     reward = CombinedReward([get_reward(n) for n in names], weights, timeout_s=cfg.reward_timeout)
-    verifier = None
-    if "geneval" in names and all("include" in r for r in held_out):
-        verifier = next(f.fn for f in reward.functions if f.name == "geneval").verify
-    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out,
-                verifier=verifier)
+    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out)
 
 
 def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: str) -> None:

@@ -432,6 +432,13 @@ def get_reward(name: str, **kwargs: Any) -> RewardFunction:
     return RewardFunction(target, name=label, kwargs=kwargs)
 
 
+class ScoreList(list):
+    """A list of scores (TRL's return type) that also carries batch-level ``metrics`` (name -> float) for
+    logging, e.g. a verifier's fidelity rate; ``RewardFunction.score_with_metrics`` reads them."""
+
+    metrics: dict[str, float]
+
+
 @dataclass
 class RewardOutput:
     """What ``CombinedReward`` returns.

@@ -55,6 +55,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from unialign.rewards.base import ScoreList
+
 # GenEval's constants (djghosh13/geneval evaluation/evaluate_images.py; the same in Flow-GRPO's reward server)
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -378,12 +380,6 @@ GENEVAL_BACKENDS: dict[str, str] = {}
 # ---------------------------------------------------------------------------------------------
 # The reward
 # ---------------------------------------------------------------------------------------------
-class ScoreList(list):
-    """A list of scores (TRL's return type) with batch-level ``metrics`` for logging."""
-
-    metrics: dict[str, float]
-
-
 class GenEvalReward:
     """``get_reward("geneval")``: the dense GenEval score (``score="dense"``, the training reward), or the 0 / 1
     ``"strict"`` / ``"correct"`` verdict, of each image against its prompt's metadata. TRL signature; the
@@ -442,8 +438,8 @@ class GenEvalReward:
         return [geneval_verdict(objs, m) for objs, m in zip(self.backend(images, metas), metas)]
 
     def verify(self, prompts: list[Any], images: Any, **columns: Any) -> dict[str, torch.Tensor]:
-        """Held-out fidelity in the shape of the shapes world's ``verify``: float32 [N] ``all`` (strict),
-        ``correct`` (GenEval's verdict) and ``score`` (dense)."""
+        """Verdicts in the shape of the shapes world's ``verify`` (a standalone evaluation): float32 [N] ``all``
+        (strict), ``correct`` (GenEval's verdict) and ``score`` (dense)."""
         res = self.verdicts(prompts, images, **columns)
         return {"all": torch.tensor([float(r.strict) for r in res]),
                 "correct": torch.tensor([float(r.correct) for r in res]),
