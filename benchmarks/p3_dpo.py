@@ -8,7 +8,7 @@ loss, a full-copy reference (ours: ``policy.reference()`` deep-copies; TRL: ``re
 copy, since a random-init model has no hub id to reload), no reference precompute, batch size B in one
 micro-batch, AdamW (torch), constant lr, grad clip 1.0, fp32, gradient checkpointing off on both
 (TRL's default is on; ours has none). ``max_length=None`` on TRL (no truncation; pairs are ~100 tokens).
-Ours runs with ``use_chat_template=False`` because the prompt strings are already templated, exactly
+Ours runs with ``chat_template='auto'`` (a string prompt raw, as TRL) because the prompt strings are already templated, exactly
 as TRL treats standard-format string prompts; the two then tokenise to the same ids.
 
 Step time: both trainers in one process, steps interleaved (ours' step k inside TRL's step callbacks,
@@ -66,7 +66,7 @@ def make_ours(model, tok, rows, B, steps, out_dir, seed=0):
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer
 
-    policy = CausalLMPolicy(model, tok, use_chat_template=False)
+    policy = CausalLMPolicy(model, tok)  # chat_template='auto': the strings raw
     obj = DPOObjective(policy, beta=BETA, loss_type="sigmoid")
     cfg = PreferenceConfig(batch_size=B, micro_batch_size=B, max_steps=steps, learning_rate=LR, report_to="none",
                            output_dir=out_dir, seed=seed, lr_scheduler_type="constant", max_grad_norm=1.0)

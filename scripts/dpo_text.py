@@ -24,7 +24,7 @@ from unialign.embedded import NAME, model_path
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
-from unialign.text.data import gsm8k_prompts, prompt_token_counter
+from unialign.text.data import prompt_rows, prompt_token_counter
 from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
 
@@ -101,7 +101,8 @@ def main(cfg: DPOTextConfig) -> dict:
     embedded = cfg.dataset_name == NAME  # correct vs wrong final answers on the embedded arithmetic task
     train, held_out, data_info = load_pair_data(cfg)
     policy = CausalLMPolicy.from_pretrained(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank,
-                                            torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens)
+                                            torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
+                                            chat_template=cfg.chat_template)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
                              rpo_alpha=knobs["rpo_alpha"], loss_params=params)
@@ -113,7 +114,7 @@ def main(cfg: DPOTextConfig) -> dict:
     def task_accuracy() -> float | None:
         if not embedded:
             return None
-        rows = gsm8k_prompts(load_rows(NAME, "test")[:cfg.num_eval], "eval")
+        rows = prompt_rows(load_rows(NAME, "test")[:cfg.num_eval], "eval")
         return evaluate.greedy_score(policy, rows, get_reward("math_accuracy"), cfg.eval_batch_size)
 
     acc_before, implicit_before = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]

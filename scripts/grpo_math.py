@@ -37,6 +37,7 @@ SYSTEM_GSM8K = ("Solve the problem step by step. End your answer with a final li
 
 @dataclass
 class GRPOMathConfig(TextDataArgs, OnlineConfig):
+    ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length (unialign.trl_compat)
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-gsm8k (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
@@ -83,7 +84,7 @@ PRESETS = {
     # verl / TRL-style recipe for Qwen2.5-0.5B-Instruct on GSM8K (one GPU)
     "qwen2.5-0.5b-gsm8k": dict(
         model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="openai/gsm8k", dataset_config="main",
-        system_prompt=SYSTEM_GSM8K, max_new_tokens=512, temperature=1.0, learning_rate=1e-6, beta=0.0,
+        system_prompt=SYSTEM_GSM8K, chat_template="always", max_new_tokens=512, temperature=1.0, learning_rate=1e-6, beta=0.0,
         prompts_per_step=32, num_generations=8, micro_batch_size=16, max_steps=500, num_eval=1319,
         torch_dtype="bfloat16", warmup_steps=10, lr_scheduler_type="constant", eval_batch_size=64,
         output_dir="outputs/grpo_qwen_gsm8k"),
@@ -101,14 +102,13 @@ def main(cfg: GRPOMathConfig) -> dict:
     policy = CausalLMPolicy.from_pretrained(
         model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        system_prompt=cfg.system_prompt, generation_cache=cfg.generation_cache,
+        system_prompt=cfg.system_prompt, chat_template=cfg.chat_template, generation_cache=cfg.generation_cache,
         rollout_dtype=cfg.rollout_dtype, generation_backend=cfg.generation_backend,
         vllm_options={"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization, "seed": cfg.seed})
     train_rows, eval_rows = fit_prompts(policy, train_rows, eval_rows, cfg, data_info)  # before any forward
     reward = build_reward(cfg.reward_funcs, cfg.reward_weights, timeout_s=cfg.reward_timeout)
     scorer = as_trl_reward(build_reward(eval_name, None, "--eval_reward", cfg.reward_timeout) if eval_name else reward)
-    if cfg.max_completion_length is None:
-        cfg.max_completion_length = cfg.max_new_tokens
+    cfg.max_completion_length = cfg.max_new_tokens  # the loss normaliser's L and DAPO's limit: TRL's too
 
     metric = "accuracy" if eval_name == "math_accuracy" else eval_name or "reward"
     held_out = evaluate.GreedyHeldOut(policy, eval_rows, {metric: scorer}, cfg.eval_batch_size)

@@ -42,6 +42,10 @@ _LAZY = {  # name -> module that defines it
     "train_eval_rows": "unialign.data",
     "prompt_rows": "unialign.text.data",
     "normalize_pairs": "unialign.text.preference",
+    "GRPOConfig": "unialign.trl",
+    "GRPOTrainer": "unialign.trl",
+    "DPOConfig": "unialign.trl",
+    "DPOTrainer": "unialign.trl",
     "parse_config": "unialign.config",
     "UserError": "unialign.config",
 }

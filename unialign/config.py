@@ -215,10 +215,16 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser for ``cls``: one ``--flag`` per field, in ``GROUPS`` sections, each with its help
     line, choices and default. Values stay strings here (``parse_config`` converts and checks them)."""
     doc = getattr(sys.modules.get(cls.__module__), "__doc__", None)  # the script's docstring: usage examples
+    from unialign.trl_compat import field_aliases
+
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s [-h] [--preset NAME] [--config FILE.yaml] [--FIELD VALUE ...]")
+                                     usage="%(prog)s [-h] [--preset NAME] [--config FILE.yaml] [--FIELD VALUE ...]",
+                                     allow_abbrev=False)  # --lr must not quietly mean --lr_scheduler_type
     sections = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    aliases = field_aliases(cls)
     for f in dataclasses.fields(cls):
+        if f.name in aliases:  # a field renamed the TRL way: set through its alias below
+            continue
         rules = field_rules(cls, f)
         base, optional = field_type(cls, f)
         section = sections.get(rules.get("group"))
@@ -236,7 +242,64 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
         else:
             kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(base, "STR")
         section.add_argument(f"--{f.name}", **kwargs)
+        for alias in (a for a, target in aliases.items() if target == f.name):
+            section.add_argument(f"--{alias}", dest=f"{ALIAS_DEST}{alias}", default=argparse.SUPPRESS,
+                                 metavar=kwargs["metavar"], help=f"TRL's name for --{f.name} (same meaning)")
     return parser
+
+
+ALIAS_DEST = "alias:"  # argparse dest of a class alias's flag (``cls.ALIASES``), resolved by ``parse_config``
+
+
+def _split_unknown(tokens: list[str]) -> dict[str, str]:
+    """``--name value`` / ``--name=value`` / a bare ``--name`` (true) of the flags argparse did not know, by name;
+    a stray value is a ``UserError``."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise UserError(f"unrecognized argument {token!r} (flags are --FIELD VALUE)")
+        name, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                value, i = tokens[i + 1], i + 1
+            else:
+                value = "true"
+        out[name] = value
+        i += 1
+    return out
+
+
+def resolve_names(cls: type, given: dict[str, Any], where: str = "", before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``given`` (name -> value, from one source: flags, a YAML file, keywords) with the names of ``cls``'s fields
+    kept, its class aliases (``cls.ALIASES``) renamed to their fields, and TRL's names (``unialign.trl_compat``)
+    translated into unialign fields. ``UserError`` for a name that is none of these (with the closest known name),
+    for a refused TRL name (naming the unialign way) and for an alias given beside its field with another value.
+    ``before``: the values earlier sources set (a preset, the YAML file), which TRL's names read (the number of
+    generations, the steps)."""
+    from unialign.errors import did_you_mean
+    from unialign.trl_compat import TRL_NAMES, field_aliases, translate
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    aliases = field_aliases(cls)
+    own = {k: v for k, v in given.items() if k in fields and k not in aliases}
+    trl: dict[str, Any] = {}
+    for name, value in given.items():
+        if name in aliases:
+            target = aliases[name]
+            if target in given and str(given[target]) != str(value):
+                raise UserError(f"{where}--{name} is TRL's name for --{target}; both are given ({value} and "
+                                f"{given[target]}): give one")
+            own[target] = value
+        elif name in TRL_NAMES:
+            trl[name] = value
+        elif name not in fields:
+            known = sorted((fields - set(aliases)) | set(aliases) | set(TRL_NAMES))
+            hint = did_you_mean(name, known)
+            raise UserError(f"{where}unknown config keys [{name!r}]{hint}" if where else
+                            f"unknown flag --{name}{hint}; see --help")
+    return {**own, **translate(cls, trl, own, where, {**(before or {}), **own})} if trl else own
 
 
 def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str, dict[str, Any]] | None = None,
@@ -245,7 +308,9 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
     script's own ``check``. Unknown flags exit 2 (argparse); unknown YAML keys, values of the wrong type
     or outside their rules raise ``UserError`` naming the field."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    given = vars(build_parser(cls).parse_args(argv))
+    parsed, unknown = build_parser(cls).parse_known_args(argv)
+    given = {(k[len(ALIAS_DEST):] if k.startswith(ALIAS_DEST) else k): v for k, v in vars(parsed).items()}
+    flags = {**given, **_split_unknown(unknown)}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     preset = given.get("preset")
@@ -255,7 +320,8 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
         values.update(presets[preset])
     config_file = given.get("config")
     if config_file:
-        values.update(_read_yaml(config_file, fields))
+        values.update(resolve_names(cls, _read_yaml(config_file, fields), f"{config_file}: ", values))
+    given = resolve_names(cls, flags, "", values)
     values.update(given)
     _algorithm_knobs_follow_the_algorithm(cls, fields, values)
     out = {}
@@ -331,9 +397,6 @@ def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any
         return {}
     if not isinstance(loaded, dict):
         raise UserError(f"--config {path}: expected a mapping of field names to values, got {type(loaded).__name__}")
-    unknown = sorted(set(loaded) - set(fields))
-    if unknown:
-        raise UserError(f"{path}: unknown config keys {unknown}")
     return loaded
 
 

@@ -40,6 +40,10 @@ class TextDataArgs:
     encoding_errors: str = field(default="strict", metadata={
         "help": "text that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' (read each bad "
                 "byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
+    chat_template: str = field(default="auto", metadata={
+        "help": "prompts as TRL treats them: auto (a string prompt raw, a conversation -- a list of messages -- "
+                "through the tokenizer's chat template), always (a string too, as one user message), never (no "
+                "template: a conversation's text raw)", "group": "data", "choices": ("auto", "always", "never")})
     streaming: bool = field(default=False, metadata={
         "help": "read a Hub dataset with datasets' streaming=True: only the rows the run draws (the first "
                 "steps x rows-per-step of --train_split, in the stream's order, and --num_eval held-out rows) are "
@@ -128,6 +132,12 @@ def fit_prompts(policy, train: list[dict], held_out: list[dict], cfg: Any, info:
     """Refuse (or drop, counted in ``info``) rows whose prompt is over ``cfg.max_prompt_length`` tokens."""
     from unialign.text.data import prompt_token_counter
 
+    if getattr(policy, "system_prompt", None):
+        raw = next((i for i, r in enumerate(train + held_out) if not policy.is_templated(r["prompt"])), None)
+        if raw is not None:
+            raise UserError(f"--system_prompt: the prompts are plain strings, used raw as TRL does (row {raw}), so "
+                            "the system prompt would reach none of them; pass --chat_template always to send each "
+                            "string as a user message after it, or give conversational prompts")
     limits = {"prompt": (cfg.max_prompt_length, prompt_token_counter(policy))}
     return _fit(train, held_out, limits, cfg, info)
 

@@ -161,7 +161,9 @@ def test_the_demo_package_resolves_the_word_embedded():
 
     assert demo.ARITH_LM_DIR == E.DEFAULT_ASSET_DIR and (demo.ARITH_LM_DIR / "config.json").is_file()
     assert demo.model_path("embedded") == str(demo.ARITH_LM_DIR) and demo.model_path("org/model") == "org/model"
-    assert load_rows("embedded", "test", n=3) == E.arithmetic_dataset("test", n=3)
+    # conversational rows (TRL's format), so the policy renders them through the chat template the model knows
+    assert load_rows("embedded", "test", n=3) == [{"prompt": [{"role": "user", "content": r["question"]}],
+                                                   "answer": r["answer"]} for r in E.arithmetic_dataset("test", n=3)]
     assert {"shape_verifier", "shape_verifier_partial"} <= set(REWARDS)
     cfg = type("Cfg", (), dict(dataset_name="embedded", seed=0, num_eval=4))()
     train, held_out, info = load_pair_data(cfg)

@@ -110,7 +110,7 @@ def test_encode_prompts_pads_left_and_truncation_keeps_bos():
 def test_sample_and_training_forward_see_one_bos_as_the_model_does(templated):
     tok = bos_tokenizer()
     model = tiny_llama(tok)
-    policy = CausalLMPolicy(model, tok, max_new_tokens=6, use_chat_template=templated)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=6, chat_template='always' if templated else 'auto')
     torch.manual_seed(0)
     traj = policy.sample(RAW)
     prompts = attended(traj.payload["prompt_ids"], traj.payload["prompt_mask"])
@@ -133,7 +133,7 @@ def test_sample_scores_like_model_generate():
     distribution on ``tokenizer(prompt)`` (its defaults), and greedy decoding gives the same tokens."""
     tok = bos_tokenizer()
     model = tiny_llama(tok, seed=1)
-    policy = CausalLMPolicy(model, tok, max_new_tokens=5, use_chat_template=False, temperature=1.0)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=5, chat_template='auto', temperature=1.0)
     torch.manual_seed(0)
     traj = policy.sample(RAW)
     for i, prompt in enumerate(RAW):
@@ -152,7 +152,7 @@ def test_evaluation_greedy_score_sees_one_bos():
     from unialign.text.evaluate import greedy_score
 
     tok = bos_tokenizer()
-    policy = CausalLMPolicy(tiny_llama(tok), tok, max_new_tokens=3, use_chat_template=False)
+    policy = CausalLMPolicy(tiny_llama(tok), tok, max_new_tokens=3, chat_template='auto')
     seen = []
     real = policy._encode_prompts
     policy._encode_prompts = lambda prompts: seen.append(real(prompts)) or seen[-1]
@@ -164,7 +164,7 @@ def test_evaluation_greedy_score_sees_one_bos():
 def test_dpo_pair_batch_has_one_bos_and_matches_unpadded_forward(conversational):
     tok = bos_tokenizer()
     model = tiny_llama(tok)
-    policy = CausalLMPolicy(model, tok, max_new_tokens=4, use_chat_template=False)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=4, chat_template='auto')
     raw = [{"prompt": "1+2=?", "chosen": "3", "rejected": "4"}, {"prompt": "what is 10-7?", "chosen": "three", "rejected": "7"}]
     rows = normalize_pairs([{**r, "prompt": chat(r["prompt"])} if conversational else r for r in raw])
     batch = policy.preference_batch(rows)
@@ -185,7 +185,7 @@ def test_dpo_pair_batch_has_one_bos_and_matches_unpadded_forward(conversational)
 @pytest.mark.parametrize("templated", [False, True])
 def test_reward_model_scores_with_one_bos(templated):
     tok = bos_tokenizer(chat_template=templated)
-    rm = RewardModel(tiny_llama(tok, classifier=True), tok)
+    rm = RewardModel(tiny_llama(tok, classifier=True), tok, chat_template="always" if templated else "auto")
     prompts, completions = ["1+2=?", "what is 7-2?"], ["3", "five"]
     enc = rm.encode(prompts, completions)
     assert one_bos_first(attended(enc["input_ids"], enc["attention_mask"]))

@@ -26,16 +26,22 @@ ARITH_LM_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"  # = arit
 
 
 # arith is imported when first used, so that `python -m unialign.embedded.arith` runs a module not yet imported
+# The rows are conversational (TRL's format: the question as a user message), so the policy renders them through
+# the chat template the model was trained with; a plain string prompt would be used raw (TRL's rule).
+def _user(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
 def _arithmetic_rows(split: str, n: int | None = None) -> list[dict[str, Any]]:
     from unialign.embedded.arith import arithmetic_dataset
 
-    return arithmetic_dataset(split, n=n)
+    return [{"prompt": _user(r["question"]), "answer": r["answer"]} for r in arithmetic_dataset(split, n=n)]
 
 
 def _arithmetic_pairs(split: str, n: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     from unialign.embedded.arith import preference_pairs
 
-    return preference_pairs(split, n=n, seed=seed)
+    return [{**r, "prompt": _user(r["prompt"])} for r in preference_pairs(split, n=n, seed=seed)]
 
 
 # image, verifiable (unialign/embedded/shape_verifier.py): the shapes world's prompt checker

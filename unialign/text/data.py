@@ -142,7 +142,9 @@ def prompt_token_counter(policy) -> Counter:
 def _templated(policy, prompt: Any) -> bool:
     if hasattr(policy, "is_templated"):
         return policy.is_templated(prompt)
-    return not (isinstance(prompt, str) and not policy.use_chat_template)
+    from unialign.text.policy import templated
+
+    return templated(getattr(policy, "chat_template", "auto"), prompt)
 
 
 def completion_token_counter(tokenizer) -> Counter:

@@ -45,6 +45,23 @@ def hub_error(name: str, err: Exception) -> RuntimeError:
     )
 
 
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+
+
+def templated(mode: str, prompt: Any) -> bool:
+    """TRL's rule for ``mode`` "auto" (a conversation through the chat template, a string raw), or always / never."""
+    return mode == "always" or (mode == "auto" and not isinstance(prompt, str))
+
+
+def messages_text(messages: list[dict[str, Any]]) -> str:
+    """A conversation without a template: its messages' text contents joined by blank lines."""
+    def text(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "\n\n".join(text(m["content"]) for m in messages)
+
+
 class CausalLMPolicy:
     """Policy over token sequences. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
 
@@ -57,7 +74,7 @@ class CausalLMPolicy:
         top_p: float = 1.0,
         top_k: int = 0,
         max_prompt_length: int | None = None,
-        use_chat_template: bool = True,
+        chat_template: str = "auto",
         system_prompt: str | None = None,
         chunk_size: int = 1024,
         value_head: bool | str = False,
@@ -71,6 +88,11 @@ class CausalLMPolicy:
         head on the policy's backbone; ``"separate"``: a critic with its own copy of the backbone;
         any other string: a sequence-classification checkpoint (e.g. the reward model, as InstructGPT
         initialises its value model) whose backbone and score head become the critic.
+        ``chat_template`` (TRL's rule): ``"auto"``: a string prompt (TRL's standard format) is used raw, a list
+        of messages (conversational) goes through the tokenizer's chat template; ``"always"``: a string is sent
+        as one user message through the template too (after ``system_prompt``); ``"never"``: no template, a
+        conversation's message contents joined by blank lines. A conversation with a tokenizer that has no chat
+        template is a ``ValueError`` naming ``chat_template``.
         ``share_prompt_prefix``: compute each distinct prompt once per forward (``_prompt_cache``).
         ``generation_cache``: ``"dynamic"`` (transformers' default KV cache; repeated prompts are prefilled
         once) or ``"static"``: a fixed-size KV cache, for which transformers compiles the decoding forward
@@ -122,7 +144,9 @@ class CausalLMPolicy:
         tokenizer.padding_side = "left"
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.max_prompt_length = max_prompt_length
-        self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        if chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {chat_template!r}")
+        self.chat_template = chat_template
         self.system_prompt = system_prompt
         self.value_head: torch.nn.Module | None = None  # shared critic: a head on the policy's last hidden state
         self.value_model: ValueModel | None = None       # separate critic: its own backbone and head
@@ -172,12 +196,15 @@ class CausalLMPolicy:
     def is_templated(self, prompt: Any) -> bool:
         """Whether ``format_prompt`` renders ``prompt`` through the chat template (which carries the BOS
         the model wants) rather than as raw text (which gets the tokenizer's own, ``unialign.text.tokens``)."""
-        return not (isinstance(prompt, str) and not self.use_chat_template)
+        return templated(self.chat_template, prompt)
 
     def format_prompt(self, prompt: Any) -> str:
         """A string prompt, or a list of chat messages, as the text the model is conditioned on."""
         if not self.is_templated(prompt):
-            return prompt
+            return prompt if isinstance(prompt, str) else messages_text(prompt)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("a conversational prompt (a list of messages) needs a chat template, and the model's "
+                             "tokenizer has none: pass --chat_template never to use the messages' text raw")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if self.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]

@@ -2,8 +2,9 @@
 
 Trained with ``algos.bradley_terry_loss`` by the pairwise loop, and usable as a reward in the online
 trainer through ``unialign.rewards.reward_model.RewardModelReward``. The score is read at the last
-real token of ``chat_template(prompt) + completion + EOS`` (transformers' ``*ForSequenceClassification``
-convention), so padding on either side is fine.
+real token of ``prompt + completion + EOS`` (transformers' ``*ForSequenceClassification`` convention), so
+padding on either side is fine; the prompt as the policy renders it (TRL's rule, ``chat_template="auto"``: a
+conversation through the chat template, a string raw; see ``CausalLMPolicy``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from unialign.hub import require_hub
-from unialign.text.policy import hub_error, unwrap
+from unialign.text.policy import CHAT_TEMPLATE_MODES, hub_error, messages_text, templated, unwrap
 from unialign.text.preference import completion_text
 from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch
@@ -21,13 +22,15 @@ from unialign.weights import check_finite
 
 
 class RewardModel:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_length: int | None = None):
-        self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_length: int | None = None,
+                 chat_template: str = "auto"):
+        if chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {chat_template!r}")
+        self.model, self.tokenizer, self.max_length, self.chat_template = model, tokenizer, max_length, chat_template
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
         unwrap(model).config.pad_token_id = tokenizer.pad_token_id
-        self.use_chat_template = getattr(tokenizer, "chat_template", None) is not None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False, torch_dtype: str = "float32",
@@ -51,11 +54,14 @@ class RewardModel:
 
     def _text(self, prompt: Any, completion: Any) -> str:
         text = completion_text(completion)
-        if self.use_chat_template:
+        if templated(self.chat_template, prompt):
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ValueError("a conversational prompt needs a chat template, and the reward model's tokenizer "
+                                 "has none: pass --chat_template never to use the messages' text raw")
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             prefix = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:
-            prefix = prompt if isinstance(prompt, str) else completion_text(prompt)
+            prefix = prompt if isinstance(prompt, str) else messages_text(prompt)
         return prefix + text + self.tokenizer.eos_token
 
     def encode(self, prompts: list[Any], completions: list[Any]) -> dict[str, torch.Tensor]:
@@ -63,7 +69,8 @@ class RewardModel:
         tokenizer's special prefix (BOS where it adds one), a chat-templated one with the template's own
         (``unialign.text.tokens``)."""
         enc = encode_prompts(self.tokenizer, [self._text(p, c) for p, c in zip(prompts, completions)],
-                             self.use_chat_template, max_length=self.max_length, padding_side="left")
+                             [templated(self.chat_template, p) for p in prompts], max_length=self.max_length,
+                             padding_side="left")
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _scores(self, enc: dict[str, torch.Tensor]) -> torch.Tensor:

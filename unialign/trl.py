@@ -1,0 +1,331 @@
+"""TRL's trainer signature over unialign's trainers: ``GRPOTrainer`` / ``GRPOConfig`` and ``DPOTrainer`` /
+``DPOConfig``, for code written the TRL way::
+
+    from datasets import Dataset
+    from unialign import GRPOConfig, GRPOTrainer
+
+    def brevity(completions, **kwargs):
+        return [-len(c) / 100 for c in completions]
+
+    dataset = Dataset.from_list([{"prompt": "Ann has 12 pens and buys 30 more. How many now?", "answer": "42"}] * 64)
+    args = GRPOConfig(output_dir="out", per_device_train_batch_size=16, num_generations=8, max_completion_length=32,
+                      max_steps=10, learning_rate=1e-5)
+    trainer = GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=["math_accuracy", brevity], args=args,
+                          train_dataset=dataset)
+    trainer.train()
+    trainer.save_model()
+
+They are thin: the config classes are the unialign configs with TRL's keywords accepted (``unialign.trl_compat``:
+``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``warmup_ratio``, ``use_peft`` / ``lora_r``, ...,
+or a one-line ``UserError`` naming the unialign way), and the trainers build a ``CausalLMPolicy`` and run
+``OnlineTrainer`` / ``PreferenceTrainer`` unchanged. ``model``: a Hub id or folder (``"embedded"``: the shipped
+arithmetic model), a loaded transformers causal LM (with ``processing_class``, its tokenizer, or the one saved
+beside it) or a ``CausalLMPolicy``. Datasets: a ``datasets.Dataset`` or a list of dicts in TRL's formats
+(standard or conversational; TRL's rule for the chat template). ``reward_funcs``: a TRL reward function
+``f(prompts, completions, **columns)``, a registry name (``"math_accuracy"``) or a list of them. ``train()`` writes
+what the scripts write: checkpoints, ``summary.json`` (the held-out mean reward / implicit accuracy before and
+after, on ``eval_dataset`` when given), curves, ``final/``; ``state.log_history`` is the per-step history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from unialign.config import arg, resolve_names, validate
+from unialign.errors import UserError
+from unialign.trainers.online import OnlineConfig
+from unialign.trainers.preference import PreferenceConfig
+
+
+class _TrlKeywords:
+    """A config whose constructor takes TRL's keywords too (keywords only, as TRL's configs)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        base = next(c for c in type(self).__mro__[1:] if dataclasses.is_dataclass(c) and c is not _TrlKeywords)
+        values = resolve_names(type(self), kwargs)  # UserError for a refused or unknown name
+        base.__init__(self, **values)
+
+
+@dataclass
+class _GRPOFields(OnlineConfig):
+    """``OnlineConfig`` plus the generation settings TRL's ``GRPOConfig`` holds (defaults TRL's)."""
+
+    max_completion_length: int | None = arg(256, "generation length in tokens (TRL's name), also the loss "
+                                            "normaliser's L and DAPO's limit", min=1)
+    max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer rows are refused (overlong_rows)",
+                                        min=1)
+    overlong_rows: str = arg("error", "rows over max_prompt_length: 'error' or 'drop'", choices=("error", "drop"))
+    temperature: float = arg(1.0, "sampling temperature", gt=0.0)
+    top_p: float = arg(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
+    top_k: int = arg(0, "sample among the k most likely tokens (0: all)", min=0)
+    learning_rate: float = arg(1e-6, "peak learning rate (TRL's GRPO default)", min=0.0)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in")
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", min=0)
+    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
+                             choices=("auto", "always", "never"))
+    system_prompt: str | None = arg(None, "system message before every templated prompt")
+    generation_backend: str = arg("hf", "rollout engine: hf or vllm (colocated)")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes")
+    eval_batch_size: int = arg(64, "prompts per held-out greedy evaluation batch")
+    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
+
+
+class GRPOConfig(_TrlKeywords, _GRPOFields):
+    """TRL's ``GRPOConfig`` for ``GRPOTrainer``: every ``OnlineConfig`` field (``algorithm``: grpo, dapo, dr_grpo,
+    gspo, rloo, ...; its knobs ``beta``, ``epsilon``, ``loss_type``, ``scale_rewards``, ``num_iterations``, ...),
+    the generation settings, and TRL's names (``unialign.trl_compat``)."""
+
+
+@dataclass
+class _DPOFields(PreferenceConfig):
+    """``PreferenceConfig`` plus what TRL's ``DPOConfig`` holds (defaults TRL's)."""
+
+    beta: float = arg(0.1, "DPO temperature: strength of the implicit KL to the reference", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss variant (unialign.algos.preference.DPO_LOSS_TYPES)")
+    label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO, robust DPO)", min=0.0, lt=0.5)
+    rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO)", min=0.0)
+    max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer pairs are refused", min=1)
+    max_completion_length: int | None = arg(None, "longest chosen / rejected completion in tokens", min=1)
+    overlong_rows: str = arg("error", "pairs over a limit: 'error' or 'drop'", choices=("error", "drop"))
+    precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front")
+    learning_rate: float = arg(1e-6, "peak learning rate (TRL's DPO default)", min=0.0)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in")
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", min=0)
+    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
+                             choices=("auto", "always", "never"))
+    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
+
+
+class DPOConfig(_TrlKeywords, _DPOFields):
+    """TRL's ``DPOConfig`` for ``DPOTrainer``: the pairwise loop's fields, DPO's, and TRL's names."""
+
+
+@dataclass
+class TrainerState:
+    """What TRL's ``trainer.state`` offers that a user reads: the step reached and the per-step history."""
+
+    global_step: int = 0
+    log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class TrainOutput:
+    global_step: int
+    training_loss: float | None
+    metrics: dict[str, Any]
+
+
+def _rows(dataset: Any, name: str) -> list[dict[str, Any]] | None:
+    """A ``datasets.Dataset`` (or any iterable of dicts) as a list of row dicts; None stays None."""
+    if dataset is None:
+        return None
+    if isinstance(dataset, dict):
+        raise UserError(f"{name}: a dict of splits was given; pass one split (e.g. dataset['train'])")
+    rows = [dict(r) for r in dataset]
+    if not rows:
+        raise UserError(f"{name}: no rows")
+    if not all(isinstance(r, dict) for r in rows):
+        raise UserError(f"{name}: rows must be dicts (TRL's standard or conversational format)")
+    return rows
+
+
+def _lora(args: Any, peft_config: Any) -> dict[str, Any]:
+    """The LoRA settings of TRL's ``peft_config`` (a ``peft.LoraConfig``) or of ``args.lora_rank``."""
+    if peft_config is None:
+        return {"lora_rank": args.lora_rank}
+    rank = getattr(peft_config, "r", None)
+    if not isinstance(rank, int) or rank < 1:
+        raise UserError("peft_config: expected a peft.LoraConfig with r >= 1")
+    targets = getattr(peft_config, "target_modules", None)
+    return {"lora_rank": rank, "lora_alpha": getattr(peft_config, "lora_alpha", None),
+            "lora_target_modules": sorted(targets) if isinstance(targets, (set, frozenset)) else targets}
+
+
+def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kwargs: Any):
+    """A ``CausalLMPolicy`` from what TRL's ``model`` argument may be."""
+    from unialign.text.policy import CausalLMPolicy
+
+    if isinstance(model, CausalLMPolicy):
+        return model
+    if isinstance(model, str):
+        from unialign.embedded import model_path
+
+        return CausalLMPolicy.from_pretrained(model_path(model), torch_dtype=args.torch_dtype,
+                                              **_lora(args, peft_config), **kwargs)
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model: expected a Hub id or folder, a transformers model or a CausalLMPolicy, got "
+                        f"{type(model).__name__}")
+    tokenizer = processing_class
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        source = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not source:
+            raise UserError("processing_class: a loaded model needs its tokenizer (processing_class=tokenizer)")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    lora = _lora(args, peft_config)
+    if lora["lora_rank"] > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora["lora_rank"], lora_alpha=lora.get("lora_alpha") or
+                                                 2 * lora["lora_rank"], task_type="CAUSAL_LM",
+                                                 target_modules=lora.get("lora_target_modules") or "all-linear"))
+    return CausalLMPolicy(model, tokenizer, **kwargs)
+
+
+def _unsupported(callbacks: Any, optimizers: Any) -> None:
+    if callbacks:
+        raise UserError("callbacks: transformers TrainerCallbacks are not run by unialign's loop; read "
+                        "trainer.state.log_history or the tracker (--report_to) instead")
+    if optimizers not in (None, (None, None)):
+        raise UserError("optimizers: the optimizer comes from args (optim, learning_rate, weight_decay, "
+                        "lr_scheduler_type, warmup_steps)")
+
+
+class _Wrapper:
+    """``train()`` / ``evaluate()`` / ``save_model()`` / ``state`` over one of unialign's trainers."""
+
+    def __init__(self, args: Any):
+        self.args = args
+        self.state = TrainerState()
+        self._start = time.time()
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out numbers (``eval/*``) on ``eval_dataset`` (an empty dict without one)."""
+        return self._held_out()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train ``args.max_steps`` steps, then write ``final/`` and ``summary.json`` (the scripts' outputs).
+        ``resume_from_checkpoint``: True / "latest" or a checkpoint folder, as ``args.resume_from_checkpoint``."""
+        from unialign.trainers import finish_run
+
+        if resume_from_checkpoint:
+            raise UserError("resume_from_checkpoint: pass it in the config (GRPOConfig(resume_from_checkpoint="
+                            "'latest', ...)): the run directory is checked when the trainer is built")
+        before = self._held_out()
+        history = self.trainer.train()
+        after = self._held_out()
+        self.state = TrainerState(self.trainer.step, history)
+        losses = [h["loss"] for h in history if isinstance(h.get("loss"), (int, float))]
+        summary = {**self._summary(before, after), "steps": self.trainer.step,
+                   "wall_seconds": time.time() - self._start, **self.data_info}
+        self.summary = finish_run(self.trainer.acc, self.args, summary, self.policy.save,
+                                  getattr(self.trainer, "counters", None))
+        return TrainOutput(self.trainer.step, sum(losses) / len(losses) if losses else None, after)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The weights, stock-loadable (``from_pretrained`` / LoRA adapter), into ``output_dir`` (default
+        ``args.output_dir``, as TRL; ``train()`` also wrote them to ``<output_dir>/final``)."""
+        self.policy.save(str(output_dir or self.args.output_dir))
+
+    @property
+    def model(self):
+        return self.policy.model
+
+
+class GRPOTrainer(_Wrapper):
+    """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, ...,
+    peft_config)`` over ``OnlineTrainer`` (module docstring)."""
+
+    def __init__(self, model: Any, reward_funcs: Any, args: GRPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None):
+        from unialign.recipes import as_trl_reward, check_rewards, fit_prompts
+        from unialign.rewards import CombinedReward
+        from unialign.text.data import prompt_rows
+        from unialign.text.evaluate import GreedyHeldOut
+        from unialign.trainers.online import OnlineTrainer
+
+        args = GRPOConfig() if args is None else args
+        if not isinstance(args, OnlineConfig):
+            raise UserError(f"args: expected a GRPOConfig, got {type(args).__name__}")
+        _unsupported(callbacks, optimizers)
+        if reward_processing_classes is not None:
+            raise UserError("reward_processing_classes: a reward model is a reward function here "
+                            "(get_reward('reward_model', path=...)), with its own tokenizer")
+        super().__init__(args)
+        validate(args)
+        train = prompt_rows(_rows(train_dataset, "train_dataset") or [], "train_dataset")
+        held = prompt_rows(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset is not None else []
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        columns = {k for r in train[:1] for k in r if k != "prompt"}
+        for f in funcs:
+            if isinstance(f, str):
+                check_rewards(f, None, columns, "reward_funcs")
+        reward = CombinedReward(list(funcs), on_error=args.reward_errors)
+        self.policy = _policy(model, processing_class, args, peft_config, max_new_tokens=args.max_completion_length,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              system_prompt=args.system_prompt, chat_template=args.chat_template,
+                              generation_backend=args.generation_backend,
+                              vllm_options={"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                                            "seed": args.seed})
+        self.policy.max_new_tokens = args.max_completion_length
+        self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
+        train, held = fit_prompts(self.policy, train, held, args, self.data_info)
+        self.evaluator = (GreedyHeldOut(self.policy, held, {"reward": as_trl_reward(reward)}, args.eval_batch_size)
+                          if held else None)
+        self.trainer = OnlineTrainer(self.policy, reward, train, args, evaluator=self.evaluator)
+
+    def _held_out(self) -> dict[str, float]:
+        return self.trainer.evaluate() if self.evaluator is not None else {}
+
+    def _summary(self, before: dict, after: dict) -> dict[str, Any]:
+        history = self.state.log_history
+        return {"metric": "reward", "before": before.get("eval/reward"), "after": after.get("eval/reward"),
+                "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
+
+
+class DPOTrainer(_Wrapper):
+    """TRL's ``DPOTrainer(model, ref_model=None, args, train_dataset, eval_dataset, processing_class, ...,
+    peft_config)`` over ``PreferenceTrainer`` with ``DPOObjective``; the reference is the initial model (the
+    LoRA base, or a frozen copy), so ``ref_model`` must be None. Rows: TRL's preference formats (``prompt``,
+    ``chosen``, ``rejected``; standard or conversational)."""
+
+    def __init__(self, model: Any, ref_model: Any = None, args: DPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, callbacks: Any = None,
+                 optimizers: Any = (None, None), peft_config: Any = None):
+        from unialign.algos.preference import DPO_LOSS_TYPES
+        from unialign.recipes import fit_pairs
+        from unialign.text.data import prompt_token_counter
+        from unialign.text.preference import normalize_pairs
+        from unialign.trainers.preference import DPOObjective, PreferenceTrainer
+
+        args = DPOConfig() if args is None else args
+        if not isinstance(args, PreferenceConfig):
+            raise UserError(f"args: expected a DPOConfig, got {type(args).__name__}")
+        if ref_model is not None:
+            raise UserError("ref_model: the reference is the initial model (a frozen copy, or the LoRA base); "
+                            "pass None")
+        if args.loss_type not in DPO_LOSS_TYPES:
+            from unialign.errors import did_you_mean
+
+            raise UserError(f"loss_type: {args.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}"
+                            f"{did_you_mean(args.loss_type, DPO_LOSS_TYPES)}")
+        _unsupported(callbacks, optimizers)
+        super().__init__(args)
+        validate(args)
+        try:
+            train = normalize_pairs(_rows(train_dataset, "train_dataset") or [], "train_dataset")
+            held = normalize_pairs(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset else []
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        self.policy = _policy(model, processing_class, args, peft_config, chat_template=args.chat_template)
+        self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
+        train, held = fit_pairs(self.policy.tokenizer, prompt_token_counter(self.policy), train, held, args,
+                                self.data_info)
+        self.held = held
+        objective = DPOObjective(self.policy, args.beta, args.loss_type, args.label_smoothing,
+                                 cache_reference=args.precompute_ref_log_probs, rpo_alpha=args.rpo_alpha)
+        self.trainer = PreferenceTrainer(objective, train, args, eval_rows=held or None)
+
+    def _held_out(self) -> dict[str, float]:
+        return {f"eval/{k}": v for k, v in self.trainer.evaluate(self.held).items()} if self.held else {}
+
+    def _summary(self, before: dict, after: dict) -> dict[str, Any]:
+        return {"metric": "implicit_accuracy", "before": before.get("eval/implicit_accuracy"),
+                "after": after.get("eval/implicit_accuracy")}
