@@ -28,6 +28,7 @@ from unialign.recipes import (
     fit_prompts,
     load_prompt_data,
 )
+from unialign.registry import TEXT_ALGORITHMS
 from unialign.text import CausalLMPolicy, evaluate
 from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
 
@@ -65,7 +66,7 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
     eval_reward: str | None = arg(None, "reward of the held-out greedy evaluation (default: math_accuracy when "
                                  "the rows have an 'answer' or 'solution' column, else the training reward)")
     # embedded-default training knobs (overriding OnlineConfig's generic defaults)
-    algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)")
+    algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)", choices=TEXT_ALGORITHMS)
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
     learning_rate: float = arg(3e-4, "peak learning rate")
     warmup_steps: int = arg(5, "linear warm-up steps")

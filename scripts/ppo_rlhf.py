@@ -3,10 +3,11 @@
     accelerate launch scripts/ppo_rlhf.py                      # offline: embedded policy + embedded reward model
     accelerate launch scripts/ppo_rlhf.py --preset qwen2.5-0.5b-rm --reward_model_path PATH
 
-The reward model is trained by scripts/train_reward_model.py (run here on first use when missing).
-Prompts in TRL's formats or GSM8K's schema (a Hub id, a file or a folder of split files). Writes
-<output_dir>/summary.json with held-out task accuracy (rows with an 'answer') and reward-model score
-before/after.
+Without --reward_model_path the embedded reward model is trained by scripts/train_reward_model.py into
+<output_dir>/reward_model on first use (--reward_model_steps steps; a killed one is resumed, a finished one
+reused). Prompts in TRL's formats or GSM8K's schema (a Hub id, a file or a folder of split files). Writes only
+under <output_dir>: summary.json with held-out task accuracy (rows with an 'answer') and reward-model score
+before/after, completions.jsonl (held-out samples at every evaluation), curves, logs, checkpoints, final/.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 from unialign.config import arg, exit_on_user_error, parse_config
 from unialign.embedded import model_path
+from unialign.errors import UserError
 from unialign.recipes import TextDataArgs, columns_of, fit_prompts, load_prompt_data
+from unialign.registry import TEXT_ALGORITHMS
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate
 from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
@@ -28,13 +31,16 @@ from unialign.trainers.rundir import list_checkpoints
 
 @dataclass
 class PPOConfig(TextDataArgs, OnlineConfig):
+    ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length (unialign.trl_compat)
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-rm (flags still override it)")
     config: str | None = arg(None, "YAML file of field values (flags override it)")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
     dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
                             ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
-    reward_model_path: str = arg("outputs/reward_model/final",
-                                 "reward-model checkpoint; the embedded one is trained on first use when missing")
+    reward_model_path: str | None = arg(None, "reward-model checkpoint (unset: the embedded one, trained on first use "
+                                        "into <output_dir>/reward_model)")
+    reward_model_steps: int | None = arg(None, "optimizer steps of the embedded reward model when it is trained here "
+                                         "(unset: train_reward_model.py's default)", group="optimisation", min=1)
     eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch")
     max_new_tokens: int = arg(24, "completion limit in tokens (sampling and evaluation)")
     temperature: float = arg(1.0, "sampling temperature (> 0)")
@@ -43,7 +49,7 @@ class PPOConfig(TextDataArgs, OnlineConfig):
     value_head: str = arg("shared", "critic: 'shared' (head on the policy backbone), 'separate' (own backbone "
                           "copy) or a sequence-classification checkpoint such as the reward model")
     torch_dtype: str = arg("float32", "model dtype")
-    algorithm: str = arg("ppo", "algorithm preset (its knobs can be overridden one by one)")
+    algorithm: str = arg("ppo", "algorithm preset (its knobs can be overridden one by one)", choices=TEXT_ALGORITHMS)
     num_generations: int = arg(1, "completions per prompt")
     prompts_per_step: int = arg(64, "prompts per step")
     micro_batch_size: int = arg(64, "completions per forward/backward")
@@ -63,21 +69,43 @@ PRESETS = {
 }
 
 
+def reward_model(cfg: PPOConfig) -> Path:
+    """The reward model's folder: ``--reward_model_path``, else ``<output_dir>/reward_model/final``, trained there
+    first by train_reward_model.py (``--max_steps`` from ``--reward_model_steps``; a killed run's checkpoints are
+    resumed) unless it exists. A failed training is a ``UserError`` naming the folder."""
+    if cfg.reward_model_path is not None:
+        if cfg.reward_model_steps is not None:
+            raise UserError("--reward_model_steps: trains the embedded reward model, and --reward_model_path names "
+                            "one to use as it is; pass one of them")
+        return Path(cfg.reward_model_path)
+    out = Path(cfg.output_dir) / "reward_model"
+    if (out / "final").exists():
+        if cfg.reward_model_steps is not None:
+            print(f"reusing the reward model in {out / 'final'} (--reward_model_steps applies to a new one)")
+        return out / "final"
+    print(f"no reward model in {out}: training the embedded one first", flush=True)
+    script = Path(__file__).with_name("train_reward_model.py")
+    resume = ["--resume_from_checkpoint", "latest"] if list_checkpoints(out) else []  # a killed one
+    steps = [] if cfg.reward_model_steps is None else ["--max_steps", str(cfg.reward_model_steps)]
+    code = subprocess.run([sys.executable, str(script), "--output_dir", str(out), "--report_to", "none",
+                           *steps, *resume]).returncode
+    if code:
+        raise UserError(f"training the embedded reward model into {out} failed (exit status {code}; its error is "
+                        "above); or pass --reward_model_path")
+    return out / "final"
+
+
 def main(cfg: PPOConfig) -> dict:
     start = time.time()
     train, eval_rows, data_info = load_prompt_data(cfg)
-    rm_path = Path(cfg.reward_model_path)
-    if not rm_path.exists() and cfg.reward_model_path == PPOConfig.reward_model_path:
-        print(f"no reward model at {rm_path}: training the embedded one first", flush=True)
-        script = Path(__file__).with_name("train_reward_model.py")
-        resume = ["--resume_from_checkpoint", "latest"] if list_checkpoints(rm_path.parent) else []  # a killed one
-        subprocess.run([sys.executable, str(script), "--output_dir", str(rm_path.parent), "--report_to", "none",
-                        *resume], check=True)
-    rm = get_reward("reward_model", path=str(rm_path))  # a bad reward-model path fails before the policy loads
+    rm_path = reward_model(cfg)
+    cfg.reward_model_path = str(rm_path)  # the config recorded (summary.json, trackers) names the model used
+    # a bad reward-model path fails before the policy loads; the RM renders prompts as the policy does
+    rm = get_reward("reward_model", path=str(rm_path), chat_template=cfg.chat_template)
     policy = CausalLMPolicy.from_pretrained(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank,
                                             torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
                                             temperature=cfg.temperature, value_head=cfg.value_head,
-                                            generation_cache=cfg.generation_cache)
+                                            generation_cache=cfg.generation_cache, chat_template=cfg.chat_template)
     train, eval_rows = fit_prompts(policy, train, eval_rows, cfg, data_info)  # before any forward
     accuracy = get_reward("math_accuracy") if {"answer", "solution"} & columns_of(eval_rows) else None
     scorers = {"rm_score": rm, **({"accuracy": accuracy} if accuracy else {})}

@@ -57,7 +57,8 @@ def main(cfg: RewardModelConfig) -> dict:
     start = time.time()
     set_seed(cfg.seed)  # the new score head is initialised below
     train, held_out, data_info = load_pair_data(cfg)
-    rm = RewardModel.from_pretrained(model_path(cfg.model_name_or_path), torch_dtype=cfg.torch_dtype, max_length=cfg.max_length)
+    rm = RewardModel.from_pretrained(model_path(cfg.model_name_or_path), torch_dtype=cfg.torch_dtype, max_length=cfg.max_length,
+                                   chat_template=cfg.chat_template)
     tok = rm.tokenizer
 
     def prompt_tokens(prompts: list, limit: int) -> list[int]:  # the reward model's own prompt text (template, EOS)

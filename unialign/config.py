@@ -457,7 +457,11 @@ def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
     choices = rules.get("choices")
     if choices and value not in choices:
         from unialign.errors import did_you_mean
+        from unialign.registry import IMAGE_ONLY
 
+        if name == "algorithm" and value in IMAGE_ONLY:  # a text script asked for a denoiser's preset
+            raise UserError(f"--algorithm: {value!r} is a preset for diffusion models (scripts/grpo_image.py, "
+                            f"scripts/ddpo_aesthetic.py); this script's: {', '.join(map(str, choices))}")
         raise UserError(f"--{name}: {value!r} is not one of {', '.join(map(str, choices))}"
                         f"{did_you_mean(value, choices)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -183,16 +183,28 @@ def reward_names(spec: str, weights: str | None, flag: str = "--reward_funcs") -
     return names, values
 
 
-def check_rewards(spec: str, weights: str | None, columns: set[str] | None = None, flag: str = "--reward_funcs") -> None:
+def check_rewards(spec: str, weights: str | None, columns: set[str] | None = None, flag: str = "--reward_funcs",
+                  modality: str | None = "text") -> None:
     """Before any model loads: every name resolves (a registry name, or a function given as TRL's dotted
     ``package.module.function``, ``module:function`` or ``path/file.py:function``, as ``get_reward`` accepts),
-    and a reward function's required keyword arguments (and, when it declares ``needs_one_of``, one of those
-    columns) are among the dataset ``columns``."""
+    a registered reward scores what this script samples (``modality``: "text" or "image", by
+    ``unialign.rewards.registry.REWARD_INPUTS``; None: any), and a reward function's required keyword arguments
+    (and, when it declares ``needs_one_of``, one of those columns) are among the dataset ``columns``."""
+    from unialign.errors import did_you_mean
     from unialign.rewards import REWARDS, get_reward
-    from unialign.rewards.registry import resolve
+    from unialign.rewards.registry import REWARD_INPUTS, resolve, rewards_for
 
     names, _ = reward_names(spec, weights, flag)
     for name in names:
+        offered = rewards_for(modality) if modality else sorted(REWARDS)
+        kind = REWARD_INPUTS.get(name, "any")
+        if name in REWARDS and modality and kind not in (modality, "any"):
+            raise UserError(f"{flag}: {name!r} scores {kind}s, and this script samples {modality}; its rewards: "
+                            f"{', '.join(offered)}, or your own function")
+        if name not in REWARDS and not any(c in name for c in ".:/"):
+            raise UserError(f"{flag}: unknown reward {name!r}{did_you_mean(name, offered)}; registered"
+                            f"{' ' + modality if modality else ''} rewards: {', '.join(offered)}; or give your own "
+                            "function as 'package.module.function', 'module:function' or 'path/file.py:function'")
         try:
             target = resolve(REWARDS[name]) if name in REWARDS else get_reward(name).fn
         except Exception as err:  # noqa: BLE001 - an import of user code can raise anything
@@ -207,14 +219,16 @@ def check_rewards(spec: str, weights: str | None, columns: set[str] | None = Non
             continue
         if columns is None:
             continue
+        have = f"columns besides the prompt: {sorted(columns)}" if columns else "the rows hold only a prompt"
         one_of = getattr(target, "needs_one_of", ())  # a reference in any one of these columns
         if one_of and not set(one_of) & columns:
-            raise UserError(f"{flag}: reward {name!r} needs one of the columns {list(one_of)}, which the dataset "
-                            f"does not have (columns: {sorted(columns)})")
+            raise UserError(f"{flag}: reward {name!r} needs one of the columns {list(one_of)} (the reference "
+                            f"answer), which the dataset does not have ({have}); add one, or pass a reward that "
+                            "needs none (e.g. math_format, or your own function)")
         missing = sorted(set(required_columns(target)) - columns)
         if missing:
             raise UserError(f"{flag}: reward {name!r} needs the column(s) {missing}, which the dataset does not "
-                            f"have (columns: {sorted(columns)})")
+                            f"have ({have})")
 
 
 def required_columns(fn: Any) -> list[str]:

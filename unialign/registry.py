@@ -160,6 +160,12 @@ ALGORITHMS: dict[str, AlgoSpec] = {
 }
 
 
+# Presets published for denoisers (their clip ranges, per-step statistics and closed-form step KLs are tuned on
+# diffusion sampling steps, or they need the forward-process estimate): the text scripts do not offer them.
+IMAGE_ONLY = ("ddpo", "flow_grpo", "pref_grpo", "awm", "nft")
+TEXT_ALGORITHMS = tuple(n for n in ALGORITHMS if n not in IMAGE_ONLY)
+
+
 def get_algorithm(name: str, **overrides) -> AlgoSpec:
     """The preset ``name`` with any non-None ``overrides`` applied (TRL knob names)."""
     if name not in ALGORITHMS:

@@ -196,11 +196,17 @@ TRL_NAMES: dict[str, TrlName] = {t.name: t for t in [
     # --- PEFT (TRL scripts' ModelConfig)
     TrlName("use_peft", "alias", MODEL, "--lora_rank", "train a LoRA (rank --lora_r, TRL's default 16)", _use_peft),
     TrlName("lora_r", "alias", MODEL, "--lora_rank", "LoRA rank", _rename("lora_r", "lora_rank", _int)),
+    _refused("lora_alpha", MODEL, "(2 x --lora_rank)",
+             "the text scripts' LoRA scales by alpha = 2 x rank (in Python: CausalLMPolicy.from_pretrained(..., "
+             "lora_alpha=...)); the image scripts have --lora_alpha"),
     _refused("lora_target_modules", MODEL, "(all linear layers)",
              "LoRA goes on every linear layer of the denoiser / language model"),
     _refused("load_in_4bit", MODEL, "(none)", "quantised (QLoRA) training is not supported"),
     _refused("trust_remote_code", MODEL, "(none)", "unialign never runs a model repository's own code"),
     _refused("attn_implementation", MODEL, "(none)", "the model's default attention (SDPA) is used"),
+    _refused("gradient_checkpointing", ALL, "(none)",
+             "the text scripts keep activations (their fused head already avoids [batch, length, vocabulary] "
+             "logits); dpo_sdxl.py has --gradient_checkpointing"),
     # --- data (TRL scripts' ScriptArguments)
     TrlName("dataset_train_split", "alias", SCRIPT, "--train_split", "training split",
             _rename("dataset_train_split", "train_split")),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from unialign.rewards.geneval import GENEVAL_BACKENDS
-from unialign.rewards.registry import REWARDS
+from unialign.rewards.registry import REWARD_INPUTS, REWARDS
 from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
 
 NAME = "embedded"
@@ -47,6 +47,7 @@ def _arithmetic_pairs(split: str, n: int | None = None, seed: int = 0) -> list[d
 # image, verifiable (unialign/embedded/shape_verifier.py): the shapes world's prompt checker
 REWARDS.setdefault("shape_verifier", "unialign.embedded.shape_verifier:ShapeVerifierReward")
 REWARDS.setdefault("shape_verifier_partial", "unialign.embedded.shape_verifier:PartialShapeVerifierReward")
+REWARD_INPUTS.update({"shape_verifier": "image", "shape_verifier_partial": "image"})
 # GenEval's rules on this world (unialign/embedded/geneval_shapes.py): get_reward("geneval", backend="shapes")
 GENEVAL_BACKENDS.setdefault("shapes", "unialign.embedded.geneval_shapes:ShapesDetector")
 NAMED_DATASETS.setdefault(NAME, _arithmetic_rows)

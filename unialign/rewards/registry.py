@@ -45,6 +45,19 @@ REWARDS: dict[str, str] = {
     "ocr": "unialign.rewards.ocr:OcrReward",  # unialign/rewards/ocr.py; needs the ocr extra
 }  # other packages add their own entries (a name -> "module:attribute") when imported
 
+# What each registered reward scores: "text" completions, "image" samples or "any" (a name missing here: any).
+# The scripts offer (and accept) only the rewards of what they sample.
+REWARD_INPUTS: dict[str, str] = {
+    "math_accuracy": "text", "math_format": "text", "reward_model": "text", "jpeg_compressibility": "image",
+    "jpeg_incompressibility": "image", "aesthetic": "image", "clip_score": "image", "pickscore": "image",
+    "hps": "image", "geneval": "image", "ocr": "image", "pairwise": "any",
+}
+
+
+def rewards_for(modality: str) -> list[str]:
+    """The registered rewards that score ``modality`` ("text" / "image") samples, sorted."""
+    return sorted(n for n in REWARDS if REWARD_INPUTS.get(n, "any") in (modality, "any"))
+
 
 def resolve(path: str) -> Any:
     """Import ``"package.module:attribute"`` and return the attribute (ValueError on a malformed path)."""

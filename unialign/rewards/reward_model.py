@@ -8,10 +8,10 @@ from typing import Any
 class RewardModelReward:
     """``RewardModelReward(path)(prompts, completions) -> list[float]``: the model's scalar scores."""
 
-    def __init__(self, path: str, batch_size: int = 64, device: str | None = None):
+    def __init__(self, path: str, batch_size: int = 64, device: str | None = None, chat_template: str = "auto"):
         from unialign.text.reward_model import RewardModel
 
-        self.model = RewardModel.from_pretrained(path)
+        self.model = RewardModel.from_pretrained(path, chat_template=chat_template)  # the policy's prompt rendering
         if device is not None:
             self.model.model.to(device)
         self.batch_size = batch_size

@@ -4,7 +4,8 @@ Accepted rows (any source of ``unialign.data``, or a data set registered by name
 
 * standard (TRL):        ``{"prompt": "What is 2+2?", "solution": "4", ...}``
 * conversational (TRL):  ``{"prompt": [{"role": "user", "content": "What is 2+2?"}], ...}``
-* GSM8K:                 ``{"question": "...", "answer": "... #### 4"}`` (``question`` becomes ``prompt``)
+* GSM8K:                 ``{"question": "...", "answer": "... #### 4"}`` (``question`` becomes ``prompt``, a string:
+  used raw unless ``--chat_template always``; ``{"question", "solution"}`` rows alike, ``solution`` a column)
 
 Every column other than ``prompt`` reaches the reward functions as a keyword argument (TRL's
 ``reward(prompts, completions, **columns)``): ``answer`` for ``math_accuracy``, ``solution`` or anything
@@ -77,6 +78,8 @@ def _gsm8k_row(row: dict[str, Any], i: int, source: str) -> dict[str, Any]:
     question, answer = row.get("question"), row.get("answer")
     if not isinstance(question, str) or not question.strip():
         raise UserError(f"{source} row {i}: field 'question' must be a non-empty string, got {_short(question)}")
+    if "answer" not in row:  # {"question", "solution", ...}: the question is the prompt, the rest reward columns
+        return {"prompt": question, **{k: v for k, v in row.items() if k != "question"}}
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():

@@ -3,7 +3,8 @@ evaluation bookkeeping, checkpoint and resume. ``OnlineTrainer`` (sample, score,
 ``PreferenceTrainer`` (pairs) subclass it and write only what differs:
 
     train_step()          one iteration; returns its stats (the loop adds step, step_seconds, lr, counters)
-    evaluate()            held-out numbers, recorded through ``_record_eval``
+    evaluate()            held-out numbers, recorded through ``_record_eval`` (with the evaluator's sample table,
+                          if it keeps one: ``<output_dir>/completions.jsonl`` and a tracker table)
     save_curves()         the run's PNG curves (main process)
     _extra_state() / _load_extra_state(state)   what a checkpoint holds beyond the shared fields
     _progress(stats)      the progress bar's postfix
@@ -11,6 +12,10 @@ evaluation bookkeeping, checkpoint and resume. ``OnlineTrainer`` (sample, score,
 
 from __future__ import annotations
 
+import html
+import json
+import numbers
+import os
 import signal
 import sys
 import time
@@ -30,6 +35,7 @@ from unialign.trainers.common import (
     StopSignals,
     check_launch,
     generator_states,
+    json_safe,
     load_checkpoint,
     log_images,
     make_optimizer,
@@ -41,7 +47,11 @@ from unialign.trainers.common import (
     set_generator_states,
     set_source_state_tensors,
     source_state_tensors,
+    writing,
 )
+
+COMPLETIONS_FILE = "completions.jsonl"  # the held-out sample table of every evaluation, one JSON object per row
+COMPLETIONS_TAG = "eval/completions"  # its tracker name (TensorBoard: a text summary holding a markdown table)
 
 
 class TrainerLoop:
@@ -67,6 +77,9 @@ class TrainerLoop:
             project_config=ProjectConfiguration(project_dir=str(out),
                                                 logging_dir=str(out / "logs" / (self.run.run_id or "run"))))
         check_launch(self.acc)
+        # completions.jsonl: a resume keeps the rows of the steps its checkpoint covers (see _write_samples)
+        self._samples_resume_step = self._resume.state["step"] if self._resume is not None else None
+        self._samples_started = False
 
     def _prepare(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> torch.nn.Module:
         """Seed, threads, optimizer and schedule, ``accelerate.prepare``; returns the prepared model."""
@@ -87,18 +100,48 @@ class TrainerLoop:
             self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
             self._trackers = "open"
 
-    def _record_eval(self, metrics: dict[str, float], images: dict[str, Any] | None = None) -> None:
+    def _record_eval(self, metrics: dict[str, float], images: dict[str, Any] | None = None,
+                     samples: list[dict[str, Any]] | None = None) -> None:
         """Held-out numbers (already ``eval/``-prefixed) into this step's history entry (a new one before the
-        first step) and, while the trackers are open, to them; images to the trackers."""
+        first step) and, while the trackers are open, to them; images to the trackers. ``samples`` (rows of
+        prompt, completion and one score per scorer, e.g. ``GreedyHeldOut.samples``) go to
+        ``completions.jsonl`` (``_write_samples``) and, as a table, to the trackers (``log_table``); they never
+        enter the history, the checkpoints or summary.json, whose values stay numbers."""
         self._last_eval = (self.step, metrics)
         if self.history and self.history[-1].get("step") == self.step:
             self.history[-1].update(metrics)
         else:
             self.history.append({"step": self.step, **metrics})
+        self._write_samples(samples or [])
         self._start_trackers()
         if self._trackers == "open":
             self.acc.log(metrics, step=self.step)
             log_images(self.acc, images or {}, self.step)
+            log_table(self.acc, COMPLETIONS_TAG, samples or [], self.step)
+
+    def _write_samples(self, samples: list[dict[str, Any]]) -> None:
+        """Add this step's ``samples`` to ``<output_dir>/completions.jsonl`` (main process only), one JSON object
+        per row: ``{"step", "prompt", "completion", <scorer>: <score or null>, ...}`` (strict JSON, NaN as null).
+        The first write of a process starts the file afresh through a temporary file renamed into place; a
+        resumed run starts it from the old file's rows of the steps its checkpoint covers (up to the checkpoint's
+        step, save the step now written: the steps it trains again are not doubled). Later writes append whole
+        lines; a line cut short by a crash is skipped when a resume reads the file."""
+        if not samples or not self.acc.is_main_process:
+            return
+        path = Path(self.cfg.output_dir) / COMPLETIONS_FILE
+        rows = [{"step": self.step, **json_safe(s)} for s in samples]
+        if self._samples_started:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("".join(_json_line(r) for r in rows))
+            return
+        upto = self._samples_resume_step
+        kept = [] if upto is None else [r for r in read_jsonl(path) if r["step"] <= upto and r["step"] != self.step]
+        tmp = path.with_name(path.name + ".tmp")
+        with writing(tmp, str(path)):
+            tmp.write_text("".join(_json_line(r) for r in sorted(kept + rows, key=lambda r: r["step"])),
+                           encoding="utf-8")
+            os.replace(tmp, path)
+        self._samples_started = True
 
     def _cached_eval(self) -> dict[str, float] | None:
         """This step's held-out numbers when they were computed already (asking twice computes once)."""
@@ -221,3 +264,75 @@ class TrainerLoop:
 
     def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
         return {}
+
+
+# ------------------------------------------------------------------ the sample table
+def _json_line(row: dict[str, Any]) -> str:
+    return json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n"
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``completions.jsonl`` (objects with an integer ``step``); a missing file is no rows, and a
+    line that is not such an object (one cut short by a crash) is skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            out.append(row)
+    return out
+
+
+def cell_text(value: Any) -> str:
+    """A table cell as plain text: a string as it is, a number to 4 significant digits, ``None`` empty, a chat
+    prompt (a list of ``{"role", "content"}`` messages) one ``role: content`` line per message, anything else
+    as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return f"{float(value):.4g}"
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return "\n".join(f"{m.get('role', '?')}: {cell_text(m['content'])}" for m in value)
+    return json.dumps(json_safe(value), ensure_ascii=False)
+
+
+_MARKDOWN_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]|"})
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """``rows`` (dicts; the columns are their keys, first-seen order) as a markdown table, the form TensorBoard's
+    text dashboard renders: each cell is ``cell_text``, HTML-escaped, with markdown's emphasis / code / link /
+    pipe characters escaped and line breaks as ``<br>``, so a completion shows as it was generated."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+
+    def cell(value: Any) -> str:
+        return html.escape(cell_text(value), quote=False).translate(_MARKDOWN_SPECIAL).replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def log_table(acc, name: str, rows: list[dict[str, Any]], step: int) -> None:
+    """Log ``rows`` as one table named ``name`` to the run's trackers that show tables: TensorBoard gets a text
+    summary (``markdown_table``, through the tracker's ``log`` with a string: ``add_text``), a tracker with
+    ``log_table`` (wandb) a table of ``cell_text`` strings and numbers; other trackers are skipped, and no
+    tracker's numeric log sees the table."""
+    if not rows:
+        return
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    for tracker in acc.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log({name: markdown_table(rows)}, step=step)
+        elif callable(getattr(tracker, "log_table", None)):
+            data = [[v if isinstance(v, numbers.Real) or v is None else cell_text(v)
+                     for v in (r.get(c) for c in columns)] for r in rows]
+            tracker.log_table(name, columns=columns, data=data, step=step)

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import numbers
+import os
 import time
 import typing
 from collections.abc import Callable
@@ -188,6 +189,10 @@ class OnlineTrainer(TrainerLoop):
 
     def __init__(self, policy: Policy, reward_fn: Callable | list[Callable] | CombinedReward, prompts: list[dict[str, Any]], config: OnlineConfig,
                  accelerator: Accelerator | None = None, evaluator: Callable[[], dict[str, float]] | None = None):
+        if isinstance(policy, (str, os.PathLike)):
+            raise TypeError(f"OnlineTrainer takes a policy object (e.g. CausalLMPolicy.from_pretrained({str(policy)!r}))"
+                            ", not a model name; TRL's signature is unialign.GRPOTrainer(model, reward_funcs, "
+                            "args=GRPOConfig(...), train_dataset=...)")
         if not prompts:
             raise ValueError("prompts: the training set is empty")
         validate(config)  # before anything reads the config (algo_spec)
@@ -527,7 +532,10 @@ class OnlineTrainer(TrainerLoop):
         """Run the ``evaluator`` (held-out metrics; ``{}`` without one) at the current step. Its numbers,
         prefixed ``eval/``, go to the trackers and into the history entry of this step (a new entry
         before the first step), so curves show them; any other value (an image grid) goes to the
-        trackers as an image. Cached per step: asking twice runs it once. Returns the numbers."""
+        trackers as an image. An evaluator with a ``samples`` attribute (rows of prompt, completion and
+        scores, set by the call: ``GreedyHeldOut``) has them written to ``<output_dir>/completions.jsonl``
+        and logged to the trackers as the table ``eval/completions``, never among the numbers. Cached per
+        step: asking twice runs it once. Returns the numbers."""
         if self.evaluator is None:
             return {}
         cached = self._cached_eval()
@@ -537,7 +545,8 @@ class OnlineTrainer(TrainerLoop):
         self.policy.model.eval()
         out = self.evaluator()
         metrics = {f"eval/{k}": float(v) for k, v in out.items() if isinstance(v, numbers.Real)}
-        self._record_eval(metrics, {f"eval/{k}": v for k, v in out.items() if not isinstance(v, numbers.Real)})
+        self._record_eval(metrics, {f"eval/{k}": v for k, v in out.items() if not isinstance(v, numbers.Real)},
+                          getattr(self.evaluator, "samples", None))
         return metrics
 
     def _extra_state(self) -> dict[str, Any]:

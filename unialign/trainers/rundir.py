@@ -213,9 +213,12 @@ def _entries(out: Path) -> list[Path]:
 
 
 def _set_aside(out: Path, previous_id: str | None) -> None:
-    """``--overwrite_output_dir``: move the previous run's outputs (checkpoints, ``final/``, ``summary.json``,
-    temporary debris) into ``replaced-<its run id>/`` so nothing is lost and nothing is mixed; say what moved."""
+    """``--overwrite_output_dir``: move the previous run's outputs (checkpoints, ``final/``, ``summary.json``, its
+    ``completions.jsonl`` and ``comparison.png``, temporary debris) into ``replaced-<its run id>/`` so nothing is
+    lost and nothing is mixed; say what moved."""
     moving = run_outputs(out) + [p.name for p in _entries(out) if p.name.startswith(".tmp-")]
+    if moving:
+        moving += [name for name in ("completions.jsonl", "comparison.png") if (out / name).exists()]
     if not moving:
         return
     target = out / f"replaced-{previous_id or time.strftime('%Y%m%d-%H%M%S')}"
