@@ -97,9 +97,9 @@ def main(cfg: GRPOMathConfig) -> dict:
     check_generation_backend(cfg.generation_backend)
     train_rows, eval_rows, data_info = load_prompt_data(cfg)
     eval_name = cfg.eval_reward or ("math_accuracy" if {"answer", "solution"} & columns_of(eval_rows) else None)
-    check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows))
+    check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows), modality="text")
     check_rewards(eval_name or cfg.reward_funcs, None if eval_name else cfg.reward_weights, columns_of(eval_rows),
-                  "--eval_reward" if eval_name else "--reward_funcs")  # the held-out rows' columns too
+                  "--eval_reward" if eval_name else "--reward_funcs", modality="text")  # the held-out rows' too
     policy = CausalLMPolicy.from_pretrained(
         model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,

@@ -58,7 +58,7 @@ def test_bad_files_are_one_line_errors_naming_file_and_line(tmp_path):
 def test_folder_splits_found_by_name_like_datasets(tmp_path):
     (tmp_path / "data").mkdir()
     write_jsonl(tmp_path / "train.jsonl", ROWS[:10])
-    write_jsonl(tmp_path / "data" / "test-00000-of-00001.jsonl", ROWS[10:15])
+    write_jsonl(tmp_path / "data" / "test.jsonl", ROWS[10:15])
     write_jsonl(tmp_path / "dev.jsonl", ROWS[15:])
     splits = split_files(tmp_path)
     assert sorted(splits) == ["test", "train", "validation"]
@@ -70,6 +70,9 @@ def test_folder_splits_found_by_name_like_datasets(tmp_path):
     other.mkdir()
     write_jsonl(other / "mine.jsonl", ROWS)
     assert list(split_files(other)) == ["train"]
+    # shards data/<split>-00000-of-00001.* take precedence over every other file, as in datasets
+    write_jsonl(tmp_path / "data" / "test-00000-of-00001.jsonl", ROWS[10:15])
+    assert {k: [p.name for p in v] for k, v in split_files(tmp_path).items()} == {"test": ["test-00000-of-00001.jsonl"]}
 
 
 def test_held_out_rows_never_train(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from tests.test_scripts import load_script, run_cli, write_jsonl
 from unialign.config import parse_config
+from unialign.embedded import ARITH_LM_DIR
 from unialign.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,7 +196,7 @@ def test_trl_style_python_example_runs(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=16, num_generations=4,
                       max_completion_length=24, max_steps=2, learning_rate=1e-4, report_to="none")
     assert (args.prompts_per_step, args.micro_batch_size) == (4, 16)
-    trainer = GRPOTrainer(model="embedded", reward_funcs=["math_accuracy", brevity], args=args,
+    trainer = GRPOTrainer(model=ARITH_LM_DIR, reward_funcs=["math_accuracy", brevity], args=args,
                           train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows[:8]))
     out = trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
@@ -218,7 +219,7 @@ def test_trl_style_dpo_trainer_runs(tmp_path):
     pairs = preference_pairs("train", n=24)
     args = DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                      max_steps=2, learning_rate=1e-4, report_to="none", chat_template="always")
-    trainer = DPOTrainer(model="embedded", args=args, train_dataset=Dataset.from_list(pairs[:16]),
+    trainer = DPOTrainer(model=ARITH_LM_DIR, args=args, train_dataset=Dataset.from_list(pairs[:16]),
                          eval_dataset=Dataset.from_list(pairs[16:]))
     out = trainer.train()
     assert out.global_step == 2 and trainer.summary["metric"] == "implicit_accuracy"

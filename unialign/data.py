@@ -6,9 +6,9 @@
   are read one line at a time (memory: the rows kept), so that a bad line is reported with its number
   as soon as it is read; a ``.json`` file (read whole) may hold a list of objects, a mapping of
   equal-length columns, or JSON lines; parquet is read a record batch at a time;
-* a local folder: the split's files found by name as ``datasets.load_dataset(folder)`` does
-  (``train.jsonl``, ``test-00000-of-00001.parquet``, ``data/validation.json``, a ``train/`` folder, ...;
-  ``SPLIT_KEYWORDS`` lists the accepted spellings); a folder whose files name no split is all ``train``;
+* a local folder: the split's files that ``datasets.load_dataset(folder)`` would read, found by datasets'
+  own rules (``split_files``: README.md ``configs``, ``data/<split>-00000-of-00001.parquet`` shards, a
+  ``train/`` folder, ``dev.json``, ...); a folder whose files name no split is all ``train``;
 * a Hub id (``datasets.load_dataset(name, config, split=split)``; fails at once, clearly, offline), or with
   ``streaming=True`` the first ``limit`` rows of ``datasets.load_dataset(..., streaming=True)`` (nothing else
   is downloaded).
@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import random
-import re
 from collections.abc import Callable, Iterable, Iterator
+from glob import has_magic
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,6 @@ from unialign.config import UserError
 from unialign.hub import HubUnavailableError, require_hub
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
-SPLIT_KEYWORDS = {  # datasets.data_files.SPLIT_KEYWORDS
-    "train": ("train", "training"),
-    "validation": ("validation", "valid", "dev", "val"),
-    "test": ("test", "testing", "eval", "evaluation"),
-}
 SPLIT_SEED = 0  # the held-out fraction is the same for every training seed
 ENCODING_ERRORS = ("strict", "replace")
 MAX_DEPTH = 100  # nesting of lists / objects in one row (conversations with content parts need 4)
@@ -196,32 +192,105 @@ def _fill_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ folders
-def split_files(folder: str | Path) -> dict[str, list[Path]]:
-    """Data files of ``folder`` by split, found by name like ``datasets.load_dataset(folder)``: a file or
-    sub-folder whose name is, or starts or ends (around ``-._``, space or digits) with, a keyword of
-    ``SPLIT_KEYWORDS`` (``train.jsonl``, ``test-00000-of-00001.parquet``, ``dev.json``, ``valid/a.jsonl``).
-    When no name holds a keyword, every file is ``train``."""
+def split_files(folder: str | Path, config_name: str | None = None) -> dict[str, list[Path]]:
+    """Data files of ``folder`` by split (each split's files sorted by path; ``{}`` when it holds none): the
+    files ``datasets.load_dataset(folder, config_name)`` would read, found by datasets' own code
+    (``datasets.data_files``, no row is read), in its order of precedence:
+
+    1. the ``configs`` of the folder's dataset card (``README.md`` YAML, ``.huggingface.yaml``): those of
+       ``config_name``, else of the default config -- their ``data_files``, or the rules below in ``data_dir``;
+    2. shards ``data/<split>-00000-of-00002.parquet`` (any split name);
+    3. split folders (``train/``, ``data/valid/``), else split file names (``train.jsonl``, ``dev.json``,
+       ``my-test_0.parquet``; the keywords are ``datasets.data_files.SPLIT_KEYWORDS``);
+    4. else every file is ``train``.
+
+    As in datasets, hidden files and folders, ``__*`` folders and ``config.json`` / ``dataset_info.json`` / ...
+    are no data. Kept here, as datasets does not do it: only ``SUFFIXES`` files count, as if the folder held
+    nothing else (datasets reads a folder with one builder, chosen by its most common file type, and picks the
+    split patterns over every file: a folder of PNGs with its ``pairs.jsonl`` would be read as images, a
+    ``train_notes.csv`` would make ``train`` the CSV); a file that two patterns of a split match is listed
+    once (datasets reads it twice); ``config_name`` is ignored when the card names no configs (datasets
+    accepts only "default" then).
+
+    Raises UserError where datasets refuses the folder's card: several configs and no ``config_name`` nor
+    default, an unknown ``config_name``, a listed file that is missing (or not of ``SUFFIXES``), a split with
+    no file; and for a shard split name datasets refuses."""
+    from datasets.data_files import _get_data_files_patterns, resolve_pattern
+
     folder = Path(folder).expanduser()
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    base = folder.resolve()
+
+    def resolve(pattern: str, root: Path) -> list[str]:
+        """datasets' resolution of ``pattern`` under ``root``, only files this module reads; FileNotFoundError
+        when none (what datasets' pattern search expects of a resolver)."""
+        found = [f for f in resolve_pattern(pattern, root.as_posix(), allowed_extensions=list(SUFFIXES))
+                 if Path(f).suffix in SUFFIXES]  # resolve_pattern also keeps train.jsonl.gz, notes.json.bak
+        if not found:
+            raise FileNotFoundError(pattern)
+        return found
+
+    readme, root, patterns = _readme_patterns(base, config_name)
+    if patterns is None:
+        try:  # get_data_patterns(root) with our resolver: the search over the files we read
+            patterns = _get_data_files_patterns(lambda pattern: resolve(pattern, root))
+        except FileNotFoundError:
+            return {}
+        except ValueError as err:  # a shard's split name that datasets refuses
+            raise UserError(f"dataset folder {str(folder)!r}: {err}") from None
     out: dict[str, list[Path]] = {}
-    for p in files:
-        split = _split_of(p.relative_to(folder))
-        if split:
-            out.setdefault(split, []).append(p)
-    if not out and files:
-        out["train"] = files
+    for split, split_patterns in patterns.items():
+        files: set[str] = set()
+        for pattern in split_patterns:
+            try:
+                files.update(resolve(pattern, root))
+            except FileNotFoundError:
+                if not has_magic(pattern):  # a file a README config names
+                    raise UserError(f"{readme}: data file {pattern!r} of split {split!r} is missing or not a "
+                                    f"{' / '.join(SUFFIXES)} file") from None
+        if not files:  # a README split of other file types (the inferred splits all have files)
+            raise UserError(f"{readme}: split {split!r} ({', '.join(split_patterns)}) has no "
+                            f"{' / '.join(SUFFIXES)} file")
+        out[str(split)] = sorted(folder / os.path.relpath(f, base) for f in files)  # str: not a NamedSplit
     return out
 
 
-def _split_of(relative: Path) -> str | None:
-    sep = r"[-._ 0-9]"
-    names = [relative.stem.lower()] + [part.lower() for part in reversed(relative.parts[:-1])]
-    for name in names:  # the file name first, then its folders
-        for split, keywords in SPLIT_KEYWORDS.items():
-            if any(re.fullmatch(rf"(.*{sep})?{kw}({sep}.*)?", name) for kw in keywords):
-                return split
-    return None
+def _readme_patterns(base: Path, config_name: str | None) -> tuple[Path, Path, dict[str, list[str]] | None]:
+    """(README.md path, root of the patterns, split -> data file patterns) of the config of ``base``'s dataset
+    card YAML that ``datasets.load_dataset(base, config_name)`` would use (``datasets``' ``MetadataConfigs``
+    and ``sanitize_patterns``, read as ``LocalDatasetModuleFactory`` reads them). Patterns are None when the
+    card names no configs or the config lists no ``data_files`` (then datasets infers them under the root:
+    the folder, or its ``data_dir``)."""
+    import yaml
+    from datasets import config as datasets_config
+    from datasets.data_files import sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard, DatasetCardData
+
+    readme, standalone = base / datasets_config.REPOCARD_FILENAME, base / datasets_config.REPOYAML_FILENAME
+    try:
+        card = DatasetCard.load(readme).data if readme.is_file() else DatasetCardData()
+        if standalone.is_file():
+            extra = yaml.safe_load(standalone.read_text(encoding="utf-8"))
+            if extra:
+                card = DatasetCardData(**{**card.to_dict(), **extra})
+        configs = MetadataConfigs.from_dataset_card_data(card)
+        default = configs.get_default_config_name() if configs else None
+    except Exception as err:  # noqa: BLE001 - YAML, card and config errors come in many types
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise UserError(f"{readme}: its dataset card YAML is not one datasets reads: {type(err).__name__}: "
+                        f"{first}") from None
+    if not configs:
+        return readme, base, None
+    name = config_name or default
+    if name is None:
+        raise UserError(f"{readme}: the dataset has several configs and none is the default; pick one of "
+                        f"{sorted(configs)} (--dataset_config)")
+    if name not in configs:
+        raise UserError(f"{readme}: no config {name!r}; the configs are {sorted(configs)}")
+    params = configs[name]
+    root = base / params["data_dir"] if params.get("data_dir") else base
+    files = params.get("data_files")
+    return readme, root, None if files is None else {split: list(p) for split, p in sanitize_patterns(files).items()}
 
 
 # ------------------------------------------------------------------ any source
@@ -234,7 +303,7 @@ def load_dataset_rows(name: str, split: str | None, config_name: str | None = No
     ``decode_images=False`` keeps a Hub dataset's ``Image`` columns encoded (``{"bytes", "path"}`` dicts)."""
     path = Path(name).expanduser()
     if path.is_dir():
-        splits = split_files(path)
+        splits = split_files(path, config_name)
         if not splits:
             raise UserError(f"dataset folder {name!r} has no .jsonl / .json / .parquet files")
         if split not in splits:
@@ -316,7 +385,7 @@ def train_eval_rows(name: str, *, config_name: str | None = None, train_split: s
         return train, load(eval_name, eval_split or "test"), {
             "eval_source": eval_name if whole_file else f"{eval_name} [{eval_split or 'test'}]"}
     if path.is_dir():
-        splits = split_files(path)
+        splits = split_files(path, config_name)
         candidates = [eval_split] if eval_split is not None else [s for s in ("test", "validation") if s in splits]
         if candidates:
             return train, load(name, candidates[0]), {"eval_source": f"{name} [{candidates[0]}]"}

@@ -184,7 +184,7 @@ def reward_names(spec: str, weights: str | None, flag: str = "--reward_funcs") -
 
 
 def check_rewards(spec: str, weights: str | None, columns: set[str] | None = None, flag: str = "--reward_funcs",
-                  modality: str | None = "text") -> None:
+                  modality: str | None = None) -> None:
     """Before any model loads: every name resolves (a registry name, or a function given as TRL's dotted
     ``package.module.function``, ``module:function`` or ``path/file.py:function``, as ``get_reward`` accepts),
     a registered reward scores what this script samples (``modality``: "text" or "image", by

@@ -18,8 +18,8 @@
 They are thin: the config classes are the unialign configs with TRL's keywords accepted (``unialign.trl_compat``:
 ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``warmup_ratio``, ``use_peft`` / ``lora_r``, ...,
 or a one-line ``UserError`` naming the unialign way), and the trainers build a ``CausalLMPolicy`` and run
-``OnlineTrainer`` / ``PreferenceTrainer`` unchanged. ``model``: a Hub id or folder (``"embedded"``: the shipped
-arithmetic model), a loaded transformers causal LM (with ``processing_class``, its tokenizer, or the one saved
+``OnlineTrainer`` / ``PreferenceTrainer`` unchanged. ``model``: a Hub id or folder (offline, the shipped arithmetic
+model: ``unialign.embedded.ARITH_LM_DIR``), a loaded transformers causal LM (with ``processing_class``, its tokenizer, or the one saved
 beside it) or a ``CausalLMPolicy``. Datasets: a ``datasets.Dataset`` or a list of dicts in TRL's formats
 (standard or conversational; TRL's rule for the chat template). ``reward_funcs``: a TRL reward function
 ``f(prompts, completions, **columns)``, a registry name (``"math_accuracy"``) or a list of them. ``train()`` writes
@@ -30,6 +30,7 @@ after, on ``eval_dataset`` when given), curves, ``final/``; ``state.log_history`
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -150,10 +151,8 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
 
     if isinstance(model, CausalLMPolicy):
         return model
-    if isinstance(model, str):
-        from unialign.embedded import model_path
-
-        return CausalLMPolicy.from_pretrained(model_path(model), torch_dtype=args.torch_dtype,
+    if isinstance(model, (str, os.PathLike)):
+        return CausalLMPolicy.from_pretrained(str(model), torch_dtype=args.torch_dtype,
                                               **_lora(args, peft_config), **kwargs)
     import torch
 

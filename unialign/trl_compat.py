@@ -60,7 +60,7 @@ class Context:
 
 
 def _bool(name: str, value: Any) -> bool:
-    from unialign.config import _to_bool
+    from unialign.values import _to_bool
 
     try:
         return _to_bool(value)
@@ -69,7 +69,7 @@ def _bool(name: str, value: Any) -> bool:
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:
-    from unialign.config import convert
+    from unialign.values import convert
 
     try:
         out = convert(value, int, False)
@@ -81,7 +81,7 @@ def _int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 def _float(name: str, value: Any) -> float:
-    from unialign.config import convert
+    from unialign.values import convert
 
     try:
         return convert(value, float, False)

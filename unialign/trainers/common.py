@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -15,6 +16,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +79,8 @@ class TrainConfig:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    """The optimizer named by ``cfg.optim`` and its LambdaLR schedule.
+    """The optimizer named by ``cfg.optim`` and its learning-rate schedule: a ``LambdaLR`` whose multiplier is
+    ``lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps)`` (transformers' schedules).
 
     adamw_torch: ``torch.optim.AdamW``. adafactor: ``torch.optim.Adafactor`` with the given learning rate
     (factored second moments, no first moment: optimizer state ~O(rows + cols) per matrix).
@@ -435,20 +438,36 @@ def prune_checkpoints(output_dir: str | Path, keep: int, run_id: str | None, leg
         shutil.rmtree(path, ignore_errors=True)
 
 
-def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
-    """Multiplier schedule for ``torch.optim.lr_scheduler.LambdaLR``: constant | linear | cosine, with warmup."""
-    if kind not in ("constant", "linear", "cosine"):
+# our schedule names (unialign.config.SCHEDULERS) -> transformers' get_scheduler names; each warms up first
+TRANSFORMERS_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate at 0-based step ``s`` (the lr of the ``s + 1``-th optimizer step),
+    for ``torch.optim.lr_scheduler.LambdaLR``: transformers' ``get_scheduler`` schedule ``kind`` (constant |
+    linear | cosine) with ``w = warmup_steps`` linear warm-up steps over ``T = total_steps``:
+
+    * warm-up, ``s < w``: ``(s + 1) / (w + 1)`` -- rises in equal steps to 1 at ``s = w``, never 0;
+    * then constant ``1``; linear ``max(0, (T - s) / max(1, T - w))``; cosine
+      ``0.5 * (1 + cos(pi * (s - w) / max(1, T - w)))`` -- both 0 at ``s = T``.
+
+    transformers warms up as ``s / w`` instead (its first step has lr 0 and moves no weight), so this is its
+    schedule for ``w + 1`` warm-up steps of ``T + 1``, read from its step 1 on: the same line without the lr-0
+    step, and from ``s = w`` on transformers' own values for ``(w, T)``, bit for bit
+    (``tests/test_library_parts.py``). The result is a ``functools.partial``, so a LambdaLR checkpoint holds
+    its empty ``__dict__``, no code. Raises ValueError for another ``kind``."""
+    if kind not in TRANSFORMERS_SCHEDULES:
         raise ValueError(f"lr_scheduler_type must be constant, linear or cosine, got {kind!r}")
+    from transformers.optimization import get_scheduler  # modality-free: the schedules alone
 
-    def fn(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if kind == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return max(0.0, 1 - progress) if kind == "linear" else 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    probe = torch.optim.SGD([torch.zeros(1)], lr=1.0)  # get_scheduler wants an optimizer; its lambda is kept
+    (multiplier,) = get_scheduler(TRANSFORMERS_SCHEDULES[kind], probe, num_warmup_steps=warmup_steps + 1,
+                                  num_training_steps=total_steps + 1).lr_lambdas
+    return functools.partial(_one_step_on, multiplier)
 
-    return fn
+
+def _one_step_on(multiplier: Callable[[int], float], step: int) -> float:
+    return multiplier(step + 1)
 
 
 def smoothed(values: list[float], window: int) -> list[float]:
