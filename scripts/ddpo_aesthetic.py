@@ -7,8 +7,9 @@
 The same OnlineTrainer as scripts/grpo_math.py trains a DiffusionPolicy whose steps are denoising
 transitions. Writes <output_dir>/summary.json (held-out reward before/after on fixed seeds, each part
 of a combined reward, and for the embedded model the prompt fidelity -- the shape verifier's
-all-three-right rate -- and the pixel gold score), grid_before.png / grid_after.png, reward_curve.png
-(held-out reward and fidelity every --eval_steps), TensorBoard logs, checkpoints and final/.
+all-three-right rate -- and the pixel gold score), comparison.png (held-out prompts before | after), reward_curve.png
+(held-out reward and fidelity every --eval_steps), TensorBoard logs, checkpoints and final/ (a whole diffusers
+pipeline folder, or the LoRA).
 
 An aesthetic reward does not read the prompt: optimised alone it is raised fastest by drawing something
 more pleasing than what was asked (the previous default turned every held-out image into the same
@@ -37,7 +38,7 @@ class DDPOAestheticConfig(ImageRLConfig):
         "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
     prompt_set: str = field(default="embedded", metadata={
         "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
-    reward: str = field(default="aesthetic,shape_verifier_partial", metadata={
+    reward_funcs: str = field(default="aesthetic,shape_verifier_partial", metadata={
         "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier[_partial], jpeg_compressibility, ...)"})
     reward_weights: str | None = field(default="1,0.3", metadata={"help": "comma-separated floats, one per reward"})
     algorithm: str = field(default="ddpo", metadata={"help": "ddpo | grpo | awm | nft | dapo | dr_grpo | gspo | rloo | reinforce"})
@@ -63,7 +64,7 @@ class DDPOAestheticConfig(ImageRLConfig):
 PRESETS = {
     # ddpo-pytorch config/dgx.py:aesthetic -- 50 DDIM steps, eta 1, CFG 5, LoRA, lr 3e-4, clip 1e-4, adv clip 5
     "sd15-aesthetic": dict(
-        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="aesthetic",
+        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward_funcs="aesthetic",
         reward_weights=None, num_steps=50, guidance_scale=5.0, eta=1.0, resolution=512, lora_rank=4,
         learning_rate=3e-4, prompts_per_step=32, num_generations=8, micro_batch_size=4, train_chunk_size=4, max_steps=200,
         num_eval=64,
@@ -75,7 +76,7 @@ PRESETS = {
 
 
 def main(cfg: DDPOAestheticConfig) -> dict:
-    check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
+    check_rewards(cfg.reward_funcs, cfg.reward_weights, modality="image")  # before any model loads
     if cfg.model_name_or_path in parts.IMAGE_MODELS:
         return run_image_rl(cfg, **parts.image_rl_parts(cfg))
     return run_image_rl(cfg, **hub_parts(cfg))

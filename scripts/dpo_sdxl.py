@@ -5,21 +5,20 @@ as text DPO, on the ELBO surrogate (noise- or velocity-prediction MSE at one sha
     accelerate launch scripts/dpo_sdxl.py --model_name_or_path embedded-sd3   # its flow-matching (SD3) twin
     accelerate launch scripts/dpo_sdxl.py --preset sdxl-pickapic --dataset_name PATH_OR_ID
 
-Data in Pick-a-Pic's schema (caption, jpg_0, jpg_1, label_0; ties dropped and counted). Writes
-<output_dir>/summary.json: gold score of fresh held-out samples before/after (embedded), held-out
-implicit accuracy before/after, the first logged loss (ln 2 at init), grids and curves.
+Data in Pick-a-Pic's schema (caption, jpg_0, jpg_1, label_0; ties dropped and counted). Writes summary.json (held-out
+implicit accuracy before/after: the share of held-out pairs whose implicit reward, beta x (policy - reference) ELBO
+surrogate, ranks chosen first -- the metric on your own pairs; on the embedded pairs the gold score and fidelity of
+held-out samples), comparison.png (your held-out captions / the world's test prompts, before | after), final/.
 
 Embedded default (numbers in the README): pairs of samples of a training caption, the higher gold score
 chosen, ties (gap < ``min_gap``) dropped; beta 5000, full UNet, caption dropout 0.1, lr 1e-5. Held-out
-implicit accuracy averages ``eval_timestep_samples`` (t, eps) draws (one draw: ``..._k1``); prompt fidelity
-(shape verifier) of fixed held-out samples is reported before and after.
+implicit accuracy averages ``eval_timestep_samples`` (t, eps) draws (one draw: ``..._k1``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -29,15 +28,11 @@ from unialign.data import ENCODING_ERRORS
 from unialign.embedded import NAME, parts, shapes_world
 from unialign.embedded.shape_verifier import verify
 from unialign.image.data import load_pickapic
-from unialign.image.grid import save_grid
+from unialign.image.evaluate import HeldOutImages, finish_image_run
+from unialign.image.grid import first_of_each_prompt
 from unialign.image.recipe import load_denoiser
-from unialign.trainers import finish_run
-from unialign.trainers.preference import (
-    DPOObjective,
-    PreferenceConfig,
-    PreferenceTrainer,
-    averaged_implicit_accuracy,
-)
+from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer
+from unialign.trainers.preference import averaged_implicit_accuracy as averaged_accuracy
 
 
 @dataclass
@@ -60,8 +55,9 @@ class DiffusionDPOConfig(PreferenceConfig):
     encoding_errors: str = arg("strict", "dataset text that is not valid UTF-8: 'strict' (refuse it, naming file:line) "
                                "or 'replace' (read each bad byte as U+FFFD)", group="data", choices=ENCODING_ERRORS)
     num_eval: int = arg(256, "evaluate implicit accuracy on at most this many held-out pairs")
-    num_eval_images: int = arg(168, "embedded: held-out images (held-out prompts cycled, seed 1234) for gold score "
-                               "and prompt fidelity")
+    num_eval_images: int = arg(168, "held-out images (seed 1234) before and after: embedded pairs: the world's test "
+                               "prompts cycled (gold score, fidelity); your pairs: your first distinct held-out "
+                               "captions, at most 32 (comparison.png); 0: none")
     pairs_per_prompt: int = arg(4, "embedded: training pairs per caption")
     num_prompts: int | None = arg(None, "embedded: use only the first N training captions")
     eval_pairs_per_prompt: int = arg(2, "embedded: held-out pairs per training caption")
@@ -99,13 +95,13 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     start = time.time()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    embedded = cfg.model_name_or_path in parts.IMAGE_MODELS
+    embedded, own_data = cfg.model_name_or_path in parts.IMAGE_MODELS, cfg.dataset_name != NAME
     if embedded:
         parts.embedded_family(cfg.model_name_or_path, cfg.model_family)  # a conflicting --model_family is refused
-    if cfg.dataset_name == NAME and not embedded:
+    if not own_data and not embedded:
         raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
                         "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")
-    data = None if cfg.dataset_name == NAME else load_pickapic(cfg)  # read and checked before the model loads
+    data = load_pickapic(cfg) if own_data else None  # read and checked before the model loads
     opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
                 gradient_checkpointing=cfg.gradient_checkpointing)
     if embedded:
@@ -113,39 +109,40 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     else:
         policy = load_denoiser(cfg.model_name_or_path, cfg.model_family, cfg.torch_dtype, cfg.vae_name_or_path, **opts)
     train, held_out, ties, data_info = data or parts.image_pairs(policy, cfg)
+    data_info.pop("row_ids", None)  # every held-out row's index: reproducible from eval_split_seed, not printed
     objective = DPOObjective(policy, cfg.beta, cfg.loss_type)
     trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
-
-    held_out_images = None
-    if embedded:  # fixed held-out prompts and seed: the same draws before and after
-        from unialign.image.evaluate import HeldOutImages
-
+    # fixed held-out prompts and seed, the same draws before and after
+    if own_data:  # the first distinct held-out captions of the user's pairs: comparison.png only
+        shown = first_of_each_prompt([r["prompt"] for r in held_out], min(cfg.num_eval_images, 32))
+        images = HeldOutImages(policy, [held_out[i]["prompt"] for i in shown], 1234, batch_size=8)
+    else:  # the world's test prompts: gold score and prompt fidelity
         test = shapes_world.prompts("test")
-        held_out_images = HeldOutImages(policy, [test[i % len(test)] for i in range(cfg.num_eval_images)], 1234,
-                                        gold=shapes_world.gold_score, verifier=verify)
+        images = HeldOutImages(policy, [test[i % len(test)] for i in range(cfg.num_eval_images)], 1234,
+                               gold=shapes_world.gold_score, verifier=verify)
+    results: list[dict] = []
 
-    def evaluate(name: str) -> tuple[dict, float, float]:  # held-out images (embedded), implicit accuracy K / 1
-        images = held_out_images() if held_out_images else {}
-        if held_out_images and trainer.acc.is_main_process:
-            save_grid(held_out_images.last["images"], held_out_images.captions(), Path(cfg.output_dir) / f"grid_{name}.png")
-        k1 = trainer.evaluate(held_out)["implicit_accuracy"]
-        k = cfg.eval_timestep_samples
-        return images, (k1 if k <= 1 else averaged_implicit_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
+    def evaluate() -> tuple[dict, float, float]:  # held-out images, implicit accuracy K / 1
+        metrics = images() if images.prompts else {}
+        results.append(images.last)
+        k1, k = trainer.evaluate(held_out)["implicit_accuracy"], cfg.eval_timestep_samples
+        return metrics, (k1 if k <= 1 else averaged_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
 
-    before, implicit_before, implicit_before_k1 = evaluate("before")
+    before, implicit_before, implicit_before_k1 = evaluate()
     history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)
-    after, implicit_after, implicit_after_k1 = evaluate("after")
-    summary = {"metric": "gold_score" if embedded else "implicit_accuracy",
-               "before": before["gold"] if embedded else implicit_before,
-               "after": after["gold"] if embedded else implicit_after,
+    after, implicit_after, implicit_after_k1 = evaluate()
+    metric = "implicit_accuracy" if own_data else "gold_score"
+    summary = {"metric": metric, "before": implicit_before if own_data else before["gold"],
+               "after": implicit_after if own_data else after["gold"],
                "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
-               **({"fidelity_before": before["fidelity"], "fidelity_after": after["fidelity"]} if embedded else {}),
+               **({} if own_data else {"fidelity_before": before["fidelity"], "fidelity_after": after["fidelity"]}),
                "implicit_accuracy_before_k1": implicit_before_k1, "implicit_accuracy_after_k1": implicit_after_k1,
                "eval_timestep_samples": cfg.eval_timestep_samples,
                "first_loss": history[0]["loss"] if history else None, "steps": trainer.step,
                "train_pairs": len(train), "ties_dropped": ties, "num_eval_pairs": len(held_out),
                "wall_seconds": time.time() - start, **data_info}
-    return finish_run(trainer.acc, cfg, summary, policy.save)
+    return finish_image_run(trainer.acc, cfg, summary, policy, images, tuple(results),
+                            [(f"held-out {metric}", summary["before"], summary["after"])])
 
 
 if __name__ == "__main__":

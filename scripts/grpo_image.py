@@ -3,9 +3,9 @@
     accelerate launch scripts/grpo_image.py                                  # offline embedded default, CPU
     accelerate launch scripts/grpo_image.py --model_name_or_path embedded-sd3 # its flow-matching (SD3) twin
     accelerate launch scripts/grpo_image.py --beta 0.04 --lora_rank 4         # KL to the reference, LoRA
-    accelerate launch scripts/grpo_image.py --reward aesthetic,shape_verifier --reward_weights 1,1
+    accelerate launch scripts/grpo_image.py --reward_funcs aesthetic,shape_verifier --reward_weights 1,1
     accelerate launch scripts/grpo_image.py --preset sd15-clip --prompt_set my_prompts.txt
-    accelerate launch scripts/grpo_image.py --model_name_or_path embedded-sd3 --reward geneval  # GenEval's rules
+    accelerate launch scripts/grpo_image.py --model_name_or_path embedded-sd3 --reward_funcs geneval  # GenEval's rules
     accelerate launch scripts/grpo_image.py --preset sd3.5-medium-geneval --prompt_set train_metadata.jsonl
     accelerate launch scripts/grpo_image.py --preset sd3.5-medium-ocr --prompt_set ocr_train.txt  # .[ocr] extra
 
@@ -15,8 +15,9 @@ denoising transitions, with group-normalised advantages (``--algorithm grpo | da
 rloo | reinforce``). The default reward is the *verifiable* ``shape_verifier`` (what the prompt asks
 for -- background colour, object colour, shape -- read from the pixels, ``unialign/embedded/shape_verifier.py``),
 the image counterpart of the math verifier. Writes ``<output_dir>/summary.json`` (held-out reward and
-prompt fidelity before/after on fixed seeds), ``grid_before.png`` / ``grid_after.png``,
-``reward_curve.png`` (held-out fidelity every ``--eval_steps``), TensorBoard logs, checkpoints, ``final/``.
+prompt fidelity before/after on fixed seeds), ``comparison.png`` (held-out prompts before | after),
+``reward_curve.png`` (held-out fidelity every ``--eval_steps``), TensorBoard logs, checkpoints, ``final/`` (a
+whole diffusers pipeline folder: ``DiffusionPipeline.from_pretrained``; with ``--lora_rank`` the LoRA).
 
 Embedded default (no arguments): see the README's status table for the measured numbers; the choices
 and what each did are in the ``GRPOImageConfig`` comments.
@@ -45,7 +46,7 @@ class GRPOImageConfig(ImageRLConfig):
     # The embedded default, each choice measured on held-out fidelity (README, "Images"):
     # * partial credit: the 0 / 1 verifier flips only where a sample crosses a decision boundary, so its
     #   policy gradient is mostly noise (cosine of two independent batch gradients ~0.05, partial ~0.27);
-    reward: str = field(default="shape_verifier_partial", metadata={
+    reward_funcs: str = field(default="shape_verifier_partial", metadata={
         "help": "comma-separated registry names (shape_verifier[_partial], geneval, ocr, aesthetic, clip_score, "
                 "pickscore, jpeg_compressibility, ...)"})
     algorithm: str = field(default="grpo", metadata={"help": "grpo | flow_grpo | pref_grpo | awm | nft | dapo | dr_grpo "
@@ -91,7 +92,7 @@ class GRPOImageConfig(ImageRLConfig):
 
 
 def main(cfg: GRPOImageConfig) -> dict:
-    check_rewards(cfg.reward, cfg.reward_weights, flag="--reward")  # before any model loads
+    check_rewards(cfg.reward_funcs, cfg.reward_weights, modality="image")  # before any model loads
     if cfg.model_name_or_path in parts.IMAGE_MODELS:
         return run_image_rl(cfg, **parts.image_rl_parts(cfg))
     return run_image_rl(cfg, **hub_parts(cfg))

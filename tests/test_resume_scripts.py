@@ -35,11 +35,12 @@ SCRIPTS = {  # each script's embedded default, shrunk; 4 steps with a checkpoint
                  "--num_eval_images", "4", "--caption_dropout", "0.5"],
 }
 TIMING = ("wall_seconds", "seconds", "step_seconds", "tokens_per_second", "samples_per_second", "pairs_per_second")
+PATHS = ("comparison_image",)  # files in the run's own output_dir
 
 
 def comparable(summary: dict) -> dict:
     """A summary without what legitimately differs between two runs of the same maths: timings and paths."""
-    out = {k: v for k, v in summary.items() if not any(t in k for t in TIMING)}
+    out = {k: v for k, v in summary.items() if not any(t in k for t in TIMING) and k not in PATHS}
     out["config"] = {k: v for k, v in summary["config"].items()
                      if k not in ("output_dir", "resume_from_checkpoint", "reward_model_path", "save_steps")}
     return out

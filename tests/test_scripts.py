@@ -159,7 +159,7 @@ def test_image_sampling_knobs_are_refused_before_any_model_loads(monkeypatch, kw
     for module, name in ((world, "load_embedded"), (world, "load_embedded_sd3"), (recipe, "load_policy"),
                          (recipe, "get_reward"), (parts, "get_reward")):
         monkeypatch.setattr(module, name, loaded)
-    cfg = recipe.ImageRLConfig(reward="shape_verifier", **kw)
+    cfg = recipe.ImageRLConfig(reward_funcs="shape_verifier", **kw)
     build = parts.image_rl_parts if cfg.model_name_or_path in parts.IMAGE_MODELS else recipe.hub_parts
     with pytest.raises(ValueError, match=field):
         build(cfg)
@@ -195,7 +195,7 @@ def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
     assert {"before_std", "gold_before", "gold_after", "fidelity_before", "fidelity_after", "aesthetic_before",
             "aesthetic_after", "shape_verifier_partial_before", "shape_verifier_partial_after"} <= set(s)
     assert 0.0 <= s["fidelity_before"] <= 1.0 and s["config"]["beta"] == 0.04
-    assert all((tmp_path / f).exists() for f in ("grid_before.png", "grid_after.png", "reward_curve.png"))
+    assert all((tmp_path / f).exists() for f in ("comparison.png", "reward_curve.png"))
 
 
 @pytest.mark.parametrize("script,extra", [("ddpo_aesthetic", []), ("grpo_image", ["--sampler", "dpmpp"])])
@@ -208,7 +208,7 @@ def test_forward_process_rl_on_the_embedded_unet(tmp_path, script, extra):
     s = check_summary(tmp_path, "reward")
     assert s["algorithm_spec"]["log_prob_estimator"] == "forward" and s["config"]["algorithm"] == "awm"
     assert {"gold_before", "gold_after", "fidelity_before", "fidelity_after"} <= set(s)
-    assert all((tmp_path / f).exists() for f in ("grid_before.png", "grid_after.png", "final"))
+    assert all((tmp_path / f).exists() for f in ("comparison.png", "final"))
 
 
 def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
@@ -381,10 +381,11 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
         (["--dataset_name", str(tmp_path / "schema.jsonl")], "schema.jsonl row 0: no 'prompt' column"),
         (["--dataset_name", str(good), "--reward_funcs", "gold_rewards:needs_gold"],
          "reward 'gold_rewards:needs_gold' needs the column(s) ['gold']"),
-        (["--reward_funcs", "nosuch_reward"], "--reward_funcs: cannot use reward 'nosuch_reward'"),
+        (["--reward_funcs", "nosuch_reward"], "--reward_funcs: unknown reward 'nosuch_reward'"),
         (["--reward_funcs", "reward_model"], "--reward_funcs: reward 'reward_model' needs path"),
         (["--dataset_name", str(no_reference)],
-         "reward 'math_accuracy' needs one of the columns ['answer', 'solution'], which the dataset does not have"),
+         "reward 'math_accuracy' needs one of the columns ['answer', 'solution'] (the reference answer), which the "
+         "dataset does not have"),
         (["--dataset_name", str(good), "--eval_split", "test"], "is a single file without splits"),
         (["--torch_dtype", "nosuch"], "--torch_dtype: 'nosuch' is not one of"),
         (["--config", str(tmp_path / "wrong.yaml")], "wrong.yaml: --max_steps: expected an integer, got 'ten'"),
@@ -401,7 +402,7 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
     code, line = run_cli("dpo_text", ["--dataset_name", str(tmp_path / "schema.jsonl")] + out, capsys)
     assert code == 2 and "schema.jsonl row 0: missing field 'chosen'" in line
     code, line = run_cli("grpo_image", ["--reward", "nosuch"] + out, capsys)
-    assert code == 2 and "--reward: cannot use reward 'nosuch'" in line
+    assert code == 2 and "--reward_funcs: unknown reward 'nosuch'" in line  # --reward: the old name, an alias
     code, line = run_cli("dpo_sdxl", ["--dataset_name", str(tmp_path / "bad.jsonl")] + out, capsys)
     assert code == 2 and "bad.jsonl:2: not valid JSON" in line
     code, line = run_cli("dpo_sdxl", ["--model_name_or_path", "runwayml/stable-diffusion-v1-5"] + out, capsys)
@@ -512,7 +513,7 @@ def test_dpo_sdxl_on_a_folder_with_image_paths(tmp_path):
                          "--report_to", "none"])
     # rows i, i+4, i+8 are the same pair: the held-out pair's copies leave training too
     dropped = s.get("train_duplicates_of_held_out_dropped", 0)
-    assert s["metric"] == "gold_score" and s["num_eval_pairs"] == 1 and dropped >= 1
+    assert s["metric"] == "implicit_accuracy" and s["num_eval_pairs"] == 1 and dropped >= 1  # the user's pairs
     assert s["train_pairs"] == 9 - dropped and s["eval_fraction"] == 0.1 and s["steps"] == 1
 
 

@@ -248,9 +248,11 @@ def resolve_names(cls: type, given: dict[str, Any], where: str = "", before: dic
                 raise UserError(f"{where}--{name} is TRL's name for --{target}; both are given ({value} and "
                                 f"{given[target]}): give one")
             own[target] = value
+        elif name in fields:  # the config's own field wins over a TRL name it shares
+            continue
         elif name in TRL_NAMES:
             trl[name] = value
-        elif name not in fields:
+        else:
             known = sorted((fields - set(aliases)) | set(aliases) | set(TRL_NAMES))
             hint = did_you_mean(name, known)
             raise UserError(f"{where}unknown config keys [{name!r}]{hint}" if where else

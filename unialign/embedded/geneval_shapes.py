@@ -1,5 +1,5 @@
 """The shapes world in GenEval's format: its prompts as GenEval metadata and a pixel-reading detector, the
-``"shapes"`` backend of ``unialign.rewards.geneval`` (``--reward geneval`` on the embedded models).
+``"shapes"`` backend of ``unialign.rewards.geneval`` (``--reward_funcs geneval`` on the embedded models).
 
 A prompt "a [size] <colour> <shape> on a <background> background" is the metadata
 

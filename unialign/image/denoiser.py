@@ -458,18 +458,78 @@ class DenoiserPolicy:
         """The LoRA state dict in the form the stock pipeline's ``save_lora_weights`` takes."""
         return peft_state
 
+    def _pipeline_components(self) -> dict[str, Any]:
+        """The stock pipeline's (``_pipeline_class``) constructor arguments from this policy: the trained denoiser
+        under its name (``unet`` / ``transformer``), every other component the class takes read from the
+        policy's attribute of the same name (``vae``, ``text_encoder[_2/_3]``, ``tokenizer[_2/_3]``,
+        ``scheduler``: the parts as the run loaded and used them), None for a component the policy does not
+        hold (SD1.x's ``safety_checker`` / ``feature_extractor``, SD3 without T5, IP-adapter image encoders),
+        ``requires_safety_checker=False`` and the policy's ``force_zeros_for_empty_prompt`` (SDXL)."""
+        import inspect
+
+        cls = self._pipeline_class()
+        out: dict[str, Any] = {}
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            if name == self.denoiser_subfolder:
+                out[name] = self.denoiser
+            elif name == "requires_safety_checker":
+                out[name] = False
+            elif name == "force_zeros_for_empty_prompt":
+                out[name] = self.force_zeros_for_empty_prompt
+            elif param.default is inspect.Parameter.empty or name in getattr(cls, "_optional_components", ()):
+                out[name] = getattr(self, name, None)
+        return out
+
+    def _absent_components(self) -> list[str]:
+        """Components the stock pipeline requires but this policy does not have (SD3 without T5:
+        ``text_encoder_3``, ``tokenizer_3``): stock ``from_pretrained`` of a folder without them refuses to load
+        unless each is passed as None, as for the source folder."""
+        cls = self._pipeline_class()
+        optional = set(getattr(cls, "_optional_components", ()))
+        return [n for n, v in self._pipeline_components().items() if v is None and n not in optional]
+
+    def load_snippet(self, path: str, base: str | None = None) -> str:
+        """Two lines of Python that load what ``save(path)`` wrote: the pipeline folder (full fine-tuning; with
+        ``<name>=None`` for each ``_absent_components``), or ``base`` (the hub id / folder the run loaded; a
+        placeholder when None) with the LoRA on top."""
+        cls = self._pipeline_class().__name__
+        absent = "".join(f", {name}=None" for name in self._absent_components())
+        if self.lora_rank == 0:
+            return (f"from diffusers import DiffusionPipeline\n"
+                    f"pipe = DiffusionPipeline.from_pretrained({str(path)!r}{absent})")
+        return (f"from diffusers import {cls}\npipe = {cls}.from_pretrained({base or '<the base model>'!r}{absent}); "
+                f"pipe.load_lora_weights({str(path)!r})")
+
     def save(self, path: str) -> None:
-        """LoRA: ``pytorch_lora_weights.safetensors`` in ``path`` (the stock pipeline's ``save_lora_weights``),
-        loadable with its stock ``load_lora_weights(path)``. Full fine-tuning: the denoiser in
-        ``path/<denoiser_subfolder>`` (``UNet2DConditionModel`` / the transformer class ``.from_pretrained(path,
-        subfolder=...)``). Called on every process; the main process writes."""
+        """Full fine-tuning (``lora_rank=0``): a whole diffusers pipeline folder in ``path`` -- the stock pipeline
+        (``_pipeline_class``: ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` /
+        ``StableDiffusion3Pipeline`` / ``FluxPipeline``) built from ``_pipeline_components`` (the trained denoiser
+        with the VAE, text encoders, tokenizers and scheduler as the run loaded them) and written with
+        ``save_pretrained(safe_serialization=True)``, plus a ``README.md`` saying how to load it. So
+        ``DiffusionPipeline.from_pretrained(path)`` (or the class's own) samples with the trained weights, the
+        denoiser alone still loads from ``path/<denoiser_subfolder>``, and the policies' ``from_pretrained(path)``
+        continue from it. What differs from the source folder: the scheduler is the one the policy samples with
+        (SD1.x / SDXL: a ``DDIMScheduler`` with the source's config), SD1.x has no safety checker
+        (``requires_safety_checker`` false; the policy never loads one), SD3 without T5 stays without it -- stock
+        diffusers then needs ``text_encoder_3=None, tokenizer_3=None`` passed to ``from_pretrained``, as for the
+        source folder (``load_snippet`` says so). The embedded shapes-world models are stock diffusers classes
+        throughout (no custom component), so their saved pipelines load with stock diffusers too.
+
+        LoRA: ``pytorch_lora_weights.safetensors`` in ``path`` (the stock pipeline's ``save_lora_weights``),
+        loadable with its stock ``load_lora_weights(path)``. Called on every process; the main process writes."""
         from unialign.dist import is_main_rank
 
         if not is_main_rank():
             return
         os.makedirs(path, exist_ok=True)
         if self.lora_rank == 0:
-            self.denoiser.save_pretrained(os.path.join(path, self.denoiser_subfolder))
+            self._pipeline_class()(**self._pipeline_components()).save_pretrained(path, safe_serialization=True)
+            with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:
+                f.write(f"# Fine-tuned {self._pipeline_class().__name__} (unialign, full fine-tuning)\n\n"
+                        "A complete diffusers pipeline folder; load it with (this folder's path):\n\n```python\n"
+                        f"{self.load_snippet('path/to/this/folder')}\n```\n")
             return
         from peft.utils import get_peft_model_state_dict
 
@@ -479,3 +539,15 @@ class DenoiserPolicy:
         name = self.denoiser_subfolder
         self._pipeline_class().save_lora_weights(path, **{f"{name}_lora_layers": layers,
                                                           f"{name}_lora_adapter_metadata": metadata})
+
+
+def print_load_snippet(acc, policy: DenoiserPolicy, final: str | os.PathLike) -> None:
+    """Print (main process) how to load ``final`` (what ``policy.save`` wrote there): ``policy.load_snippet``
+    with the base model a LoRA goes on read from the denoiser's config (``_name_or_path``: the hub id or folder
+    it was loaded from)."""
+    from pathlib import Path
+
+    if not Path(final).exists():  # nothing was written (an interrupted run)
+        return
+    base = getattr(policy.denoiser, "config", {}).get("_name_or_path") or None
+    acc.print(f"load the trained model:\n{policy.load_snippet(str(Path(final).resolve()), base)}")

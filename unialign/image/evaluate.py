@@ -4,6 +4,7 @@ after training, scored by a reward (TRL signature), prompt fidelity (a verifier)
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,14 +90,56 @@ class HeldOutImages:
     def captions(self) -> list[str]:
         """One caption per image of the latest call: the prompt, then its reward score, then "ok" / "x"
         for the verifier's all-three-right."""
-        res, out = self.last, []
-        for i, prompt in enumerate(self.prompts):
-            parts = [prompt]
+        return [" | ".join([prompt, *parts]) for prompt, parts in zip(self.prompts, self._label_parts(self.last))]
+
+    def labels(self, res: dict[str, Any] | None = None) -> list[str]:
+        """One label per image of ``res`` (a ``sample_scores`` result; default: the latest call's) without the
+        prompt: "0.412 ok" (reward score or "gold <score>", then the verifier's "ok" / "x"); "" when nothing
+        scored it. The captions of ``comparison.png``."""
+        return [" ".join(parts) for parts in self._label_parts(self.last if res is None else res)]
+
+    def _label_parts(self, res: dict[str, Any]) -> list[list[str]]:
+        out = []
+        for i in range(len(self.prompts)):
+            parts = []
             if "scores" in res:
                 parts.append(f"{float(res['scores'][i]):.3f}")
             elif "gold_scores" in res:
                 parts.append(f"gold {float(res['gold_scores'][i]):.3f}")
             if "fidelity_flags" in res:
                 parts.append("ok" if res["fidelity_flags"][i] > 0 else "x")
-            out.append(" | ".join(parts))
+            out.append(parts)
         return out
+
+    def save_comparison(self, path: str | Path, before: dict[str, Any], after: dict[str, Any],
+                        title: str = "") -> Path:
+        """``comparison.png`` of two results of this evaluator (``last`` before and after training: the same
+        prompts and seed): ``unialign.image.grid.save_comparison`` of the first 32 distinct prompts with their
+        ``labels``. Returns ``path``."""
+        from unialign.image import grid
+
+        grid.save_comparison(path, before["images"], after["images"], self.prompts, self.labels(before),
+                             self.labels(after), title=title)
+        return Path(path)
+
+
+def finish_image_run(acc, cfg, summary: dict[str, Any], policy, evaluator: HeldOutImages | None = None,
+                     results: tuple[dict[str, Any], ...] = (), headline: list[tuple[str, float, float]] = (),
+                     counters: dict[str, int] | None = None) -> dict[str, Any]:
+    """The end of an image script: with an ``evaluator`` that has prompts and its two ``results`` (before, after
+    training), ``<output_dir>/comparison.png`` (``HeldOutImages.save_comparison``, titled with the run's name and
+    each ``headline`` (name, before, after)), its path in ``summary["comparison_image"]``; then
+    ``unialign.trainers.finish_run`` (``final/`` by ``policy.save``, ``summary.json``) and the lines that load
+    ``final/`` (``print_load_snippet``). Returns the summary."""
+    from unialign.image.denoiser import print_load_snippet
+    from unialign.trainers import finish_run
+
+    out = Path(cfg.output_dir)
+    if evaluator is not None and evaluator.prompts and len(results) == 2:
+        summary["comparison_image"] = str(out / "comparison.png")
+        if acc.is_main_process:
+            title = f"{out.name}: " + ", ".join(f"{name} {b:.3f} -> {a:.3f}" for name, b, a in headline)
+            evaluator.save_comparison(out / "comparison.png", *results, title=title)
+    summary = finish_run(acc, cfg, summary, policy.save, counters)
+    print_load_snippet(acc, policy, out / "final")
+    return summary

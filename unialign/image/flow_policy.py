@@ -225,6 +225,8 @@ class FlowMatchingPolicy(FlowPolicyBase):
         max_sequence_length: T5 tokens (also the zero block's length when T5 is None; stock default 256).
         lora_rank: > 0 adds a peft LoRA (alpha = ``lora_alpha`` or rank) on the transformer's attention
             projections (``SD3_LORA_TARGET_MODULES``) and freezes the base; 0 trains the full transformer.
+            ``save`` (``DenoiserPolicy.save``): the LoRA in ``load_lora_weights`` form, or a whole
+            ``StableDiffusion3Pipeline`` folder (without T5 when the policy has none).
         gradient_checkpointing: transformer gradient checkpointing.
         sample_batch_size: ``sample`` denoises this many prompts at a time (0: all at once); each chunk
             draws its own SDE window.

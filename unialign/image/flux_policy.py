@@ -83,7 +83,8 @@ class FluxPolicy(FlowPolicyBase):
             128 x VAE factor = 1024).
         max_sequence_length: T5 tokens (stock default 512).
         lora_rank: > 0 adds a peft LoRA on ``FLUX_LORA_TARGET_MODULES`` and freezes the base; 0 trains the
-            full transformer. Saved with ``FluxPipeline.save_lora_weights`` (``save``).
+            full transformer. ``save``: the LoRA with ``FluxPipeline.save_lora_weights``, a full fine-tune as a
+            whole ``FluxPipeline`` folder (``DenoiserPolicy.save``).
     """
 
     family = "flux"

@@ -1,4 +1,6 @@
-"""Image grids with a caption under each image, saved as PNG (what a user looks at first)."""
+"""Image grids with a caption under each image, saved as PNG (what a user looks at first): ``make_grid`` (one
+set of images, the trackers' held-out grid) and ``make_comparison`` (the run's ``comparison.png``: the same
+held-out prompts and seeds before and after training, side by side, with a legend and readable captions)."""
 
 from __future__ import annotations
 
@@ -46,3 +48,126 @@ def save_grid(images: list[Image.Image], captions: list[str], path: str | Path, 
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     return grid
+
+
+COMPARISON_FONT_SIZE = 16  # px; Pillow's bitmap default is ~7 px high (11 px a line), too small to read at a glance
+MAX_COMPARISON_PROMPTS = 32
+
+
+def caption_font(size: int = COMPARISON_FONT_SIZE):
+    """Pillow's bundled scalable font at ``size`` px (``ImageFont.load_default(size=...)``: Pillow >= 10.1 with
+    FreeType); an older Pillow gives its fixed bitmap font."""
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: no size argument
+        return ImageFont.load_default()
+
+
+def _line_height(font) -> int:
+    """Pixels from one text line to the next in ``font`` (ascent + descent + 2 px)."""
+    if hasattr(font, "getmetrics"):
+        ascent, descent = font.getmetrics()
+        return ascent + descent + 2
+    return font.getbbox("Ag")[3] + 3
+
+
+def wrap_to_width(text: str, font, width: int, max_lines: int) -> list[str]:
+    """``wrap_caption`` of ``text`` in lines that fit ``width`` pixels of ``font`` (at most ``max_lines``)."""
+    chars = max(8, int(width * 26 / max(1.0, font.getlength("abcdefghijklmnopqrstuvwxyz"))))
+    lines = wrap_caption(text, chars, max_lines)
+    while chars > 8 and any(font.getlength(line) > width for line in lines):
+        chars -= 1
+        lines = wrap_caption(text, chars, max_lines)
+    return lines
+
+
+def first_of_each_prompt(prompts: list[str], limit: int = MAX_COMPARISON_PROMPTS) -> list[int]:
+    """Indices of the first image of each distinct prompt, in order, at most ``limit`` (held-out prompts are
+    cycled over the images: these are the first ``limit`` prompts of the held-out set)."""
+    seen: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        if len(seen) >= limit:
+            break
+        seen.setdefault(prompt, i)
+    return list(seen.values())
+
+
+def make_comparison(before: list[Image.Image], after: list[Image.Image], prompts: list[str],
+                    before_labels: list[str] | None = None, after_labels: list[str] | None = None,
+                    title: str = "", columns: int = 4, cell: int = 192, max_prompts: int = MAX_COMPARISON_PROMPTS,
+                    font_size: int = COMPARISON_FONT_SIZE) -> Image.Image:
+    """One before/after image: for each of the first ``max_prompts`` distinct prompts (``first_of_each_prompt``;
+    image i of ``before`` and ``after`` must be the same prompt and seed) its before and after image side by side,
+    ``cell`` px wide each (nearest-neighbour when upscaled, Lanczos when shrunk), the prompt and the per-image
+    labels (e.g. "before 0.12 ok | after 0.56 ok") under the pair; ``columns`` pairs to a row; a header with
+    ``title`` and a "before" / "after" legend over every column. Text is ``font_size`` px (``caption_font``).
+    The tiling is diffusers' ``make_image_grid``; the captions, legend and gutters are drawn here, which it
+    does not do. ValueError when the lists differ in length or are empty."""
+    from diffusers.utils import make_image_grid
+    from PIL import ImageOps
+
+    n = len(prompts)
+    if not n or len(before) != n or len(after) != n:
+        raise ValueError(f"make_comparison: {len(before)} before / {len(after)} after images for {n} prompts "
+                         "(one of each per prompt, at least one)")
+    for labels, side in ((before_labels, "before"), (after_labels, "after")):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"make_comparison: {len(labels)} {side} labels for {n} prompts")
+    keep = first_of_each_prompt(prompts, max_prompts)
+    font, border, gutter = caption_font(font_size), 2, 10
+    w0, h0 = before[keep[0]].size
+    size = (cell, max(1, round(cell * h0 / w0)))
+
+    def fit(img: Image.Image) -> Image.Image:
+        img = img.convert("RGB")
+        resample = Image.NEAREST if img.width <= size[0] else Image.LANCZOS
+        return ImageOps.expand(img.resize(size, resample), border=border, fill="white")
+
+    line_h, text_w = _line_height(font), 2 * (size[0] + 2 * border) - 4
+    captions = []  # (prompt lines, score lines) per pair
+    for i in keep:
+        scores = "  |  ".join(f"{side} {labels[i]}" for side, labels in (("before", before_labels),
+                                                                          ("after", after_labels))
+                              if labels is not None and labels[i])
+        captions.append((wrap_to_width(prompts[i], font, text_w, 3),
+                         wrap_to_width(scores, font, text_w, 2) if scores else []))
+    text_h = line_h * max(len(p) + len(s) for p, s in captions) + 6
+    pair_w, pair_h = 2 * (size[0] + 2 * border), size[1] + 2 * border
+    cells = []
+    for i, (prompt_lines, score_lines) in zip(keep, captions):
+        pair = make_image_grid([fit(before[i]), fit(after[i])], rows=1, cols=2)  # diffusers tiles; captions: ours
+        tile = Image.new("RGB", (pair_w + gutter, pair_h + text_h + gutter), "white")
+        tile.paste(pair, (0, 0))
+        draw = ImageDraw.Draw(tile)
+        for j, line in enumerate(prompt_lines + score_lines):
+            draw.text((4, pair_h + 3 + j * line_h), line, fill="black" if j < len(prompt_lines) else "dimgray",
+                      font=font)
+        cells.append(tile)
+    cols = min(columns, len(cells))
+    rows = -(-len(cells) // cols)
+    cells += [Image.new("RGB", cells[0].size, "white")] * (rows * cols - len(cells))
+    body = make_image_grid(cells, rows=rows, cols=cols)  # it has no captions or legend: the header is drawn here
+    title_font = caption_font(font_size + 4)
+    title_h = _line_height(title_font)
+    title_lines = wrap_to_width(title, title_font, body.width - 8, 2) if title else []
+    header_h = title_h * len(title_lines) + line_h + 8
+    canvas = Image.new("RGB", (body.width, header_h + body.height), "white")
+    canvas.paste(body, (0, header_h))
+    draw = ImageDraw.Draw(canvas)
+    for j, line in enumerate(title_lines):
+        draw.text((4, 4 + j * title_h), line, fill="black", font=title_font)
+    legend_y = 4 + len(title_lines) * title_h
+    for c in range(cols):
+        for k, (word, colour) in enumerate((("before", "dimgray"), ("after", "darkgreen"))):
+            x = c * (pair_w + gutter) + k * (pair_w // 2) + (pair_w // 2 - font.getlength(word)) / 2
+            draw.text((x, legend_y), word, fill=colour, font=font)
+    return canvas
+
+
+def save_comparison(path: str | Path, *args, **kwargs) -> Image.Image:
+    """``make_comparison(*args, **kwargs)`` written to ``path`` (folders created); returns the image."""
+    image = make_comparison(*args, **kwargs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return image

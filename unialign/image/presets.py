@@ -13,7 +13,7 @@ GRPO_IMAGE_PRESETS: dict[str, dict] = {
     # SD1.5, CLIP score on a prompt file, LoRA; the Flow-GRPO knobs that carry over to a DDIM UNet
     # (group of 16, clip 1e-4 on mean-reduced step log-probs, closed-form KL at beta 0.04)
     "sd15-clip": dict(
-        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward="clip_score", num_steps=20,
+        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward_funcs="clip_score", num_steps=20,
         guidance_scale=4.5, eta=1.0, resolution=512, lora_rank=32, learning_rate=3e-4, prompts_per_step=8,
         num_generations=16, micro_batch_size=4, train_chunk_size=4, max_steps=300, num_eval=64, torch_dtype="float16",
         timestep_fraction=0.5, num_mini_batches=1, epsilon=1e-4, beta=0.04, eval_steps=50, num_threads=0,
@@ -27,7 +27,7 @@ GRPO_IMAGE_PRESETS: dict[str, dict] = {
     # (or GenEval's evaluation_metadata.jsonl) with --prompt_set.
     "sd3.5-medium-geneval": dict(
         model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
-        reward="geneval", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
+        reward_funcs="geneval", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
         sde_window_size=0, sde_window_range=None,
         resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
         lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
@@ -41,7 +41,7 @@ GRPO_IMAGE_PRESETS: dict[str, dict] = {
     # to ALGORITHM_DEFAULTS (the embedded world's).
     **{f"sd3.5-medium-geneval-{algo}": dict(
         model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
-        reward="geneval", algorithm=algo, beta=beta, nft_beta=nft_beta, num_steps=steps, guidance_scale=1.0,
+        reward_funcs="geneval", algorithm=algo, beta=beta, nft_beta=nft_beta, num_steps=steps, guidance_scale=1.0,
         resolution=512, max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
         lr_scheduler_type="constant", weight_decay=1e-4, prompts_per_step=4, num_generations=24, num_mini_batches=1,
         micro_batch_size=micro, train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50,
@@ -52,7 +52,7 @@ GRPO_IMAGE_PRESETS: dict[str, dict] = {
     # Flow-GRPO's dataset/ocr/train.txt with --prompt_set.
     "sd3.5-medium-ocr": dict(
         model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=OCR_PROMPTS,
-        reward="ocr", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
+        reward_funcs="ocr", algorithm="flow_grpo", num_steps=10, guidance_scale=4.5, noise_level=0.7, sde_type="sde",
         sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=128, lora_rank=32,
         lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant", prompts_per_step=4, num_generations=24,
         num_mini_batches=2, micro_batch_size=4, train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64,
@@ -63,7 +63,7 @@ GRPO_IMAGE_PRESETS: dict[str, dict] = {
     # scale (Flow-GRPO divides by 26, which normalised advantages do not see).
     "flux.1-dev-pickscore": dict(
         model_name_or_path="black-forest-labs/FLUX.1-dev", model_family="flux", prompt_set="animals",
-        reward="pickscore", algorithm="flow_grpo", beta=0.01, num_steps=6, guidance_scale=3.5, noise_level=0.7,
+        reward_funcs="pickscore", algorithm="flow_grpo", beta=0.01, num_steps=6, guidance_scale=3.5, noise_level=0.7,
         sde_type="sde", sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=512, lora_rank=32,
         lora_alpha=64.0, learning_rate=3e-4,
         lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,

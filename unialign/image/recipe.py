@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from unialign.data import ENCODING_ERRORS
-from unialign.image.evaluate import HeldOutImages
-from unialign.image.grid import save_grid
+from unialign.image.evaluate import HeldOutImages, finish_image_run
 from unialign.rewards import CombinedReward, get_reward
-from unialign.trainers import OnlineConfig, OnlineTrainer, finish_run
+from unialign.trainers import OnlineConfig, OnlineTrainer
 
 # ddpo-pytorch's "simple animals" prompt list (config/base.py -> assets/simple_animals.txt, abridged)
 ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird", "sheep", "deer", "cow", "goat",
@@ -31,6 +30,8 @@ ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird",
 @dataclass
 class ImageRLConfig(OnlineConfig):
     """Fields of the online image scripts (on top of ``OnlineConfig``'s loop and algorithm knobs)."""
+
+    ALIASES = {"reward": "reward_funcs"}  # the image scripts' old name of the reward flag (unialign.trl_compat)
 
     preset: str | None = field(default=None, metadata={"help": "a named recipe of the script (see its PRESETS)"})
     config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
@@ -45,8 +46,9 @@ class ImageRLConfig(OnlineConfig):
     encoding_errors: str = field(default="strict", metadata={
         "help": "a --prompt_set file that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' "
                 "(read each bad byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
-    reward: str = field(default="aesthetic", metadata={
-        "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...)"})
+    reward_funcs: str = field(default="aesthetic", metadata={
+        "help": "comma-separated rewards (TRL's name; --reward too): registry names (aesthetic, clip_score, "
+                "shape_verifier, jpeg_compressibility, ...) or your own function as module:function"})
     reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats, one per reward"})
     num_steps: int = field(default=8, metadata={"help": "denoising steps per sample"})
     guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
@@ -113,7 +115,7 @@ class ImageRLConfig(OnlineConfig):
 
 def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:
     """The reward names and weights of ``cfg`` (ValueError naming the field when they do not match)."""
-    names = [n.strip() for n in cfg.reward.split(",") if n.strip()]
+    names = [n.strip() for n in cfg.reward_funcs.split(",") if n.strip()]
     if not names:
         raise ValueError("reward: give at least one reward name")
     if cfg.reward_weights is None:
@@ -123,7 +125,7 @@ def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:
     except ValueError:
         raise ValueError(f"reward_weights: {cfg.reward_weights!r} is not a comma-separated list of numbers") from None
     if len(weights) != len(names):
-        raise ValueError(f"reward_weights: {len(weights)} weights for {len(names)} rewards ({cfg.reward})")
+        raise ValueError(f"reward_weights: {len(weights)} weights for {len(names)} rewards ({cfg.reward_funcs})")
     return names, weights
 
 
@@ -354,10 +356,28 @@ def load_policy(cfg: ImageRLConfig):
                          **policy_kwargs(cfg, model_family(cfg)))
 
 
+NAMED_PROMPT_SETS = ("animals",)  # prompt sets by name (load_prompt_rows); anything else is a file
+
+
+def check_hub_prompt_set(prompt_set: str, model_name_or_path: str) -> None:
+    """A FileNotFoundError naming the fix when a hub / local model's ``prompt_set`` is neither a named set
+    nor a file -- e.g. the image scripts' default, their demo world's own prompts, which only its models have."""
+    if prompt_set in NAMED_PROMPT_SETS or Path(prompt_set).is_file():
+        return
+    from unialign.errors import did_you_mean
+
+    raise FileNotFoundError(
+        f"prompt_set: {prompt_set!r} is no prompt file here{did_you_mean(prompt_set, NAMED_PROMPT_SETS)}; a hub or "
+        f"local model ({model_name_or_path!r}) needs --prompt_set: a prompt file (.txt, one prompt per line, or .jsonl "
+        f"with a 'prompt' column) or {' / '.join(repr(n) for n in NAMED_PROMPT_SETS)} (ddpo-pytorch's list)")
+
+
 def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     """Policy, reward and prompts for a hub / local model (rewards with their published weights). A verifiable
     reward reports its verdict rate itself (``geneval``: ``rewards/geneval/strict``), so no second verifier
-    runs the detector again on the held-out images."""
+    runs the detector again on the held-out images. A script's default prompt set, the demo world's, is refused
+    here, before anything loads, with the fix (``check_hub_prompt_set``)."""
+    check_hub_prompt_set(cfg.prompt_set, cfg.model_name_or_path)
     names, weights = reward_names(cfg)
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
     train, held_out = load_prompt_rows(cfg.prompt_set, cfg.encoding_errors)
@@ -382,8 +402,10 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
     ``num_eval`` held-out samples (``eval_prompts`` cycled, fixed seed) before, every ``eval_steps`` and
     after: the reward (and each of its parts), prompt fidelity when a ``verifier`` is given (the
     all-three-right rate of a verifier such as the demo shapes world's), the ``gold`` score when given. Writes
-    ``summary.json``, ``grid_before.png`` / ``grid_after.png`` (also to the trackers), the curves and
-    ``final/``; returns the summary. Prompts are strings or rows ``{"prompt": ..., <columns>}`` (the columns
+    ``summary.json``, ``comparison.png`` (the first 32 held-out prompts before | after with their scores; its
+    path is the summary's ``comparison_image``; the trackers get each evaluation's grid), the curves and
+    ``final/`` (``DenoiserPolicy.save``: a whole pipeline folder, or the LoRA), and prints how to load it;
+    returns the summary. Prompts are strings or rows ``{"prompt": ..., <columns>}`` (the columns
     reach the reward and the verifier, as TRL's dataset columns)."""
     start = time.time()
     if cfg.num_threads > 0:
@@ -400,12 +422,11 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
     trainer = OnlineTrainer(policy, reward, [r if isinstance(r, dict) else {"prompt": r} for r in train_prompts], cfg,
                             evaluator=evaluator)
     before, before_res = trainer.evaluate(), evaluator.last
-    before_captions = evaluator.captions()
     history = trainer.train()
     after, after_res = trainer.evaluate(), evaluator.last
 
     summary: dict[str, Any] = {
-        "metric": "reward", "reward": cfg.reward, "before": before["eval/reward"], "after": after["eval/reward"],
+        "metric": "reward", "reward": cfg.reward_funcs, "before": before["eval/reward"], "after": after["eval/reward"],
         "before_std": before["eval/reward_std"], "after_std": after["eval/reward_std"],
         "gain_in_before_std": (after["eval/reward"] - before["eval/reward"]) / max(before["eval/reward_std"], 1e-12),
         "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval": len(prompts),
@@ -421,8 +442,8 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
             summary[f"fidelity_{part}_before"], summary[f"fidelity_{part}_after"] = before[key], after[key]
     if gold is not None:
         summary.update(gold_before=before["eval/gold"], gold_after=after["eval/gold"])
-    if trainer.acc.is_main_process:
-        out = Path(cfg.output_dir)
-        for name, res, caps in (("before", before_res, before_captions), ("after", after_res, evaluator.captions())):
-            save_grid(res["images"], caps, out / f"grid_{name}.png")
-    return finish_run(trainer.acc, cfg, summary, policy.save, trainer.counters)
+    headline = [(f"held-out reward ({cfg.reward_funcs})", summary["before"], summary["after"])]
+    if verifier is not None:
+        headline.append(("prompt fidelity", summary["fidelity_before"], summary["fidelity_after"]))
+    return finish_image_run(trainer.acc, cfg, summary, policy, evaluator, (before_res, after_res), headline,
+                            trainer.counters)

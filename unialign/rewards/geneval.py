@@ -41,7 +41,7 @@ thresholds were set for Mask2Former's scores; a zero-shot detector's scores are 
 thresholds are arguments.
 
 Backends are registered by name (``GENEVAL_BACKENDS``); the embedded shapes world registers ``"shapes"`` (a
-pixel-reading detector: ``unialign.embedded.geneval_shapes``), so ``--reward geneval`` runs offline there.
+pixel-reading detector: ``unialign.embedded.geneval_shapes``), so ``--reward_funcs geneval`` runs offline there.
 """
 
 from __future__ import annotations
