@@ -236,3 +236,18 @@ def test_trl_config_keywords_refused_with_the_unialign_way():
         GRPOConfig(learning_rat=1e-5)
     assert DPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=8).batch_size == 16
     assert GRPOConfig().max_completion_length == 256  # TRL's defaults
+
+
+def test_the_readme_trl_example_runs_as_written(tmp_path, monkeypatch):
+    """The README's "Coming from TRL" code block, executed as it is written (in a scratch folder)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Coming from TRL"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    code = code[:code.index("```")]
+    assert "GRPOTrainer(" in code and "trainer.train()" in code
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md (Coming from TRL)", "exec"), namespace)  # noqa: S102 - our own README
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 2 and (tmp_path / "out" / "grpo" / "summary.json").is_file()
+    assert (tmp_path / "out" / "grpo" / "config.json").is_file()  # save_model(): args.output_dir, as TRL

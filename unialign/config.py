@@ -175,7 +175,10 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s [-h] [--preset NAME] [--config FILE.yaml] [--FIELD VALUE ...]",
-                                     allow_abbrev=False)  # --lr must not quietly mean --lr_scheduler_type
+                                     allow_abbrev=False,  # --lr must not quietly mean --lr_scheduler_type
+                                     epilog="TRL's names (--per_device_train_batch_size, --lora_r, --warmup_ratio, "
+                                            "...) are accepted too, or refused naming the unialign flag: "
+                                            "docs/trl_migration.md")
     sections = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
     aliases = field_aliases(cls)
     for f in dataclasses.fields(cls):
