@@ -238,16 +238,17 @@ def test_trl_config_keywords_refused_with_the_unialign_way():
     assert GRPOConfig().max_completion_length == 256  # TRL's defaults
 
 
-def test_the_readme_trl_example_runs_as_written(tmp_path, monkeypatch):
-    """The README's "Coming from TRL" code block, executed as it is written (in a scratch folder)."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Coming from TRL"):]
+def test_the_docs_trl_example_runs_as_written(tmp_path, monkeypatch):
+    """The "Coming from TRL" page's code block (docs/coming_from_trl.md), executed as it is written (in a scratch
+    folder)."""
+    text = (ROOT / "docs" / "coming_from_trl.md").read_text()
+    section = text[text.index("# Coming from TRL"):]
     code = section[section.index("```python\n") + len("```python\n"):]
     code = code[:code.index("```")]
     assert "GRPOTrainer(" in code and "trainer.train()" in code
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(code, "README.md (Coming from TRL)", "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(code, "docs/coming_from_trl.md", "exec"), namespace)  # noqa: S102 - our own docs
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 2 and (tmp_path / "out" / "grpo" / "summary.json").is_file()
     assert (tmp_path / "out" / "grpo" / "config.json").is_file()  # save_model(): args.output_dir, as TRL

@@ -1,4 +1,4 @@
-"""``DenoiserPolicy``: the one part every denoising policy shares (issue #13).
+"""``DenoiserPolicy``: the one part every denoising policy shares.
 
 Written once here: trajectory recording (``sample``: the loop over the N steps, the trained-steps mask,
 the payload), the per-step log-probs over the trained steps with the closed-form KL to the reference and
@@ -145,7 +145,7 @@ class DenoiserPolicy:
     @property
     def dtype(self) -> torch.dtype:
         """The denoiser's dtype: its first floating-point parameter's. (diffusers' ``unet.dtype`` says the same
-        but walks every module per call: ~1 ms per sampling step on a small UNet, P4's whole overhead.)"""
+        but walks every module on each read, once per sampling step; docs/benchmarks.md, row P4.)"""
         return next((p.dtype for p in self.denoiser.parameters() if p.is_floating_point()), torch.float32)
 
     @property

@@ -1,4 +1,4 @@
-"""Flow-matching policies behind the ``Policy`` protocol (issue #13): ``FlowPolicyBase`` (what every
+"""Flow-matching policies behind the ``Policy`` protocol: ``FlowPolicyBase`` (what every
 flow-matching family shares) and ``FlowMatchingPolicy`` (the SD3 family, Stable Diffusion 3 / 3.5).
 ``unialign.image.flux_policy.FluxPolicy`` (FLUX.1) is the other family on the same base.
 

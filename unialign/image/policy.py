@@ -228,9 +228,8 @@ class DiffusionPolicy(DenoiserPolicy):
             trainable))), chosen per sample at random.
         min_step_std: steps whose noise std sigma_t is below this are never trained (default 0: every
             step is trainable). A policy-gradient term scales as 1/sigma_t while a nearly deterministic
-            last step hardly changes the image: with 8 DDIM steps at eta 1 the last two (sigma 0.04, 0.02
-            against 0.3-0.8) carry 3-9x the gradient norm of the others and almost no reward signal,
-            so training them is mostly noise (Flow-GRPO skips its last step for the same reason).
+            last step hardly changes the image, so the last steps carry a large gradient and almost no
+            reward signal (measured in docs/images.md; Flow-GRPO skips its last step for the same reason).
         lora_rank: > 0 adds a peft LoRA (r = rank, alpha = ``lora_alpha`` or rank) on the UNet
             attention projections and freezes the base UNet; 0 trains the full UNet.
         gradient_checkpointing: UNet gradient checkpointing.  enable_xformers: xformers attention

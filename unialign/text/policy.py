@@ -96,9 +96,8 @@ class CausalLMPolicy:
         ``share_prompt_prefix``: compute each distinct prompt once per forward (``_prompt_cache``).
         ``generation_cache``: ``"dynamic"`` (transformers' default KV cache; repeated prompts are prefilled
         once) or ``"static"``: a fixed-size KV cache, for which transformers compiles the decoding forward
-        on CUDA (CUDA graphs: the per-token kernel launches of a small model cost more than its maths;
-        3.9x TRL's GRPO tokens/s at Qwen2.5-0.5B size on an H200, against 0.9-0.95x with ``"dynamic"``,
-        benchmarks/results/gpu_h200_p2_static_run*.json). ``"auto"`` (default): static when the model is
+        on CUDA (CUDA graphs: the per-token kernel launches of a small model cost more than its maths; the
+        measured speed-up is in docs/scaling.md). ``"auto"`` (default): static when the model is
         on CUDA, dynamic elsewhere (on CPU nothing is compiled and the shared prompt prefill wins).
         Its size is ``max_prompt_length + max_new_tokens`` when a prompt limit is set, else the prompt
         width rounded up to 128 (it only grows, so recompilations stay rare); one is kept per batch size

@@ -13,7 +13,7 @@ in this process, and the trainer's weights reach it with a plain in-process ``lo
 vLLM pins its own torch build, so it is an optional extra (``pip install 'unialign[vllm]'``) and is
 only imported when an engine is built. The pure parts (sampling-parameter mapping, output packing,
 weight names) are tested on CPU with a stand-in ``LLM``; everything that touches vLLM itself is
-checked on a GPU (README, benchmarks/gpu.sh).
+checked on a GPU (docs/scaling.md, benchmarks/gpu.sh).
 
 Targets the vLLM releases TRL 1.16 supports (0.22 - 0.31): ``logprobs_mode`` needs >= 0.10.2,
 ``sleep`` / ``wake_up(tags=...)`` and ``LLM.apply_model`` are in all of them.
