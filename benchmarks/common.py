@@ -100,16 +100,19 @@ def rss_tracks_tensors() -> None:
     libc.mallopt(-1, 1024 * 1024)
 
 
+def child_command(python, module: str, func: str, kwargs: dict, cpu: int | None = None) -> list[str]:
+    """The command line that runs ``benchmarks.<module>.<func>(**kwargs)`` in a fresh ``python``
+    (``python -m benchmarks.child``, to be started with ``cwd=ROOT``), pinned to core ``cpu`` when given."""
+    return [str(python), "-m", "benchmarks.child", module, func, json.dumps(kwargs)] + ([str(cpu)] if cpu is not None else [])
+
+
 def run_child(module: str, func: str, kwargs: dict, timeout: float = 900) -> dict:
     """Run ``benchmarks.<module>.<func>(**kwargs)`` in a fresh interpreter (clean RSS peak) and return
     the JSON it returns. Errors come back as ``{"error": ...}``."""
-    code = (f"import json, sys; from benchmarks.{module} import {func} as f; "
-            f"r = f(**json.loads(sys.argv[1])); print({RESULT_MARK!r} + json.dumps(r), flush=True)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], cwd=str(ROOT), env=env,
+        p = subprocess.run(child_command(sys.executable, module, func, kwargs), cwd=str(ROOT), env=env,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout}s"}
@@ -161,9 +164,10 @@ def fmt(v, unit: str | None = None) -> str:
     return str(v)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| id | measure | ours | baseline | ratio | target | met | notes |",
-             "|---|---|---|---|---|---|---|---|"]
+def markdown_table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
+    """One line per row; ``extra``: keys of further columns, shown before the notes (e.g. ``("date",)``)."""
+    lines = ["| id | measure | ours | baseline | ratio | target | met | " + "".join(f"{k} | " for k in extra) + "notes |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(extra) + "---|"]
     for r in rows:
         unit = r.get("unit")
         u = "" if unit in (None, "bytes") else f" {unit}"
@@ -174,7 +178,7 @@ def markdown_table(rows: list[dict]) -> str:
         notes = str(r.get("notes", "")).replace("|", "/").replace("\n", " ")
         lines.append(f"| {r['id']} | {r.get('measure', '')} | {fmt(r.get('ours'), unit)}{u if r.get('ours') is not None else ''}"
                      f" | {fmt(r.get('baseline'), unit)}{u if r.get('baseline') is not None else ''} | {ratio} | {tgt_s}"
-                     f" | {met} | {notes} |")
+                     f" | {met} | " + "".join(f"{r.get(k, '-')} | " for k in extra) + f"{notes} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,11 @@
 """GPU benchmark entry (called by benchmarks/gpu.sh on a lent H200): the suite's comparisons at real sizes
 with randomly initialised real architectures. Nothing is downloaded.
 
-    python benchmarks/gpu.py                        # cuda, real sizes, writes $OUT/gpu_results.{json,md}
-    python benchmarks/gpu.py --device cpu --tiny    # dry run of every code path on CPU (tiny sizes)
+    python -m benchmarks.gpu                        # cuda, real sizes, writes $OUT/gpu_results.{json,md}
+    python -m benchmarks.gpu --device cpu --tiny    # dry run of every code path on CPU (tiny sizes)
+
+(from the repository root). A real-size run's JSON goes into ``benchmarks/results/`` with
+``python -m benchmarks.record $OUT/gpu_results.json --kind gpu_h200``.
 
 Architectures (random init from configs with the published dims):
   LM     Qwen2.5-0.5B: Qwen2Config(hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads,
@@ -40,21 +43,23 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # `python benchmarks/gpu.py`: the package's imports need the repository root
+    raise SystemExit("run as a package, from the repository root: python -m benchmarks.gpu " + " ".join(sys.argv[1:]))
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
 
-from benchmarks.common import machine_info, markdown_table, median, row
+from benchmarks.common import machine_info, markdown_table, median, row  # noqa: E402
 
 T0 = time.perf_counter()
 ARGS = None
@@ -408,6 +413,7 @@ def rows_p4(rows, kind, budget):
     def go():
         from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
+        from benchmarks import p4_diffusion_sampling
         from unialign.image import DiffusionPolicy
 
         parts = sd_components(kind)
@@ -424,13 +430,10 @@ def rows_p4(rows, kind, budget):
         pipe.set_progress_bar_config(disable=True)
         prompts = ["a cat on a mat"] * batch
         dev = ARGS.device
-
-        def ours():
-            return policy.sample(prompts, generator=torch.Generator(dev).manual_seed(0))
-
-        def base():
-            return pipe(prompts, num_inference_steps=steps, guidance_scale=5.0, eta=1.0, height=policy.height,
-                        width=policy.width, generator=torch.Generator(dev).manual_seed(0), output_type="pil")
+        # the two sides of P4 (benchmarks/p4_diffusion_sampling.py) at this size
+        ours = functools.partial(p4_diffusion_sampling.sample_ours, policy, prompts, 0, dev)
+        base = functools.partial(p4_diffusion_sampling.sample_diffusers, pipe, prompts, steps, 5.0, 1.0, policy.height,
+                                 policy.width, 0, dev)
 
         with torch.no_grad():
             ours()
@@ -563,7 +566,8 @@ def rows_p11(rows):
 
 def main(argv=None):
     global ARGS
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU dry run of the code paths)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16/fp16 peak of the accelerator")
@@ -578,7 +582,10 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
     out_dir = Path(ARGS.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine_info(), "args": vars(ARGS), "rows": []}
+    result = {"machine": machine_info(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "command": "python -m benchmarks.gpu" + "".join(" " + shlex.quote(x) for x in (sys.argv[1:] if argv is None
+                                                                                       else argv)),
+              "args": vars(ARGS), "rows": []}
     want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5", "P11"}
     steps = [("P1", rows_p1), ("LM", rows_lm), ("P4", lambda r: rows_p4(r, "sd15", 60)),
              ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2),

@@ -12,7 +12,7 @@ result cache is cleared before every pass, so repeated passes do not hit it). ma
 A second math-verify column wraps a bare gold (no ``\\boxed``, no ``####``) in ``$...$`` first, the usual
 workaround for MATH-500's ``answer`` column.
 
-    .venv/bin/python benchmarks/math_reward.py [--quick] [--table]    # rows as JSON; --table: per-category md
+    .venv/bin/python -m benchmarks.math_reward [--quick] [--table]    # rows as JSON; --table: per-category md
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import error_row, row  # noqa: E402
+from benchmarks.common import error_row, row
 
 CASES = Path(__file__).resolve().parents[1] / "tests" / "rewards" / "data" / "math_cases.jsonl"
 

@@ -16,7 +16,7 @@ and throughput in images/s with one thread everywhere (onnxruntime intra/inter-o
 ``cv2.setNumThreads(1)``; as a script the process is also pinned to one CPU). Only the reward call is timed,
 one image per call, after a warm-up call.
 
-    .venv/bin/python benchmarks/ocr_reward.py [--n 40] [--seed 0] [--output results/ocr.json] [--samples DIR]
+    .venv/bin/python -m benchmarks.ocr_reward [--n 40] [--seed 0] [--output /tmp/ocr.json] [--samples DIR]
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 SIZE = 512  # Flow-GRPO trains SD3.5-M at 512x512 (its config/grpo.py resolution); outputs are that size
 # Short phrases of the kind text-rendering prompts quote (signs, labels, shop fronts), 1-3 words; written for
@@ -267,8 +265,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown condition(s) {unknown}; choose from {CONDITIONS}")
     engine_kwargs = json.loads(args.engine_kwargs) if args.engine_kwargs else None
     start = time.perf_counter()
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result = run(args.n, args.seed, conditions, engine_kwargs, args.samples)
     result["seconds"] = time.perf_counter() - start
+    result["date"] = date
+    result["command"] = "python -m benchmarks.ocr_reward" + "".join(
+        " " + shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     print(table(result))
     print(f"\n({result['seconds']:.0f} s; {result['versions']})")
     if args.output:

@@ -39,16 +39,13 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import gc
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sd_parts
 from benchmarks.common import (
@@ -128,19 +125,25 @@ def policy_and_pipeline(steps: int, guidance: float, noise_level: float, seed: i
 
 
 # ----------------------------------------------------------------------------- P10a
+def sample_ours(policy, prompts, seed):
+    """Ours: one ``FlowMatchingPolicy.sample`` call (SDE steps, every latent and log-prob recorded, PIL images)."""
+    return policy.sample(prompts, generator=torch.Generator().manual_seed(seed))
+
+
+def sample_stock(pipe, prompts, steps, guidance, height, width, seed):
+    """Baseline: one call of the stock ``StableDiffusion3Pipeline`` on the same modules (Euler, PIL images)."""
+    return pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, height=height,
+                width=width, max_sequence_length=TEXT_TOKENS, output_type="pil",
+                generator=torch.Generator().manual_seed(seed))
+
+
 def measure_sampling(batch: int = 4, steps: int = 10, guidance: float = 4.5, noise_level: float = 0.7,
                      repeats: int = 10, seed: int = 0, **size) -> dict:
     """Interleaved wall times of ``policy.sample`` and the stock pipeline (both decode to PIL); raw dict."""
     policy, pipe = policy_and_pipeline(steps, guidance, noise_level, seed, **size)
     prompts = (sd_parts.PROMPTS * 8)[:batch]
-
-    def ours():
-        return policy.sample(prompts, generator=torch.Generator().manual_seed(seed))
-
-    def stock():
-        return pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, height=policy.height,
-                    width=policy.width, max_sequence_length=TEXT_TOKENS, output_type="pil",
-                    generator=torch.Generator().manual_seed(seed))
+    ours = functools.partial(sample_ours, policy, prompts, seed)
+    stock = functools.partial(sample_stock, pipe, prompts, steps, guidance, policy.height, policy.width, seed)
 
     # wall time spent inside the transformer's forward (same work on both sides): a call minus it is the
     # sampler's own cost (text encoders, step maths, recording, VAE decode, Python), timed in the same window

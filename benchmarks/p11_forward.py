@@ -10,7 +10,7 @@ forward-process method against flow_grpo (target <= 0.25) and against the defaul
 seeds with every seed in the notes; each method's final fidelity and gold (pixel quality) against the base model's.
 ``--quick``: 3 steps on seed 0 and threshold 0 (every row runs; the numbers mean nothing).
 
-A full run takes about an hour on 2 CPU cores (12 runs of 3-8 minutes), so ``benchmarks/run.py`` runs it only
+A full run takes about an hour on 2 CPU cores (12 runs of 3-8 minutes), so ``python -m benchmarks.run`` runs it only
 when asked (``--only P11`` or ``--long``).
 """
 
@@ -23,9 +23,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, error_row, row
 
@@ -44,7 +41,7 @@ def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
     args = ["--model_name_or_path", "embedded-sd3", "--seed", str(seed), "--report_to", "none", "--output_dir",
             str(out), *METHODS[method]]
     args += ["--max_steps", "3", "--eval_steps", "1", "--num_eval", "8"] if quick else ["--eval_steps", "10"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1")  # unialign: the installed (editable) package
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpo_image.py"), *args], cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode:

@@ -39,9 +39,6 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.common import (
     error_row,
     median,
@@ -107,6 +104,7 @@ class _TokenCountingReward:
 
 # ----------------------------------------------------------------------------- builders
 def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, **policy_kw):
+    """Ours: ``CausalLMPolicy`` + ``OnlineTrainer`` with the settings of the module docstring (GRPO preset)."""
     from unialign.rewards.math import math_accuracy_reward
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers.online import OnlineConfig, OnlineTrainer
@@ -121,6 +119,7 @@ def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, **policy_kw):
 
 
 def ours_step(trainer) -> tuple[float, int]:
+    """One step of ours (sample, score, update), timed: (seconds, completion tokens)."""
     t0 = time.perf_counter()
     traj, _ = trainer.collect()
     tokens = 0
@@ -236,15 +235,22 @@ def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed:
     reset_peak_rss()
     base, tok = build_model(kind, seed)
     with tempfile.TemporaryDirectory() as d:
-        if impl == "ours":
-            tr = make_ours(base, tok, rows, P, G, L, steps, d, seed)
-            for _ in range(steps):
-                ours_step(tr)
-        else:
-            tr, _ = make_trl(base, tok, rows, P, G, L, steps, d, seed=seed)
-            tr.train()
+        {"ours": train_ours, "trl": train_trl}[impl](base, tok, rows, P, G, L, steps, d, seed)
     peak = peak_rss_bytes()
     return {"impl": impl, "peak_rss_bytes": peak, "rss_after_imports": rss0, "peak_delta_bytes": peak - rss0}
+
+
+def train_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0) -> None:
+    """Ours alone: ``steps`` GRPO steps of ``OnlineTrainer``."""
+    tr = make_ours(model, tok, rows, P, G, L, steps, out_dir, seed)
+    for _ in range(steps):
+        ours_step(tr)
+
+
+def train_trl(model, tok, rows, P, G, L, steps, out_dir, seed=0) -> None:
+    """TRL alone: ``GRPOTrainer.train()`` for ``steps`` steps."""
+    tr, _ = make_trl(model, tok, rows, P, G, L, steps, out_dir, seed=seed)
+    tr.train()
 
 
 def run(quick: bool = False) -> list[dict]:

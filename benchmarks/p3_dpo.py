@@ -26,12 +26,8 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
     error_row,
@@ -63,6 +59,7 @@ def pairs(n: int = 512) -> list[dict]:
 
 
 def make_ours(model, tok, rows, B, steps, out_dir, seed=0):
+    """Ours: ``CausalLMPolicy`` + ``DPOObjective`` in a ``PreferenceTrainer`` (settings of the module docstring)."""
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer
 
@@ -74,6 +71,7 @@ def make_ours(model, tok, rows, B, steps, out_dir, seed=0):
 
 
 def make_trl(model, tok, rows, B, steps, out_dir, callbacks=(), seed=0):
+    """TRL's ``DPOTrainer`` with a deep-copied reference (settings of the module docstring)."""
     import datasets
     from trl import DPOConfig, DPOTrainer
 
@@ -89,7 +87,29 @@ def make_trl(model, tok, rows, B, steps, out_dir, callbacks=(), seed=0):
                       processing_class=tok, callbacks=list(callbacks))
 
 
+def ours_step(trainer) -> tuple[float, float]:
+    """One optimizer step of ours, timed after a ``gc.collect()``: (seconds, loss)."""
+    gc.collect()
+    t0 = time.perf_counter()
+    m = trainer.train_step()
+    return time.perf_counter() - t0, m["loss"]
+
+
+def train_ours(model, tok, rows, B, steps, out_dir, seed=0) -> None:
+    """Ours alone: ``steps`` optimizer steps of ``PreferenceTrainer``."""
+    tr = make_ours(model, tok, rows, B, steps, out_dir, seed)
+    for _ in range(steps):
+        tr.train_step()
+
+
+def train_trl(model, tok, rows, B, steps, out_dir, seed=0) -> None:
+    """TRL alone: ``DPOTrainer.train()`` for ``steps`` steps."""
+    make_trl(model, tok, rows, B, steps, out_dir, seed=seed).train()
+
+
 def step_times(B: int, steps: int, seed: int = 0) -> dict:
+    """Both trainers in this process, ours' steps inside TRL's step callbacks (before TRL's on odd steps, after on
+    even ones); step times and losses of both."""
     from transformers import TrainerCallback
 
     base, tok = build_model("random", seed)
@@ -98,26 +118,24 @@ def step_times(B: int, steps: int, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         ours = make_ours(copy.deepcopy(base), copy.deepcopy(tok), rows, B, steps, os.path.join(d, "o"), seed)
 
-        def ours_step():
-            gc.collect()
-            t0 = time.perf_counter()
-            m = ours.train_step()
-            ours_t.append(time.perf_counter() - t0)
-            ours_loss.append(m["loss"])
+        def ours_step_():
+            dt, loss = ours_step(ours)
+            ours_t.append(dt)
+            ours_loss.append(loss)
 
         class Interleave(TrainerCallback):
             t0 = 0.0
 
             def on_step_begin(self, args, state, control, **kw):
                 if state.global_step % 2 == 1:
-                    ours_step()
+                    ours_step_()
                 gc.collect()
                 self.t0 = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
                 trl_t.append(time.perf_counter() - self.t0)
                 if (state.global_step - 1) % 2 == 0:
-                    ours_step()
+                    ours_step_()
 
             def on_log(self, args, state, control, logs=None, **kw):
                 if logs and "loss" in logs:
@@ -131,6 +149,7 @@ def step_times(B: int, steps: int, seed: int = 0) -> dict:
 
 
 def memory_child(impl: str, B: int, steps: int, seed: int = 0) -> dict:
+    """One trainer alone (run in a fresh process): peak RSS over ``steps`` steps minus RSS after imports."""
     import datasets  # noqa: F401
     import trl  # noqa: F401
     from trl import DPOTrainer  # noqa: F401
@@ -145,12 +164,7 @@ def memory_child(impl: str, B: int, steps: int, seed: int = 0) -> dict:
     reset_peak_rss()
     base, tok = build_model("random", seed)
     with tempfile.TemporaryDirectory() as d:
-        if impl == "ours":
-            tr = make_ours(base, tok, rows, B, steps, d, seed)
-            for _ in range(steps):
-                tr.train_step()
-        else:
-            make_trl(base, tok, rows, B, steps, d, seed=seed).train()
+        {"ours": train_ours, "trl": train_trl}[impl](base, tok, rows, B, steps, d, seed)
     peak = peak_rss_bytes()
     return {"impl": impl, "peak_rss_bytes": peak, "peak_delta_bytes": peak - rss0}
 

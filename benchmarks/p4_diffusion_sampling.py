@@ -13,15 +13,12 @@ warm-up call each. Target: overhead ratio ours / baseline <= 1.03.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sd_parts
 from benchmarks.common import error_row, median, row
@@ -47,19 +44,25 @@ def build(block_out_channels=(32, 64), sample_size=32, steps=20, guidance=5.0, e
     return policy, pipe
 
 
+def sample_ours(policy, prompts, seed, device):
+    """Ours: one ``DiffusionPolicy.sample`` call (records every latent and per-step log-prob, decodes to PIL)."""
+    g = torch.Generator(device).manual_seed(seed)
+    return policy.sample(prompts, generator=g)
+
+
+def sample_diffusers(pipe, prompts, steps, guidance, eta, height, width, seed, device):
+    """Baseline: one call of the stock ``StableDiffusionPipeline`` on the same components, same size and settings."""
+    g = torch.Generator(device).manual_seed(seed)
+    return pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, eta=eta, generator=g,
+                height=height, width=width, output_type="pil")
+
+
 def sample_pair(policy, pipe, prompts, steps, guidance, eta, seed):
+    """The two sides as zero-argument callables (ours, baseline)."""
     dev = policy.device
-
-    def ours():
-        g = torch.Generator(dev).manual_seed(seed)
-        return policy.sample(prompts, generator=g)
-
-    def base():
-        g = torch.Generator(dev).manual_seed(seed)
-        return pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, eta=eta, generator=g,
-                    height=policy.height, width=policy.width, output_type="pil")
-
-    return ours, base
+    return (functools.partial(sample_ours, policy, prompts, seed, dev),
+            functools.partial(sample_diffusers, pipe, prompts, steps, guidance, eta, policy.height, policy.width,
+                              seed, dev))
 
 
 def measure(batch=4, steps=20, repeats=5, block_out_channels=(32, 64), sample_size=32, guidance=5.0, eta=1.0,
@@ -95,7 +98,7 @@ def run(quick: bool = False) -> list[dict]:
     # SD1.5 / SDXL-sized UNets.
     batch, steps, hw = (2, 4, 16) if quick else (4, 20, 16)  # quick: a smoke run of the same comparison
     # 15 pairs (was 7): one call is ~0.85 s and single calls move by +-10 % on a shared 2-core VM (the 7 of
-    # results/cpu_fresh_clone_run3.json: 0.71-0.94 s for diffusers alone), enough to push a median of 7 from
+    # run cpu_fresh_clone_run3 in results/history.jsonl: 0.71-0.94 s for diffusers alone), enough to push a median of 7 from
     # 0.97-1.01 to 1.06; 15 halve the median's spread for ~14 s more
     repeats = 1 if quick else 15
     try:

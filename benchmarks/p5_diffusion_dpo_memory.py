@@ -18,12 +18,8 @@ import copy
 import gc
 import math
 import sys
-from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sd_parts
 from benchmarks.common import (
@@ -58,11 +54,28 @@ def _warm_up(te, vae, tok, sched, cross_attention_dim, device):
     gc.collect()
 
 
+def policy_and_reference_ours(unet, make_policy):
+    """Ours: the LoRA policy, and as reference the same UNet with its adapters disabled (``policy.reference()``)."""
+    policy = make_policy(unet)
+    return policy, policy.reference()
+
+
+def policy_and_reference_copy(unet, make_policy):
+    """Baseline: a frozen deep copy of the UNet taken before LoRA is added, as the reference (the usual recipe)."""
+    from unialign.policy import ReferencePolicy
+
+    frozen = copy.deepcopy(unet).requires_grad_(False).eval()
+    policy = make_policy(unet)
+    return policy, ReferencePolicy(policy, frozen)
+
+
 def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pairs=2, steps=2, lora_rank=8,
               cross_attention_dim=64, device="cpu", seed=0, gradient_checkpointing=True) -> dict:
+    """``steps`` LoRA Diffusion-DPO steps with the reference of ``impl`` ("ours" or "copy"), alone in this (fresh)
+    process: peak memory over the baseline taken before the UNet is built, the losses."""
     from unialign import algos
     from unialign.image import DiffusionPolicy
-    from unialign.policy import ReferencePolicy
+    from unialign.policy import ReferencePolicy  # noqa: F401  (both sides import it before the baseline)
     from unialign.types import PreferenceBatch
 
     cuda = device.startswith("cuda")
@@ -89,10 +102,12 @@ def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pair
         reset_peak_rss()
     torch.manual_seed(seed + 1)
     unet = sd_parts.unet(block_out_channels, sample_size, cross_attention_dim).to(device)
-    frozen = copy.deepcopy(unet).requires_grad_(False).eval() if impl == "copy" else None
-    policy = DiffusionPolicy(unet, vae, te, tok, sched, num_steps=10, guidance_scale=1.0, eta=1.0,
-                             lora_rank=lora_rank, seed=seed, gradient_checkpointing=gradient_checkpointing)
-    ref = policy.reference() if impl == "ours" else ReferencePolicy(policy, frozen)
+
+    def make_policy(u):
+        return DiffusionPolicy(u, vae, te, tok, sched, num_steps=10, guidance_scale=1.0, eta=1.0,
+                               lora_rank=lora_rank, seed=seed, gradient_checkpointing=gradient_checkpointing)
+
+    policy, ref = {"ours": policy_and_reference_ours, "copy": policy_and_reference_copy}[impl](unet, make_policy)
     params = policy.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=1e-4)
     losses = []

@@ -40,12 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.common import (
     RESULT_MARK,
     ROOT,
+    child_command,
     error_row,
     peak_rss_bytes,
     reset_peak_rss,
@@ -130,19 +128,20 @@ def jpeg_kb(pixels_B_3_H_W) -> list[float]:
 # ----------------------------------------------------------------------------- one side, one process
 def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: int = 0, chunk: int = CHUNK,
          uncond_grad: bool = True, settings: dict | None = None) -> dict:
-    """Train ``epochs`` + 1 (warm-up) DDPO epochs with ``which`` in ("ours", "trl"); returns per-epoch times
-    (total, sampling, training), the peak RSS over post-import RSS and the rewards. ``uncond_grad`` False (ours
-    only): CFG's unconditional branch under no_grad in training (``cfg_uncond_grad``, Flow-GRPO's layout).
-    ``settings``: overrides of ``SETTINGS`` (the quick mode's smaller epoch)."""
+    """Train ``epochs`` + 1 (warm-up) DDPO epochs with ``which`` in ("ours", "trl"), i.e. ``side_ours`` or
+    ``side_trl``; returns per-epoch times (total, sampling, training), the peak RSS over post-import RSS and the
+    rewards. ``uncond_grad`` False (ours only): CFG's unconditional branch under no_grad in training
+    (``cfg_uncond_grad``, Flow-GRPO's layout). ``settings``: overrides of ``SETTINGS`` (the quick mode's smaller
+    epoch). Both sides share this frame: the same imports before the base RSS, the same timers, the same result."""
     rss_tracks_tensors()
     import torch
 
     if which == "ours":
-        from unialign.image import DiffusionPolicy
-        from unialign.rewards import CombinedReward, get_reward
-        from unialign.trainers import OnlineConfig, OnlineTrainer
+        from unialign.image import DiffusionPolicy  # noqa: F401
+        from unialign.rewards import CombinedReward, get_reward  # noqa: F401
+        from unialign.trainers import OnlineConfig, OnlineTrainer  # noqa: F401
     else:
-        from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+        from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline  # noqa: F401
     # both sides load the same model classes before the base is taken (TRL's import pulls in diffusers'
     # pipelines eagerly, ours lazily at load: ~230 MiB of library code that is not the method's memory)
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: F401
@@ -155,77 +154,11 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
     reset_peak_rss()
     s, times = {**SETTINGS, **(settings or {})}, {"epoch": [], "sample": [], "train": []}
     tmp = tempfile.mkdtemp(prefix="p9_")
-
-    def timed(key, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            times[key].append(time.perf_counter() - t0)
-            return out
-        return wrapper
-
-    rewards = []
+    rewards: list = []
     if which == "ours":
-        policy = DiffusionPolicy.from_pretrained(folder, num_steps=s["num_steps"], guidance_scale=s["guidance"],
-                                                 eta=s["eta"], timestep_fraction=s["fraction"],
-                                                 lora_rank=4 if lora else 0, train_chunk_size=chunk,
-                                                 sample_batch_size=s["micro_batch"] if chunk else 0, seed=seed,
-                                                 cfg_uncond_grad=uncond_grad)
-        cfg = OnlineConfig(algorithm="ddpo", num_generations=s["per_prompt"], prompts_per_step=s["prompts"],
-                           micro_batch_size=s["micro_batch"], num_mini_batches=1, max_steps=epochs + 1,
-                           learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=1.0, epsilon=s["clip"],
-                           advantage_clip=s["adv_clip"], beta=0.0, seed=seed, output_dir=tmp, report_to="none",
-                           num_threads=threads)
-        trainer = OnlineTrainer(policy, CombinedReward([get_reward("jpeg_compressibility")]),
-                                [{"prompt": p} for p in PROMPTS], cfg)
-        loaded = rss_bytes() - base
-        policy.sample = timed("sample", policy.sample)
-        trainer.update = timed("train", trainer.update)
-        for _ in range(epochs + 1):
-            t0 = time.perf_counter()
-            stats = trainer.train_step()
-            times["epoch"].append(time.perf_counter() - t0)
-            rewards.append(stats.get("reward/mean"))
+        loaded = side_ours(folder, lora, epochs, threads, seed, chunk, uncond_grad, s, times, rewards, tmp, base)
     else:
-        from accelerate import PartialState
-
-        PartialState()  # DDPOTrainer logs before it builds its Accelerator
-        pipe = DefaultDDPOStableDiffusionPipeline(folder, use_lora=lora)
-        n = s["prompts"] * s["per_prompt"]
-        order = [p for p in PROMPTS for _ in range(s["per_prompt"])]
-        cursor = iter(range(10**9))
-
-        def prompt_fn():
-            return order[next(cursor) % n], {}
-
-        def reward_fn(images, prompts, metadata):
-            return torch.tensor([-kb for kb in jpeg_kb(images)]), {}
-
-        cfg = DDPOConfig(num_epochs=epochs + 1, sample_num_steps=s["num_steps"], sample_eta=s["eta"],
-                         sample_guidance_scale=s["guidance"], sample_batch_size=s["micro_batch"],
-                         sample_num_batches_per_epoch=n // s["micro_batch"], train_batch_size=s["micro_batch"],
-                         train_gradient_accumulation_steps=n // s["micro_batch"], train_learning_rate=s["lr"],
-                         train_adam_weight_decay=s["weight_decay"], train_max_grad_norm=1.0,
-                         train_clip_range=s["clip"], train_adv_clip_max=s["adv_clip"],
-                         train_timestep_fraction=s["fraction"], train_cfg=True, per_prompt_stat_tracking=True,
-                         mixed_precision="no", save_freq=10**6, log_with=None, seed=seed,
-                         project_kwargs={"project_dir": tmp, "logging_dir": tmp})
-        trainer = DDPOTrainer(cfg, reward_fn, prompt_fn, pipe)
-        loaded = rss_bytes() - base
-        trainer._generate_samples = timed("sample", trainer._generate_samples)
-        trainer._train_batched_samples = timed("train", trainer._train_batched_samples)
-        orig_rewards = trainer.compute_rewards
-
-        def compute_rewards(*a, **k):
-            r, meta = (list(x) for x in orig_rewards(*a, **k))  # a zip, consumed once
-            rewards.append(float(torch.cat(r).mean()))
-            return r, meta
-        trainer.compute_rewards = compute_rewards
-        step = 0
-        for epoch in range(epochs + 1):
-            t0 = time.perf_counter()
-            step = trainer.step(epoch, step)
-            times["epoch"].append(time.perf_counter() - t0)
+        loaded = side_trl(folder, lora, epochs, seed, s, times, rewards, tmp, base)
     peak = peak_rss_bytes() - base
     timed_ = {k: statistics.median(v[1:]) for k, v in times.items()}
     return {"which": which, "lora": lora, "epoch_s": timed_["epoch"], "sample_s": timed_["sample"],
@@ -233,14 +166,102 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
             "torch_threads": torch.get_num_threads()}
 
 
+def _timed(times: dict, key: str, fn):
+    """``fn`` wrapped to append each call's wall time to ``times[key]``."""
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        times[key].append(time.perf_counter() - t0)
+        return out
+    return wrapper
+
+
+def side_ours(folder: str, lora: bool, epochs: int, threads: int, seed: int, chunk: int, uncond_grad: bool,
+              s: dict, times: dict, rewards: list, tmp: str, base: int) -> int:
+    """Ours: ``DiffusionPolicy.from_pretrained`` + ``OnlineTrainer`` (DDPO preset), ``epochs`` + 1 ``train_step``s;
+    fills ``times`` / ``rewards``; returns the RSS the loaded model added over ``base``."""
+    from unialign.image import DiffusionPolicy
+    from unialign.rewards import CombinedReward, get_reward
+    from unialign.trainers import OnlineConfig, OnlineTrainer
+
+    policy = DiffusionPolicy.from_pretrained(folder, num_steps=s["num_steps"], guidance_scale=s["guidance"],
+                                             eta=s["eta"], timestep_fraction=s["fraction"],
+                                             lora_rank=4 if lora else 0, train_chunk_size=chunk,
+                                             sample_batch_size=s["micro_batch"] if chunk else 0, seed=seed,
+                                             cfg_uncond_grad=uncond_grad)
+    cfg = OnlineConfig(algorithm="ddpo", num_generations=s["per_prompt"], prompts_per_step=s["prompts"],
+                       micro_batch_size=s["micro_batch"], num_mini_batches=1, max_steps=epochs + 1,
+                       learning_rate=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=1.0, epsilon=s["clip"],
+                       advantage_clip=s["adv_clip"], beta=0.0, seed=seed, output_dir=tmp, report_to="none",
+                       num_threads=threads)
+    trainer = OnlineTrainer(policy, CombinedReward([get_reward("jpeg_compressibility")]),
+                            [{"prompt": p} for p in PROMPTS], cfg)
+    loaded = rss_bytes() - base
+    policy.sample = _timed(times, "sample", policy.sample)
+    trainer.update = _timed(times, "train", trainer.update)
+    for _ in range(epochs + 1):
+        t0 = time.perf_counter()
+        stats = trainer.train_step()
+        times["epoch"].append(time.perf_counter() - t0)
+        rewards.append(stats.get("reward/mean"))
+    return loaded
+
+
+def side_trl(folder: str, lora: bool, epochs: int, seed: int, s: dict, times: dict, rewards: list, tmp: str,
+             base: int) -> int:
+    """TRL 0.23: ``DefaultDDPOStableDiffusionPipeline`` + ``DDPOTrainer``, ``epochs`` + 1 ``step``s (run in TRL's own
+    environment); fills ``times`` / ``rewards``; returns the RSS the loaded model added over ``base``."""
+    import torch
+    from accelerate import PartialState
+    from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+
+    PartialState()  # DDPOTrainer logs before it builds its Accelerator
+    pipe = DefaultDDPOStableDiffusionPipeline(folder, use_lora=lora)
+    n = s["prompts"] * s["per_prompt"]
+    order = [p for p in PROMPTS for _ in range(s["per_prompt"])]
+    cursor = iter(range(10**9))
+
+    def prompt_fn():
+        return order[next(cursor) % n], {}
+
+    def reward_fn(images, prompts, metadata):
+        return torch.tensor([-kb for kb in jpeg_kb(images)]), {}
+
+    cfg = DDPOConfig(num_epochs=epochs + 1, sample_num_steps=s["num_steps"], sample_eta=s["eta"],
+                     sample_guidance_scale=s["guidance"], sample_batch_size=s["micro_batch"],
+                     sample_num_batches_per_epoch=n // s["micro_batch"], train_batch_size=s["micro_batch"],
+                     train_gradient_accumulation_steps=n // s["micro_batch"], train_learning_rate=s["lr"],
+                     train_adam_weight_decay=s["weight_decay"], train_max_grad_norm=1.0,
+                     train_clip_range=s["clip"], train_adv_clip_max=s["adv_clip"],
+                     train_timestep_fraction=s["fraction"], train_cfg=True, per_prompt_stat_tracking=True,
+                     mixed_precision="no", save_freq=10**6, log_with=None, seed=seed,
+                     project_kwargs={"project_dir": tmp, "logging_dir": tmp})
+    trainer = DDPOTrainer(cfg, reward_fn, prompt_fn, pipe)
+    loaded = rss_bytes() - base
+    trainer._generate_samples = _timed(times, "sample", trainer._generate_samples)
+    trainer._train_batched_samples = _timed(times, "train", trainer._train_batched_samples)
+    orig_rewards = trainer.compute_rewards
+
+    def compute_rewards(*a, **k):
+        r, meta = (list(x) for x in orig_rewards(*a, **k))  # a zip, consumed once
+        rewards.append(float(torch.cat(r).mean()))
+        return r, meta
+    trainer.compute_rewards = compute_rewards
+    step = 0
+    for epoch in range(epochs + 1):
+        t0 = time.perf_counter()
+        step = trainer.step(epoch, step)
+        times["epoch"].append(time.perf_counter() - t0)
+    return loaded
+
+
 def _start(python: Path, kwargs: dict, cpu: int | None = None) -> subprocess.Popen:
-    """Start one side in a fresh process (pinned to core ``cpu`` when given)."""
-    pin = f"import os; os.sched_setaffinity(0, {{{cpu}}}); " if cpu is not None else ""
-    code = (f"{pin}import json, sys; from benchmarks.p9_ddpo import side; r = side(**json.loads(sys.argv[1])); "
-            f"print({RESULT_MARK!r} + json.dumps(r), flush=True)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen([str(python), "-c", code, json.dumps(kwargs)], cwd=str(ROOT), env=env,
+    """Start one side in a fresh process (``python -m benchmarks.child`` from the repository root; pinned to core
+    ``cpu`` when given)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
+               PYTHONWARNINGS="ignore")
+    env.pop("PYTHONPATH", None)  # TRL's environment sees only itself and the checkout (its cwd)
+    return subprocess.Popen(child_command(python, "p9_ddpo", "side", kwargs, cpu), cwd=str(ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

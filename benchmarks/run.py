@@ -1,8 +1,9 @@
-"""Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md.
+"""Run the unialign benchmark suite (CPU) and write FILE.json + FILE.md. From the repository root:
 
-    .venv/bin/python benchmarks/run.py --output results/bench.json           # 16 min on 2 CPU cores (19 first time)
-    .venv/bin/python benchmarks/run.py --output /tmp/b.json --quick          # ~3-5 min smoke version
-    .venv/bin/python benchmarks/run.py --output b.json --only P2,P4          # a subset
+    .venv/bin/python -m benchmarks.run --output /tmp/bench.json         # 16 min on 2 CPU cores (19 first time)
+    .venv/bin/python -m benchmarks.run --record                         # the same, then into benchmarks/results/
+    .venv/bin/python -m benchmarks.run --quick                          # ~3-5 min smoke version
+    .venv/bin/python -m benchmarks.run P2 P4                            # a subset (or --only P2,P4)
 
 Rows (see benchmarks/README.md): P1 token log-prob + entropy fwd+bwd vs TRL's materialised logits;
 P2 GRPO end to end vs TRL GRPOTrainer; P3 DPO vs TRL DPOTrainer; P4 diffusion sampling with log-prob
@@ -14,8 +15,12 @@ SDE log-prob recording vs the stock ``StableDiffusion3Pipeline``, P10b a GRPO st
 with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says); P11 forward-process
 image RL (AWM, DiffusionNFT) against Flow-GRPO and the grpo_image default, seconds to held-out fidelity 0.85 on the
 embedded SD3 world over 3 seeds (about an hour: only with ``--long`` or ``--only P11``; ``--quick`` runs it small).
-Each group runs in a fresh child process (``--in-process``: all in this one). JSON: {"machine": {...}, "rows": [{"id", "measure", "ours", "baseline", "unit", "ratio",
-"target_ratio", "better", "met", "notes", ...}], "seconds": ...}.
+Each group runs in a fresh child process (``python -m benchmarks.run --only KEY --in-process``; ``--in-process``: all
+in this one). JSON: {"machine": {...}, "date", "command", "mode", "rows": [{"id", "measure", "ours", "baseline",
+"unit", "ratio", "target_ratio", "better", "met", "notes", ...}], "timings_s", "seconds"}; without ``--output`` it goes
+to a temporary folder (the path is printed). ``--record``: a default-mode run's rows then replace the same rows of
+``benchmarks/results/cpu.json`` / ``cpu.md`` and the rows they replace move to ``results/history.jsonl``
+(``benchmarks.record``).
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/run.py`: the package's imports need the repository root
+    raise SystemExit("run the benchmarks as a package, from the repository root: python -m benchmarks.run "
+                     + shlex.join(sys.argv[1:]))
+
+from benchmarks.common import ROOT, error_row, machine_info, markdown_table, row  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import error_row, machine_info, markdown_table, row  # noqa: E402
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
@@ -51,9 +59,9 @@ def p1_rows(quick: bool) -> list[dict]:
     # the issue's size (one fwd+bwd at T=1024 is ~0.8 TFLOP per method, 15-40 s on 2 CPU cores); quick: a smoke
     # run of every method at T=16, V 32768, H 256 (numbers meaningless, only that the comparison runs)
     T, V, H = (16, 32768, 256) if quick else (1024, 151936, 896)
-    # ours and the floor: a median of 2 (was 5, then 3): over the 5 recorded in results/cpu_full.json each method
-    # moved by <= 5 % (ours 24.3-25.6 s, TRL 45.0-49.8 s, floor 17.6-18.6 s), far inside the 0.4x-vs-1.0 margin.
-    # TRL: ONE timed iteration (60 s each; its spread over 3 in results/cpu_fresh_clone_run2.json, 59.8-63.6 s,
+    # ours and the floor: a median of 2 (was 5, then 3): over the 5 recorded in run cpu_full (results/history.jsonl)
+    # each method moved by <= 5 % (ours 24.3-25.6 s, TRL 45.0-49.8 s, floor 17.6-18.6 s), far inside the 0.4x-vs-1.0
+    # margin. TRL: ONE timed iteration (60 s each; its spread over 3 in run cpu_fresh_clone_run2, 59.8-63.6 s,
     # moves the ratio by < 0.02 against a target 2.5x away). The warm-up round runs at T=64 (first-call costs do
     # not depend on T). Together ~4 min less than 1 full-size warm-up + 3 rounds of all three.
     repeats = 1 if quick else {"ours": 2, "trl": 1, "floor": 2}
@@ -77,28 +85,41 @@ def p1_rows(quick: bool) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", required=True, help="JSON path; the markdown table goes next to it (.md)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("groups", nargs="*", help="row groups to run, e.g. P2 P4 (the same as --only P2,P4)")
+    p.add_argument("--output", default=None, help="JSON path; the markdown table goes next to it (.md); default: a "
+                                                  "temporary folder")
     p.add_argument("--quick", action="store_true", help="smoke version (~3-5 min)")
     p.add_argument("--only", default="", help="comma-separated row groups, e.g. P2,P4")
+    p.add_argument("--record", action="store_true",
+                   help="then put the rows into benchmarks/results/cpu.{json,md} (the rows they replace go to "
+                        "results/history.jsonl); default mode only")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--long", action="store_true", help=f"also the long groups {', '.join(LONG)} (~1 h)")
     p.add_argument("--in-process", action="store_true",
                    help="run every group in this process (default: each group in a fresh child process, so one "
                         "group's memory high-water mark, compiled kernels and imports cannot skew the next)")
     a = p.parse_args(argv)
+    only = [g for g in a.only.split(",") if g] + [g for arg in a.groups for g in arg.split(",") if g]
+    unknown = [g for g in only if g not in MODULES]
+    if unknown:
+        p.error(f"unknown row group(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
+    if a.record and a.quick:
+        p.error("--record keeps measurements: not with --quick")
     import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.only:
-        want = [k for k in MODULES if k in a.only.split(",")]
+    if only:
+        want = [k for k in MODULES if k in only]
     else:
         want = [k for k in MODULES if a.quick or a.long or k not in LONG]
-    out = Path(a.output)
+    out = Path(a.output) if a.output else Path(tempfile.mkdtemp(prefix="unialign-bench-")) / "bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine_info(), "mode": "quick" if a.quick else "default",
-              "rows": [], "timings_s": {}}
+    command = "python -m benchmarks.run" + "".join(" " + shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    result = {"machine": machine_info(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "command": command, "mode": "quick" if a.quick else "default", "rows": [], "timings_s": {}}
     t_all = time.perf_counter()
     for key in want:
         t0 = time.perf_counter()
@@ -120,19 +141,24 @@ def main(argv=None) -> dict:
     result["seconds"] = round(time.perf_counter() - t_all, 1)
     _write(out, result)
     print(markdown_table(result["rows"]))
+    print(f"[bench] wrote {out} and {out.with_suffix('.md')}", file=sys.stderr, flush=True)
+    if a.record:
+        from benchmarks import record
+
+        record.record(result, "cpu", source=str(out))
     return result
 
 
 def _child_rows(key: str, a: argparse.Namespace) -> list[dict]:
-    """Run one group as ``run.py --only KEY`` in a fresh interpreter and return its rows."""
+    """Run one group as ``python -m benchmarks.run --only KEY --in-process`` in a fresh interpreter (started in the
+    repository root, where ``benchmarks`` imports from) and return its rows."""
     import subprocess
-    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{key}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", key, "--output", str(out), "--in-process"]
+        cmd = [sys.executable, "-m", "benchmarks.run", "--only", key, "--output", str(out), "--in-process"]
         cmd += ["--quick"] * a.quick + (["--threads", str(a.threads)] if a.threads else [])
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run(cmd, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if not out.exists():
             raise RuntimeError(f"{key} child exited {proc.returncode}: {proc.stderr[-2000:]}")
         return json.loads(out.read_text())["rows"]

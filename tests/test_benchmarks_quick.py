@@ -1,4 +1,4 @@
-"""Benchmarks cannot silently break: every group of ``benchmarks/run.py`` runs in ``--quick`` mode (shrunk sizes,
+"""Benchmarks cannot silently break: every group of ``python -m benchmarks.run`` runs in ``--quick`` mode (shrunk sizes,
 every row kept) and none returns an error row. The quick numbers are not compared with targets -- the sizes are
 too small to mean anything -- only that each comparison still runs end to end against its baseline (TRL's
 trainers, plain diffusers, math-verify, TRL 0.23 for P9, whose environment is built on first use)."""
@@ -19,7 +19,7 @@ def test_every_benchmark_group_runs_quick_without_an_error_row(tmp_path):
 
     out = tmp_path / "quick.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--output", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--output", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -29,13 +29,14 @@ def test_every_benchmark_group_runs_quick_without_an_error_row(tmp_path):
     groups = {r["id"].split("-")[0].rstrip("ab") for r in rows}
     assert groups == set(MODULES), f"groups without a row: {sorted(set(MODULES) - groups)}"
     assert result["mode"] == "quick"
+    assert result["command"].startswith("python -m benchmarks.run --quick")
 
 
 def test_the_gpu_image_rl_rows_run_as_a_cpu_dry_run(tmp_path):
-    """``benchmarks/gpu.py --device cpu --tiny --only P11``: the forward-process and Flow-GRPO rows prepared for a
+    """``python -m benchmarks.gpu --device cpu --tiny --only P11``: the forward-process and Flow-GRPO rows prepared for a
     lent GPU run their code paths end to end at tiny sizes, each a timed row without an error."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--tiny", "--only",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--only",
                            "P11", "--time-budget", "5000", "--output-dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
