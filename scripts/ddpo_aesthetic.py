@@ -24,41 +24,40 @@ on this model a gain of a full std comes only from breaking the prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from unialign.config import exit_on_user_error, parse_config
-from unialign.embedded import parts
+from unialign.config import arg, exit_on_user_error, parse_config
+from unialign.embedded import parts, register
 from unialign.image.recipe import ImageRLConfig, hub_parts, run_image_rl
 from unialign.recipes import check_rewards
 
 
 @dataclass
 class DDPOAestheticConfig(ImageRLConfig):
-    model_name_or_path: str = field(default="embedded", metadata={
-        "help": "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the shipped tiny model)"})
-    prompt_set: str = field(default="embedded", metadata={
-        "help": "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt file (one per line)"})
-    reward_funcs: str = field(default="aesthetic,shape_verifier_partial", metadata={
-        "help": "comma-separated registry names (aesthetic, clip_score, shape_verifier[_partial], jpeg_compressibility, ...)"})
-    reward_weights: str | None = field(default="1,0.3", metadata={"help": "comma-separated floats, one per reward"})
-    algorithm: str = field(default="ddpo", metadata={"help": "ddpo | grpo | awm | nft | dapo | dr_grpo | gspo | rloo | reinforce"})
-    guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
-    timestep_fraction: float = field(default=0.5, metadata={"help": "share of the trainable steps trained per sample"})
-    beta: float | None = field(default=0.02, metadata={"help": "KL coefficient (0: no reference model)"})
-    kl_estimator: str | None = field(default="gaussian", metadata={
-        "help": "gaussian (the exact closed-form step KL, the image default) | gaussian_g2 (Flow-GRPO's: the exact KL "
-                "x |dt|, flow matching) | k1 | k2 | k3"})
-    epsilon: float | None = field(default=1e-2, metadata={"help": "PPO clip range of the per-step ratio"})
-    learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "constant | linear | cosine"})
-    prompts_per_step: int = field(default=4, metadata={"help": "prompts per step"})
-    num_generations: int = field(default=16, metadata={
-        "help": "images per prompt (>= the ddpo preset's stat_min_count 16: per-prompt statistics from the start)"})
-    num_mini_batches: int = field(default=2, metadata={"help": "optimizer steps per batch of samples"})
-    micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward"})
-    max_steps: int = field(default=300, metadata={"help": "steps (each: sample, score, update)"})
-    eval_steps: int = field(default=50, metadata={"help": "held-out evaluation every N steps (curves, TensorBoard)"})
-    output_dir: str = field(default="outputs/ddpo_aesthetic", metadata={"help": "where everything is written"})
+    model_name_or_path: str = arg("embedded", "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the "
+                                  "shipped tiny model)")
+    prompt_set: str = arg("embedded", "'embedded' (the shapes world's train / held-out prompts), 'animals', or a .txt "
+                          "file (one per line)")
+    reward_funcs: str = arg("aesthetic,shape_verifier_partial", "comma-separated registry names (aesthetic, "
+                            "clip_score, shape_verifier[_partial], jpeg_compressibility, ...)")
+    reward_weights: str | None = arg("1,0.3", "comma-separated floats, one per reward")
+    algorithm: str = arg("ddpo", "ddpo | grpo | awm | nft | dapo | dr_grpo | gspo | rloo | reinforce")
+    guidance_scale: float = arg(1.0, "classifier-free guidance weight (<= 1: off)")
+    timestep_fraction: float = arg(0.5, "share of the trainable steps trained per sample")
+    beta: float | None = arg(0.02, "KL coefficient (0: no reference model)")
+    kl_estimator: str | None = arg("gaussian", "gaussian (the exact closed-form step KL, the image default) | "
+                                   "gaussian_g2 (Flow-GRPO's: the exact KL x |dt|, flow matching) | k1 | k2 | k3")
+    epsilon: float | None = arg(1e-2, "PPO clip range of the per-step ratio")
+    learning_rate: float = arg(1e-4, "AdamW learning rate")
+    lr_scheduler_type: str = arg("cosine", "constant | linear | cosine")
+    prompts_per_step: int = arg(4, "prompts per step")
+    num_generations: int = arg(16, "images per prompt (>= the ddpo preset's stat_min_count 16: per-prompt statistics "
+                               "from the start)")
+    num_mini_batches: int = arg(2, "optimizer steps per batch of samples")
+    micro_batch_size: int = arg(32, "samples per forward/backward")
+    max_steps: int = arg(300, "steps (each: sample, score, update)")
+    eval_steps: int = arg(50, "held-out evaluation every N steps (curves, TensorBoard)")
+    output_dir: str = arg("outputs/ddpo_aesthetic", "where everything is written")
 
 
 PRESETS = {
@@ -76,6 +75,7 @@ PRESETS = {
 
 
 def main(cfg: DDPOAestheticConfig) -> dict:
+    register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     check_rewards(cfg.reward_funcs, cfg.reward_weights, modality="image")  # before any model loads
     if cfg.model_name_or_path in parts.IMAGE_MODELS:
         return run_image_rl(cfg, **parts.image_rl_parts(cfg))

@@ -23,53 +23,48 @@ from dataclasses import dataclass
 import torch
 
 from unialign.algos.preference import DPO_LOSS_TYPES
-from unialign.config import UserError, arg, exit_on_user_error, parse_config
-from unialign.data import ENCODING_ERRORS
-from unialign.embedded import NAME, parts, shapes_world
-from unialign.embedded.shape_verifier import verify
+from unialign.config import DTYPES, UserError, arg, exit_on_user_error, parse_config
+from unialign.embedded import NAME, parts, register, shapes_world
 from unialign.image.data import load_pickapic
 from unialign.image.evaluate import HeldOutImages, finish_image_run
 from unialign.image.grid import first_of_each_prompt
-from unialign.image.recipe import load_denoiser
+from unialign.image.recipe import PickapicDataArgs, load_denoiser
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer
 from unialign.trainers.preference import averaged_implicit_accuracy as averaged_accuracy
 
 
 @dataclass
-class DiffusionDPOConfig(PreferenceConfig):
-    preset: str | None = arg(None, "named recipe: sdxl-pickapic (flags still override it)")
-    config: str | None = arg(None, "YAML file of field values (flags override it)")
+class DiffusionDPOConfig(PickapicDataArgs, PreferenceConfig):
+    preset: str | None = arg(None, "named recipe: sdxl-pickapic (flags still override it)", group="config")
+    config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
     model_name_or_path: str = arg("embedded", "SDXL / SD1.x / SD3 / FLUX.1 Hub id or local diffusers folder, or "
-                                  "'embedded' / 'embedded-sd3' (the shapes world's SDXL- / SD3-architecture models)")
+                                  "'embedded' / 'embedded-sd3' (the shapes world's SDXL- / SD3-architecture models)",
+                                  group="model")
     model_family: str = arg("auto", "auto (the folder's model_index.json, else the hub id) | sd | sdxl | sd3 | flux",
-                            choices=("auto", "sd", "sdxl", "sd3", "flux"))
-    vae_name_or_path: str | None = arg(None, "a VAE to use instead of the model's (e.g. the fp16-fix SDXL VAE)")
+                            group="model", choices=("auto", "sd", "sdxl", "sd3", "flux"))
+    vae_name_or_path: str | None = arg(None, "a VAE to use instead of the model's (e.g. the fp16-fix SDXL VAE)",
+                                       group="model")
     dataset_name: str = arg("embedded", "Pick-a-Pic-schema Hub id, .jsonl/.json/.parquet file or folder (images as "
                             "bytes or paths), or 'embedded' (pairs of the model's samples ranked by a gold score)")
-    dataset_config: str | None = arg(None, "Hub dataset configuration")
-    train_split: str = arg("train", "training split of a folder or Hub dataset")
-    eval_split: str | None = arg(None, "held-out split (default: 'test', else 'validation' of a folder; a single "
-                                 "file holds out --eval_fraction)")
-    eval_dataset_name: str | None = arg(None, "a separate held-out dataset (file, folder or Hub id)")
-    eval_fraction: float = arg(0.1, "share of the rows held out when the data has no held-out split (fixed seed 0)")
-    encoding_errors: str = arg("strict", "dataset text that is not valid UTF-8: 'strict' (refuse it, naming file:line) "
-                               "or 'replace' (read each bad byte as U+FFFD)", group="data", choices=ENCODING_ERRORS)
-    num_eval: int = arg(256, "evaluate implicit accuracy on at most this many held-out pairs")
     num_eval_images: int = arg(168, "held-out images (seed 1234) before and after: embedded pairs: the world's test "
                                "prompts cycled (gold score, fidelity); your pairs: your first distinct held-out "
-                               "captions, at most 32 (comparison.png); 0: none")
-    pairs_per_prompt: int = arg(4, "embedded: training pairs per caption")
-    num_prompts: int | None = arg(None, "embedded: use only the first N training captions")
-    eval_pairs_per_prompt: int = arg(2, "embedded: held-out pairs per training caption")
-    min_gap: float = arg(0.02, "embedded: gold-score gap below which a pair is a tie")
-    eval_timestep_samples: int = arg(8, "held-out implicit accuracy: average the surrogate over K (t, eps) draws")
-    beta: float = arg(5000.0, "Diffusion-DPO temperature (scales the ELBO-surrogate margin)", min=0.0)
-    loss_type: str = arg("sigmoid", "DPO loss", choices=DPO_LOSS_TYPES)
-    caption_dropout: float = arg(0.1, "share of captions replaced by the empty prompt in training (keeps CFG usable)")
-    resolution: int | None = arg(None, "image side in pixels (default: the model's)")
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full UNet")
-    gradient_checkpointing: bool = arg(False, "recompute UNet activations in the backward pass (less memory)")
-    torch_dtype: str = arg("float32", "UNet / text-encoder dtype (the VAE runs in fp32)")
+                               "captions, at most 32 (comparison.png); 0: none", group="data", min=1)
+    pairs_per_prompt: int = arg(4, "embedded: training pairs per caption", group="data", min=1)
+    num_prompts: int | None = arg(None, "embedded: use only the first N training captions", group="data", min=1)
+    eval_pairs_per_prompt: int = arg(2, "embedded: held-out pairs per training caption", group="data", min=1)
+    min_gap: float = arg(0.02, "embedded: gold-score gap below which a pair is a tie", group="data", min=0.0)
+    eval_timestep_samples: int = arg(8, "held-out implicit accuracy: average the surrogate over K (t, eps) draws",
+                                     group="logging", min=1)
+    beta: float = arg(5000.0, "Diffusion-DPO temperature (scales the ELBO-surrogate margin)",
+                      group="algorithm", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss", group="algorithm", choices=DPO_LOSS_TYPES)
+    caption_dropout: float = arg(0.1, "share of captions replaced by the empty prompt in training (keeps CFG usable)",
+                                 group="data", min=0.0, max=1.0)
+    resolution: int | None = arg(None, "image side in pixels (default: the model's)", group="model", min=8)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full UNet", group="model", min=0)
+    gradient_checkpointing: bool = arg(False, "recompute UNet activations in the backward pass (less memory)",
+                                       group="model")
+    torch_dtype: str = arg("float32", "UNet / text-encoder dtype (the VAE runs in fp32)", group="model", choices=DTYPES)
     num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest)")
     batch_size: int = arg(32, "pairs per optimizer step")
     micro_batch_size: int = arg(32, "pairs per forward/backward")
@@ -92,6 +87,7 @@ PRESETS = {
 
 
 def main(cfg: DiffusionDPOConfig) -> dict:
+    register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -119,7 +115,7 @@ def main(cfg: DiffusionDPOConfig) -> dict:
     else:  # the world's test prompts: gold score and prompt fidelity
         test = shapes_world.prompts("test")
         images = HeldOutImages(policy, [test[i % len(test)] for i in range(cfg.num_eval_images)], 1234,
-                               gold=shapes_world.gold_score, verifier=verify)
+                               gold=shapes_world.gold_score, verifier=parts.fidelity_checks)
     results: list[dict] = []
 
     def evaluate() -> tuple[dict, float, float]:  # held-out images, implicit accuracy K / 1

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from unialign.algos.pair_losses import check_pair_loss_params
 from unialign.algos.preference import DPO_LOSS_TYPES, REFERENCE_FREE_LOSSES
-from unialign.config import UserError, arg, exit_on_user_error, parse_config
-from unialign.embedded import NAME, model_path
+from unialign.config import DTYPES, UserError, arg, exit_on_user_error, parse_config
+from unialign.embedded import NAME, model_path, register
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate, load_rows
@@ -44,27 +44,33 @@ def _defaults(key: str) -> str:
 
 @dataclass
 class DPOTextConfig(TextDataArgs, PreferenceConfig):
-    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
-    config: str | None = arg(None, "YAML file of field values (flags override it)")
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)", group="config")
+    config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
+                                  group="model")
     dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
                             ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
-                                            "longer pairs are refused", group="data")
+                                            "longer pairs are refused", group="data", min=1)
     algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), or the "
-                         "reference-free simpo / orpo (no reference model)", choices=("dpo", *REFERENCE_FREE_LOSSES))
+                         "reference-free simpo / orpo (no reference model)",
+                         group="algorithm", choices=("dpo", *REFERENCE_FREE_LOSSES))
     beta: float | None = arg(None, "temperature (DPO: strength of the implicit KL to the reference; ORPO: weight of "
-                             f"the odds-ratio term); {_defaults('beta')}", min=0.0)
-    loss_type: str = arg("sigmoid", "DPO loss (--algorithm dpo)", choices=DPO_LOSS_TYPES)
-    label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO for sigmoid; robust DPO)")
-    simpo_gamma: float | None = arg(None, f"SimPO target reward margin gamma; {_defaults('simpo_gamma')}", min=0.0,
-                                    group="algorithm")
+                             f"the odds-ratio term); {_defaults('beta')}", group="algorithm", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss (--algorithm dpo)", group="algorithm", choices=DPO_LOSS_TYPES)
+    label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO for sigmoid; robust DPO)",
+                                 group="algorithm", min=0.0, lt=0.5)
+    simpo_gamma: float | None = arg(None, f"SimPO target reward margin gamma; {_defaults('simpo_gamma')}",
+                                    group="algorithm", min=0.0)
     rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO; ORPO's SFT term; plain DPO / "
-                                  f"SimPO lower the embedded task's accuracy, see README); {_defaults('rpo_alpha')}", min=0.0)
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
-    torch_dtype: str = arg("float32", "model dtype")
-    precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front (cached on disk)")
-    max_new_tokens: int = arg(24, "completion limit of the greedy task evaluation (embedded task)", group="logging")
+                                  f"SimPO lower the embedded task's accuracy, see README); {_defaults('rpo_alpha')}",
+                                  group="algorithm", min=0.0)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model", group="model", min=0)
+    torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
+    precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front (cached on disk)",
+                                         group="algorithm")
+    max_new_tokens: int = arg(24, "completion limit of the greedy task evaluation (embedded task)",
+                              group="logging", min=1)
     batch_size: int = arg(32, "pairs per optimizer step")
     micro_batch_size: int = arg(32, "pairs per forward/backward")
     learning_rate: float = arg(2e-4, "peak learning rate")
@@ -96,6 +102,7 @@ def pair_loss(cfg: DPOTextConfig) -> tuple[str, dict, dict]:
 
 
 def main(cfg: DPOTextConfig) -> dict:
+    register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     loss, knobs, params = pair_loss(cfg)
     embedded = cfg.dataset_name == NAME  # correct vs wrong final answers on the embedded arithmetic task

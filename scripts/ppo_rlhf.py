@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unialign.config import arg, exit_on_user_error, parse_config
-from unialign.embedded import model_path
+from unialign.config import DTYPES, arg, exit_on_user_error, parse_config
+from unialign.embedded import model_path, register
 from unialign.errors import UserError
 from unialign.recipes import TextDataArgs, columns_of, fit_prompts, load_prompt_data
 from unialign.registry import TEXT_ALGORITHMS
@@ -32,23 +32,25 @@ from unialign.trainers.rundir import list_checkpoints
 @dataclass
 class PPOConfig(TextDataArgs, OnlineConfig):
     ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length (unialign.trl_compat)
-    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-rm (flags still override it)")
-    config: str | None = arg(None, "YAML file of field values (flags override it)")
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-rm (flags still override it)", group="config")
+    config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
+                                  group="model")
     dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
                             ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     reward_model_path: str | None = arg(None, "reward-model checkpoint (unset: the embedded one, trained on first use "
-                                        "into <output_dir>/reward_model)")
+                                        "into <output_dir>/reward_model)", group="model")
     reward_model_steps: int | None = arg(None, "optimizer steps of the embedded reward model when it is trained here "
                                          "(unset: train_reward_model.py's default)", group="optimisation", min=1)
-    eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch")
-    max_new_tokens: int = arg(24, "completion limit in tokens (sampling and evaluation)")
-    temperature: float = arg(1.0, "sampling temperature (> 0)")
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model")
-    generation_cache: str = arg("auto", "KV cache: auto (static on CUDA), dynamic, or static (fixed size: CUDA graphs)")
-    value_head: str = arg("shared", "critic: 'shared' (head on the policy backbone), 'separate' (own backbone "
-                          "copy) or a sequence-classification checkpoint such as the reward model")
-    torch_dtype: str = arg("float32", "model dtype")
+    eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch", group="logging", min=1)
+    max_new_tokens: int = arg(24, "completion limit in tokens (sampling and evaluation)", group="algorithm", min=1)
+    temperature: float = arg(1.0, "sampling temperature (> 0)", group="algorithm", gt=0.0)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model", group="model", min=0)
+    generation_cache: str = arg("auto", "KV cache: auto (static on CUDA), dynamic, or static (fixed size: CUDA graphs)",
+                                group="model", choices=("auto", "dynamic", "static"))
+    value_head: str = arg("shared", "critic: 'shared' (head on the policy backbone), 'separate' (own backbone copy) or "
+                          "a sequence-classification checkpoint such as the reward model", group="model")
+    torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
     algorithm: str = arg("ppo", "algorithm preset (its knobs can be overridden one by one)", choices=TEXT_ALGORITHMS)
     num_generations: int = arg(1, "completions per prompt")
     prompts_per_step: int = arg(64, "prompts per step")
@@ -96,6 +98,7 @@ def reward_model(cfg: PPOConfig) -> Path:
 
 
 def main(cfg: PPOConfig) -> dict:
+    register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     train, eval_rows, data_info = load_prompt_data(cfg)
     rm_path = reward_model(cfg)

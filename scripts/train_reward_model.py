@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from accelerate.utils import set_seed
 
-from unialign.config import arg, exit_on_user_error, parse_config
-from unialign.embedded import model_path
+from unialign.config import DTYPES, arg, exit_on_user_error, parse_config
+from unialign.embedded import model_path, register
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.text.data import bounded_counts
 from unialign.text.reward_model import RewardModel
@@ -27,16 +27,19 @@ from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig
 
 @dataclass
 class RewardModelConfig(TextDataArgs, PreferenceConfig):
-    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)")
-    config: str | None = arg(None, "YAML file of field values (flags override it)")
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)")
+    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)", group="config")
+    config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
+                                  group="model")
     dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
                             ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
-                                            "longer pairs are refused", group="data")
-    center_coef: float = arg(0.01, "weight of the reward-centring term (mean reward pulled to 0)")
-    max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring")
-    torch_dtype: str = arg("float32", "model dtype")
+                                            "longer pairs are refused", group="data", min=1)
+    center_coef: float = arg(0.01, "weight of the reward-centring term (mean reward pulled to 0)",
+                             group="algorithm", min=0.0)
+    max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring",
+                                 group="data", min=1)
+    torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
     batch_size: int = arg(32, "pairs per optimizer step")
     micro_batch_size: int = arg(32, "pairs per forward/backward")
     learning_rate: float = arg(1e-3, "peak learning rate")
@@ -54,6 +57,7 @@ PRESETS = {
 
 
 def main(cfg: RewardModelConfig) -> dict:
+    register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     set_seed(cfg.seed)  # the new score head is initialised below
     train, held_out, data_info = load_pair_data(cfg)

@@ -48,3 +48,33 @@ def tiny_policy():
 
     model, tok = make_tiny_lm()
     return CausalLMPolicy(model, tok, max_new_tokens=8)
+
+
+def _name_registries() -> list[dict]:
+    """The core's registries of names a package may add to (the demo worlds' ``register()`` does)."""
+    from unialign.rewards.geneval import GENEVAL_BACKENDS
+    from unialign.rewards.registry import REWARD_INPUTS, REWARDS
+    from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
+
+    return [REWARDS, REWARD_INPUTS, GENEVAL_BACKENDS, NAMED_DATASETS, NAMED_PAIR_DATASETS]
+
+
+@pytest.fixture(autouse=True)
+def _registries_as_they_were():
+    """Every test starts from the registries as collection left them and gives back what it added (a script's
+    ``main`` registers the demo worlds), so what a test finds by name never depends on the tests before it."""
+    registries = _name_registries()
+    saved = [dict(r) for r in registries]
+    yield
+    for registry, before in zip(registries, saved):
+        registry.clear()
+        registry.update(before)
+
+
+@pytest.fixture
+def demo_worlds():
+    """The demo worlds registered by name for one test (``unialign.embedded.register()``, as the scripts call it):
+    the data set "embedded", the shape verifiers, GenEval's "shapes" backend."""
+    from unialign.embedded import register
+
+    register()

@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from unialign.config import GROUPS, UserError, build_parser, check_output_dir, field_rules, parse_config
+from unialign.config import (
+    DTYPES,
+    GROUPS,
+    UserError,
+    arg,
+    build_parser,
+    check_output_dir,
+    field_rules,
+    parse_config,
+)
 
 
 @dataclass
@@ -47,15 +56,15 @@ def test_unknown_yaml_key_and_preset_are_errors(tmp_path):
 class Ruled:
     output_dir: str
     config: str | None = None
-    max_steps: int = field(default=10, metadata={"help": "steps", "min": 1})
-    temperature: float = 1.0  # rules by name (unialign.config.RULES): > 0
-    torch_dtype: str = "float32"  # choices by name
-    mode: str = field(default="a", metadata={"help": "mode", "choices": ("a", "b")})
+    max_steps: int = field(default=10, metadata={"help": "steps", "min": 1})  # a plain field's metadata works too
+    temperature: float = arg(1.0, "sampling temperature", gt=0.0)
+    torch_dtype: str = arg("float32", "dtype", choices=DTYPES)
+    mode: str = arg("a", "mode", choices=("a", "b"))
     limit: int | None = None
     flag: bool = False
 
 
-def test_validate_types_and_rules_from_metadata_and_names(tmp_path):
+def test_validate_types_and_the_rules_written_beside_each_field(tmp_path):
     out = ["--output_dir", str(tmp_path / "out")]
     cfg = parse_config(Ruled, out + ["--limit", "none", "--flag", "--temperature", "0.5"])
     assert (cfg.limit, cfg.flag, cfg.temperature) == (None, True, 0.5) and (tmp_path / "out").is_dir()
@@ -68,6 +77,54 @@ def test_validate_types_and_rules_from_metadata_and_names(tmp_path):
                           (["--flag", "maybe"], "--flag: expected true or false")):
         with pytest.raises(UserError, match=re.escape(message)):
             parse_config(Ruled, out + argv)
+
+
+def test_rules_come_from_the_field_and_the_field_it_overrides_never_from_its_name(tmp_path):
+    """A field's rules are the ones written beside it and beside the field it overrides (a script re-declaring
+    ``beta`` with its own default keeps its bounds); a field of another class that happens to be called ``beta``
+    or ``temperature`` gets none."""
+    from unialign.trainers import OnlineConfig
+
+    @dataclass
+    class Unrelated:
+        beta: float = arg(-1.0, "not a KL coefficient")
+        temperature: float = -2.0
+
+    cfg = parse_config(Unrelated, [])
+    assert (cfg.beta, cfg.temperature) == (-1.0, -2.0)
+    assert field_rules(Unrelated, dataclasses.fields(Unrelated)[0]) == {"help": "not a KL coefficient"}
+
+    @dataclass
+    class Script(OnlineConfig):
+        beta: float | None = arg(0.1, "KL coefficient of this script")
+        epsilon: float | None = arg(1e-2, "clip", gt=1e-3)  # a rule given again wins
+
+    rules = {f.name: field_rules(Script, f) for f in dataclasses.fields(Script)}
+    assert rules["beta"] == {"help": "KL coefficient of this script", "group": "algorithm", "min": 0.0}
+    assert rules["epsilon"]["gt"] == 1e-3 and rules["epsilon"]["group"] == "algorithm"
+    with pytest.raises(UserError, match=re.escape("--beta: must be >= 0.0, got -1.0")):
+        parse_config(Script, ["--beta", "-1", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="group 'algo' is not one of"):
+        arg(1, "x", group="algo")
+
+
+def test_validate_checks_a_config_once_until_a_field_changes(tmp_path, monkeypatch):
+    """parse_config validates; the trainers' validate of the same, unchanged config does nothing again."""
+    from unialign import config as config_module
+    from unialign.trainers import OnlineConfig
+
+    cfg = parse_config(OnlineConfig, ["--output_dir", str(tmp_path)])
+    calls = []
+    real = config_module._check_rules
+    monkeypatch.setattr(config_module, "_check_rules", lambda *a: calls.append(a[0]) or real(*a))
+    config_module.validate(cfg)
+    assert calls == []
+    cfg.prompts_per_step = 0
+    with pytest.raises(UserError, match="--prompts_per_step: must be >= 1, got 0"):
+        config_module.validate(cfg)
+    cfg.prompts_per_step = 4
+    config_module.validate(cfg)
+    assert "prompts_per_step" in calls
 
 
 def test_yaml_values_of_the_wrong_type_name_file_and_field(tmp_path):
@@ -161,19 +218,22 @@ def test_configs_built_in_python_are_validated_by_the_trainers(tmp_path):
 
 
 def test_every_algorithm_knob_is_a_flag_declared_once_in_the_registry(tmp_path):
-    """OnlineConfig derives one override per AlgoSpec field (help and rules from the registry), so every knob,
-    the estimator included, is settable from the command line and checked there."""
-    import dataclasses
+    """OnlineConfig inherits AlgoOverrides: one optional field per AlgoSpec knob, the same names in the same order,
+    each of its knob's type or None, with its help and rules, so every knob, the estimator included, is settable
+    from the command line and checked there."""
+    import typing
 
-    import pytest
-
-    from unialign.config import UserError, parse_config
-    from unialign.registry import AlgoSpec
+    from unialign.registry import KNOBS, AlgoOverrides, AlgoSpec
     from unialign.trainers import OnlineConfig
 
     knobs = [f.name for f in dataclasses.fields(AlgoSpec) if f.name != "name"]
+    assert knobs == [f.name for f in dataclasses.fields(AlgoOverrides)] == list(KNOBS)
+    spec_types, override_types = typing.get_type_hints(AlgoSpec), typing.get_type_hints(AlgoOverrides)
+    for k in knobs:
+        assert override_types[k] == spec_types[k] | None, k
     config_fields = {f.name: f for f in dataclasses.fields(OnlineConfig)}
     assert all(k in config_fields and config_fields[k].default is None for k in knobs)
+    assert all(field_rules(OnlineConfig, config_fields[k])["group"] == "algorithm" for k in knobs)
     out = ["--output_dir", str(tmp_path)]
     cfg = parse_config(OnlineConfig, ["--algorithm", "ddpo", "--advantage", "group", "--advantage_clip", "3",
                                       "--whiten_advantages", "true", "--stat_buffer_size", "8"] + out)
@@ -184,6 +244,21 @@ def test_every_algorithm_knob_is_a_flag_declared_once_in_the_registry(tmp_path):
                           (["--gamma", "1.5"], "--gamma: must be <= 1")]:
         with pytest.raises(UserError, match=message):
             parse_config(OnlineConfig, argv + out)
+
+
+def test_group_size_check_reads_the_estimators_registry(tmp_path):
+    """num_generations >= 2 wherever the estimator's registry entry says it uses groups (win_rate too), and
+    nowhere else."""
+    from unialign.algos.estimators import ADVANTAGE_ESTIMATORS
+    from unialign.trainers import OnlineConfig
+
+    for name, estimator in ADVANTAGE_ESTIMATORS.items():
+        argv = ["--algorithm", "grpo", "--advantage", name, "--num_generations", "1", "--output_dir", str(tmp_path)]
+        if estimator.uses_groups:
+            with pytest.raises(UserError, match=re.escape("--num_generations: must be >= 2 for grpo")):
+                parse_config(OnlineConfig, argv)
+        else:
+            assert parse_config(OnlineConfig, argv).algo_spec().advantage == name
 
 
 def test_script_knob_defaults_follow_only_the_scripts_algorithm():

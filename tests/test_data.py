@@ -320,9 +320,11 @@ def test_streaming_reads_only_the_rows_the_run_draws(tmp_path, monkeypatch):
 def test_streaming_fails_fast_offline_and_refuses_local_data(tmp_path, monkeypatch):
     import time
 
+    from unialign.embedded import register
     from unialign.hub import HubUnavailableError
     from unialign.recipes import load_prompt_data
 
+    register()  # the demo's data set 'embedded' by name, as the scripts register it
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.time()
     with pytest.raises(HubUnavailableError, match=r"cannot stream the dataset 'someone/huge': HF_HUB_OFFLINE is set"):

@@ -199,3 +199,65 @@ def test_core_never_imports_or_names_the_demo_package():
                 bad.append(f"{f.relative_to(PKG.parent)}:{node.lineno}: the string 'embedded'")
     assert not bad, "core modules must not depend on the demo package:\n" + "\n".join(bad)
     assert not (PKG / "assets").exists() and (PKG / "embedded" / "assets" / "arith_lm" / "config.json").is_file()
+
+
+# ---------------------------------------------------------------- the demo worlds' fields
+# Words a demo world uses that the core uses too, each in its own meaning; every other name below is the demo's.
+SHARED_WORDS = {
+    "all": "the verifier protocol's verdict, defined by the core (unialign.image.evaluate.sample_scores)",
+    "prompt": "every row's prompt column", "image": "a modality and a row column", "score": "every reward's score",
+    "size": "PIL's Image.size and open_clip's preprocess 'size'", "box": "every detector's box (rewards/detection.py)",
+    "question": "GSM8K's schema", "answer": "GSM8K's schema",
+    "chosen": "TRL's preference format", "rejected": "TRL's preference format",
+}
+ATTRIBUTE_CALLS = ("getattr", "hasattr", "setattr", "delattr")  # their name argument is a Python attribute (t.shape)
+
+
+def _demo_names() -> set[str]:
+    """The names the demo worlds define, read from the demo package itself: the fields of the shapes world's
+    samples, prompts and verifier readings, what its verifier returns, the arithmetic rows' and pairs' columns,
+    and the names ``register()`` adds to the core registries; minus ``SHARED_WORDS``."""
+    import dataclasses
+
+    import unialign.embedded as demo
+    from unialign.embedded import arith, shape_verifier, shapes_world
+
+    names = {f.name for cls in (shapes_world.ShapeSample, shape_verifier.ShapePrompt, shape_verifier.Reading)
+             for f in dataclasses.fields(cls)}
+    sample = shapes_world.shape_dataset("train", per_prompt=1)[0]
+    names |= set(shape_verifier.verify([sample.prompt], [sample.image]))
+    names |= set(arith.arithmetic_dataset("test", n=1)[0]) | set(arith.preference_pairs("test", n=1)[0])
+    names |= {demo.NAME, *demo.REWARD_PATHS, *demo.GENEVAL_BACKEND_PATHS}
+    return names - set(SHARED_WORDS)
+
+
+def _names_in(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every string constant of ``path`` equal to one of ``names`` -- a subscript, a dict key, a
+    ``.get`` argument, a comparison, a tuple of keys -- except the name argument of ``getattr`` and its kin."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    attribute_names = {id(node.args[1]) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                       and isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_CALLS and len(node.args) > 1}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                  and isinstance(node.value, str) and node.value in names and id(node) not in attribute_names)
+
+
+def test_demo_field_checker_can_fail(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(row, checks, t):\n    a = row["colour"] + checks.get("credit")\n'
+                     '    b = {k: 1 for k in checks if k not in ("all", "invalid")}\n'
+                     '    return a, b, getattr(t, "shape", ()), "a shape on a background"\n')
+    names = _demo_names()
+    assert {"shape", "colour", "background", "credit", "invalid", "shape_verifier", "shapes", "embedded"} <= names
+    assert not names & {"all", "prompt", "score", "question", "answer"}
+    assert _names_in(probe, names) == [(2, "colour"), (2, "credit"), (3, "invalid")]
+
+
+def test_core_never_names_a_demo_worlds_fields():
+    """No module outside unialign/embedded names a field of a demo world (the shapes world's shape, colour,
+    background, size words, its verifier's parts, credit and invalid flags, the names its registration adds): the
+    demo hands the core callables and rows (a verifier returning ``all`` and its parts, a gold score, registered
+    rewards), and the core reads them without knowing their names."""
+    names = _demo_names()
+    bad = [f"{f.relative_to(PKG.parent)}:{line}: {name!r}" for f in sorted(PKG.rglob("*.py"))
+           if not _is_under(_module_name(f, PKG), "unialign.embedded") for line, name in _names_in(f, names)]
+    assert not bad, "core modules must not name a demo world's fields:\n" + "\n".join(bad)

@@ -15,10 +15,7 @@ names below are importable from the top level and load their subpackage on first
     OnlineTrainer(policy, [get_reward("math_accuracy"), brevity], rows, config).train()
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+import importlib as _importlib
 
 from unialign.types import PreferenceBatch, Trajectory
 
@@ -53,13 +50,14 @@ _LAZY = {  # name -> module that defines it
 __all__ = ["PreferenceBatch", "Trajectory", "__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'unialign' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names, exactly ``__all__`` (submodules stay importable: ``unialign.text``, ...)."""
+    return sorted(__all__)

@@ -1,17 +1,23 @@
 """Typed configs from the command line: one dataclass per script, optional YAML file, presets, validation.
 
-``parse_config(Cls)`` reads ``--config file.yaml`` (keys are field names) and then command-line
-flags, which win. A script's ``presets`` dict maps a preset name to field overrides applied
-before the YAML and flags (so flags can still change a preset's value). The result is checked by
-``validate`` before anything is loaded: every value against its field's type, and against the field's
-rules, taken from its metadata or, for a field that declares none, from ``RULES`` by name:
+A config is a dataclass whose fields are declared with ``arg``: the default, the one ``--help`` line and the
+field's rules, beside it::
 
-    field(default=8, metadata={"help": "samples per prompt", "group": "algorithm", "min": 1})
+    num_generations: int = arg(8, "samples per prompt (the group size G)", group="algorithm", min=1)
 
-``help`` (one line, shown by ``--help``), ``group`` (the ``--help`` section: one of ``GROUPS``),
-``choices`` (allowed values), ``min`` / ``max`` (inclusive bounds), ``gt`` / ``lt`` (exclusive bounds).
-A config with an ``output_dir`` gets it created and checked writable at once. Every failure is a
-``UserError`` (a ValueError) naming the field; ``exit_on_user_error`` turns it into one line and exit 2.
+``group`` (the ``--help`` section: one of ``GROUPS``), ``choices`` (the allowed values: a tuple, or a registry --
+a dict, or a function returning the names -- read when checked, so names registered later count), ``min`` / ``max``
+(inclusive bounds), ``gt`` / ``lt`` (exclusive bounds), ``hint`` (for a value outside ``choices``, a function of
+(value, choices) giving the message instead of the plain refusal, or None). A class that declares a field again (a
+script changing a default or a help line) keeps the rules of the field it overrides and may add or change some.
+
+``parse_config(Cls)`` reads ``--config file.yaml`` (keys are field names) and then command-line flags, which
+win. A script's ``presets`` dict maps a preset name to field overrides applied before the YAML and flags (so flags
+can still change a preset's value). The result is checked by ``validate`` before anything is loaded: every value
+against its field's type and rules, then the checks of fields together that the config class defines (its
+``check()`` method: a trainer config's algorithm, tracker and run directory); a config without one that has an
+``output_dir`` gets it created and checked writable at once. Every failure is a ``UserError`` (a ValueError)
+naming the field; ``exit_on_user_error`` turns it into one line and exit 2.
 """
 
 from __future__ import annotations
@@ -43,107 +49,39 @@ GROUPS = {  # --help sections, in order
     "logging": "logging, evaluation and checkpoints",
 }
 
+# the values of the fields many configs share
 DTYPES = ("float32", "float16", "bfloat16")
-OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")
-SCHEDULERS = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")  # unialign.trainers.common.make_optimizer
+SCHEDULERS = ("constant", "linear", "cosine")  # unialign.trainers.common.lr_lambda
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "comet_ml", "all", "none")
 
 
-def _algorithms() -> tuple[str, ...]:
-    from unialign.registry import ALGORITHMS
-
-    return tuple(ALGORITHMS)
-
-
-# Rules, --help groups and fallback help lines of the fields shared by many configs (the trainer configs',
-# mostly), by name. A field's own metadata wins over this table. Choices given as a function are looked
-# up when used.
-RULES: dict[str, dict[str, Any]] = {
-    # model
-    "model_name_or_path": {"group": "model"}, "vae_name_or_path": {"group": "model"},
-    "torch_dtype": {"group": "model", "choices": DTYPES}, "lora_rank": {"group": "model", "min": 0},
-    "gradient_checkpointing": {"group": "model"}, "value_head": {"group": "model"},
-    "generation_cache": {"group": "model", "choices": ("auto", "dynamic", "static")},
-    "rollout_dtype": {"group": "model", "choices": DTYPES}, "generation_backend": {"group": "model", "choices": ("hf", "vllm")},
-    "vllm_gpu_memory_utilization": {"group": "model", "gt": 0.0, "max": 1.0},
-    "num_threads": {"group": "model"}, "system_prompt": {"group": "model"},
-    "reward_model_path": {"group": "model"}, "resolution": {"group": "model", "min": 8},
-    "model_family": {"group": "model"}, "lora_alpha": {"group": "model"}, "max_sequence_length": {"group": "model"},
-    # data
-    "dataset_name": {"group": "data"}, "dataset_config": {"group": "data"}, "train_split": {"group": "data"},
-    "eval_split": {"group": "data"}, "eval_dataset_name": {"group": "data"},
-    "eval_fraction": {"group": "data", "gt": 0.0, "lt": 1.0}, "num_eval": {"group": "data", "min": 1},
-    "max_prompt_length": {"group": "data", "min": 1}, "max_completion_length": {"group": "algorithm", "min": 1, "help": 'completion length the loss normaliser assumes (Dr.GRPO, DAPO overlong buffer; default: max_new_tokens)'},
-    "max_length": {"group": "data", "min": 1}, "overlong_rows": {"group": "data", "choices": ("error", "drop")},
-    "prompt_set": {"group": "data"}, "num_prompts": {"group": "data", "min": 1},
-    "pairs_per_prompt": {"group": "data", "min": 1}, "eval_pairs_per_prompt": {"group": "data", "min": 1},
-    "min_gap": {"group": "data", "min": 0.0}, "num_eval_images": {"group": "data", "min": 1},
-    "caption_dropout": {"group": "data", "min": 0.0, "max": 1.0},
-    # algorithm
-    "algorithm": {"group": "algorithm", "choices": _algorithms,
-                  "help": "algorithm preset (unialign.registry); its knobs below override it one by one (a script's "
-                          "own knob defaults apply to its default algorithm only: with another algorithm, unset knobs "
-                          "take that algorithm's values)"},
-    "reward_funcs": {"group": "algorithm"}, "reward": {"group": "algorithm"}, "reward_weights": {"group": "algorithm"},
-    "reward_errors": {"group": "algorithm"}, "eval_reward": {"group": "algorithm"},
-    "num_generations": {"group": "algorithm", "min": 1, "help": 'samples per prompt (G, the group)'}, "prompts_per_step": {"group": "algorithm", "min": 1, "help": 'prompts per step (P); each step samples P x G completions'},
-    "max_new_tokens": {"group": "algorithm", "min": 1}, "temperature": {"group": "algorithm", "gt": 0.0},
-    "top_p": {"group": "algorithm", "gt": 0.0, "max": 1.0}, "top_k": {"group": "algorithm", "min": 0},
-    "max_generation_rounds": {"group": "algorithm", "min": 1, "help": 'DAPO dynamic sampling: sampling rounds per step to fill the batch'}, "ratio_check_tol": {"group": "algorithm", "gt": 0.0, "help": "tolerance of the first step's check that recomputed log-probs equal the sampled ones (default: by dtype)"},
-    "beta": {"group": "algorithm", "min": 0.0}, "loss_type": {"group": "algorithm"},
-    "label_smoothing": {"group": "algorithm", "min": 0.0, "lt": 0.5}, "rpo_alpha": {"group": "algorithm", "min": 0.0},
-    "center_coef": {"group": "algorithm", "min": 0.0}, "precompute_ref_log_probs": {"group": "algorithm"},
-    "num_steps": {"group": "algorithm", "min": 1}, "guidance_scale": {"group": "algorithm", "min": 0.0},
-    "eta": {"group": "algorithm", "min": 0.0}, "noise_level": {"group": "algorithm"}, "sde_type": {"group": "algorithm"},
-    "sde_window_size": {"group": "algorithm"}, "sde_window_range": {"group": "algorithm"}, "timestep_fraction": {"group": "algorithm", "gt": 0.0, "max": 1.0},
-    "min_step_std": {"group": "algorithm", "min": 0.0}, "train_chunk_size": {"group": "optimisation", "min": 0},
-    "sample_batch_size": {"group": "optimisation", "min": 0},
-    "rollout_correction": {"group": "algorithm"}, "rollout_correction_level": {"group": "algorithm"},
-    "rollout_correction_cap": {"group": "algorithm", "gt": 0.0},
-    # optimisation
-    "max_steps": {"group": "optimisation", "min": 1}, "learning_rate": {"group": "optimisation", "min": 0.0},
-    "weight_decay": {"group": "optimisation", "min": 0.0}, "adam_beta1": {"group": "optimisation", "min": 0.0, "lt": 1.0},
-    "adam_beta2": {"group": "optimisation", "min": 0.0, "lt": 1.0}, "adam_epsilon": {"group": "optimisation", "gt": 0.0},
-    "optim": {"group": "optimisation", "choices": OPTIMIZERS},
-    "lr_scheduler_type": {"group": "optimisation", "choices": SCHEDULERS},
-    "warmup_steps": {"group": "optimisation", "min": 0}, "max_grad_norm": {"group": "optimisation", "gt": 0.0},
-    "seed": {"group": "optimisation"}, "micro_batch_size": {"group": "optimisation", "min": 1, "help": 'samples (or pairs) per forward/backward'},
-    "batch_size": {"group": "optimisation", "min": 1, "help": 'pairs per optimizer step'}, "num_mini_batches": {"group": "optimisation", "min": 1, "help": 'optimizer steps per batch of samples'},
-    "allow_config_change": {"group": "optimisation"},
-    # logging, evaluation, checkpoints
-    "output_dir": {"group": "logging", "help": 'folder for checkpoints, logs, curves, summary.json and final/'}, "logging_steps": {"group": "logging", "min": 1},
-    "save_steps": {"group": "logging", "min": 0}, "save_minutes": {"group": "logging", "min": 0.0},
-    "overwrite_output_dir": {"group": "logging"}, "save_total_limit": {"group": "logging", "min": 0},
-    "report_to": {"group": "logging", "choices": REPORT_TO}, "resume_from_checkpoint": {"group": "logging"},
-    "eval_steps": {"group": "logging", "min": 0, "help": 'run the held-out evaluator every N steps (0: only before and after)'}, "eval_batch_size": {"group": "logging", "min": 1, "help": 'rows per held-out evaluation batch'},
-    "eval_seed": {"group": "logging"}, "eval_timestep_samples": {"group": "logging", "min": 1},
-    "preset": {"group": "config"}, "config": {"group": "config"},
-}
-
-
-def arg(default: Any, help: str, **rules: Any) -> Any:  # noqa: A002 - the metadata key argparse uses
-    """A dataclass field with its ``--help`` line and rules: ``x: int = arg(8, "samples per prompt", min=1)``."""
-    return dataclasses.field(default=default, metadata={"help": help, **rules})
+def arg(default: Any, help: str, *, group: str | None = None, choices: Any = None,  # noqa: A002 - argparse's word
+        min: float | None = None, max: float | None = None, gt: float | None = None, lt: float | None = None,  # noqa: A002
+        hint: Callable[[Any, tuple], str | None] | None = None) -> Any:
+    """A config field: its default, its ``--help`` line and its rules (module docstring), e.g.
+    ``x: int = arg(8, "samples per prompt", group="algorithm", min=1)``. A rule left None is not set: a field
+    declared again in a subclass keeps that rule of the field it overrides."""
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"arg: group {group!r} is not one of {', '.join(GROUPS)}")
+    rules = {"group": group, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "hint": hint}
+    return dataclasses.field(default=default, metadata={"help": help, **{k: v for k, v in rules.items() if v is not None}})
 
 
 # ------------------------------------------------------------------ field introspection
-def _algo_knob_rules(cls: type, name: str) -> dict[str, Any]:
-    """For an online config (one with ``algo_spec``), the rules of the ``AlgoSpec`` knob ``name`` (declared
-    once in ``unialign.registry``), so a script that re-declares the field with its own default keeps them."""
-    if not hasattr(cls, "algo_spec"):
-        return {}
-    from unialign.registry import AlgoSpec
-
-    knob = {f.name: f for f in dataclasses.fields(AlgoSpec)}.get(name)
-    return {**knob.metadata, "group": "algorithm"} if knob is not None and name != "name" else {}
-
-
 def field_rules(cls: type, f: dataclasses.Field) -> dict[str, Any]:
-    """The rules of one field: an algorithm knob's own (online configs), then ``RULES[name]``, then the
-    field's metadata, each overriding the one before; callable choices resolved."""
-    rules = {**_algo_knob_rules(cls, f.name), **RULES.get(f.name, {}), **dict(f.metadata)}
-    if callable(rules.get("choices")):
-        rules["choices"] = tuple(rules["choices"]())
+    """The rules of the field ``f`` of ``cls``: the metadata of each declaration of the field along ``cls``'s bases,
+    the most derived winning key by key (a script declaring ``beta`` again with its own default keeps the bounds of
+    the ``beta`` it overrides); ``choices`` read now, as a tuple."""
+    rules: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        declared = klass.__dict__.get("__dataclass_fields__", {}).get(f.name)
+        if declared is not None:
+            rules.update(declared.metadata)
+    rules.update(f.metadata)
+    choices = rules.get("choices")
+    if choices is not None:
+        rules["choices"] = tuple(choices() if callable(choices) else choices)
     return rules
 
 
@@ -305,14 +243,13 @@ def _algorithm_knobs_follow_the_algorithm(cls: type, fields: dict[str, dataclass
     nobody set falls back to None: the chosen algorithm's published value (``unialign.registry``), so
     ``--algorithm flow_grpo`` trains Flow-GRPO, not Flow-GRPO with the script's GRPO clip. A script may still
     measure its own values for another algorithm: ``cls.ALGORITHM_DEFAULTS[algorithm]`` (field -> value) fills
-    those fields nobody set. Only online configs (those with ``algo_spec``); ``values`` (what was set, by name) is
-    updated in place."""
+    those fields nobody set. The knobs are ``cls.ALGORITHM_KNOBS`` (an online config's: the fields of
+    ``unialign.registry.AlgoOverrides``); ``values`` (what was set, by name) is updated in place."""
     algorithm = fields.get("algorithm")
-    if not hasattr(cls, "algo_spec") or algorithm is None or values.get("algorithm", algorithm.default) == algorithm.default:
+    knobs = getattr(cls, "ALGORITHM_KNOBS", ())
+    if not knobs or algorithm is None or values.get("algorithm", algorithm.default) == algorithm.default:
         return
-    from unialign.registry import AlgoSpec
-
-    for knob in (f.name for f in dataclasses.fields(AlgoSpec) if f.name != "name"):
+    for knob in knobs:
         if knob in fields and knob not in values and fields[knob].default is not None:
             values[knob] = None
     # a script's own defaults for a non-default algorithm (its measured choices there), under what was set
@@ -362,11 +299,19 @@ def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any
 
 
 # ------------------------------------------------------------------ validation
+_VALIDATED = "_unialign_validated"  # instance attribute: the field values ``validate`` last found good
+
+
 def validate(cfg: Any) -> None:
-    """Check every field of the dataclass ``cfg`` against its type and rules (see the module docstring),
-    the online algorithm settings when ``cfg`` has ``algo_spec``, and make sure ``output_dir`` (when
-    present) is a writable directory. Raises ``UserError`` naming the first bad field."""
+    """Check every field of the dataclass ``cfg`` against its type and rules (see the module docstring), then the
+    checks of fields together its class defines (``cfg.check()``: an online config's algorithm and group size, a
+    trainer config's tracker and run directory); a config without ``check`` that has an ``output_dir`` gets it
+    created and checked writable. Raises ``UserError`` naming the first bad field. The checks run once per config:
+    ``parse_config`` validates what it builds, and the trainers' call for the same config, unchanged since,
+    returns at once (one changed field, and everything is checked again)."""
     cls = type(cfg)
+    if getattr(cfg, _VALIDATED, None) == _values(cfg):
+        return
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         base, optional = field_type(cls, f)
@@ -378,24 +323,16 @@ def validate(cfg: Any) -> None:
             setattr(cfg, f.name, converted)
         if converted is not None:
             _check_rules(f.name, converted, field_rules(cls, f))
-    if hasattr(cfg, "algo_spec"):
-        check_online(cfg)
-    check_tracker(getattr(cfg, "report_to", None))
-    if hasattr(cfg, "resume_from_checkpoint") and hasattr(cfg, "output_dir"):  # a training run's directory
-        from unialign.trainers import rundir
-        from unialign.trainers.common import find_checkpoint
-
-        if not str(cfg.output_dir).strip():
-            rundir.check(cfg.output_dir, False, False)  # the one line for an empty name
-        check_output_dir(cfg.output_dir)
-        rundir.check(cfg.output_dir, bool(cfg.resume_from_checkpoint), bool(getattr(cfg, "overwrite_output_dir", False)))
-        if cfg.resume_from_checkpoint:  # "latest" with nothing to resume, or a damaged checkpoint: say so now
-            try:
-                find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint, max_steps=getattr(cfg, "max_steps", None))
-            except ValueError as err:
-                raise UserError(str(err)) from None
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check()
     elif getattr(cfg, "output_dir", None):
         check_output_dir(cfg.output_dir)
+    object.__setattr__(cfg, _VALIDATED, _values(cfg))
+
+
+def _values(cfg: Any) -> list[Any]:
+    return [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
 
 
 # --report_to value -> the package accelerate's tracker imports ("all" takes whichever are installed)
@@ -418,13 +355,10 @@ def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
     choices = rules.get("choices")
     if choices and value not in choices:
         from unialign.errors import did_you_mean
-        from unialign.registry import IMAGE_ONLY
 
-        if name == "algorithm" and value in IMAGE_ONLY:  # a text script asked for a denoiser's preset
-            raise UserError(f"--algorithm: {value!r} is a preset for diffusion models (scripts/grpo_image.py, "
-                            f"scripts/ddpo_aesthetic.py); this script's: {', '.join(map(str, choices))}")
-        raise UserError(f"--{name}: {value!r} is not one of {', '.join(map(str, choices))}"
-                        f"{did_you_mean(value, choices)}")
+        reason = rules["hint"](value, choices) if rules.get("hint") else None
+        raise UserError(f"--{name}: {reason}" if reason else f"--{name}: {value!r} is not one of "
+                        f"{', '.join(map(str, choices))}{did_you_mean(value, choices)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"--{name}: must be a finite number, got {value}")
@@ -432,25 +366,6 @@ def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
                                ("gt", lambda b: value > b, ">"), ("lt", lambda b: value < b, "<")):
             if key in rules and not ok(rules[key]):
                 raise UserError(f"--{name}: must be {words} {rules[key]}, got {value}")
-
-
-def check_online(cfg: Any) -> None:
-    """The online algorithm's settings as the trainer will see them: the algorithm, its overrides, the loss
-    aggregation and KL estimator, group sizes and DAPO's overlong buffer."""
-    from unialign.algos.aggregate import AGGREGATION_ALIASES
-    from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, KL_ALIASES
-
-    try:
-        spec = cfg.algo_spec()
-    except (ValueError, TypeError) as err:
-        raise UserError(f"--algorithm: {err}") from None
-    if spec.loss_type not in AGGREGATION_ALIASES:
-        raise UserError(f"--loss_type: {spec.loss_type!r} is not one of {', '.join(AGGREGATION_ALIASES)}")
-    if spec.kl_estimator not in KL_ALIASES and spec.kl_estimator not in CLOSED_FORM_ESTIMATORS:
-        raise UserError(f"--kl_estimator: {spec.kl_estimator!r} is not one of "
-                        f"{', '.join([*KL_ALIASES, *CLOSED_FORM_ESTIMATORS])}")
-    if cfg.num_generations < 2 and spec.advantage in ("group", "rloo"):
-        raise UserError(f"--num_generations: must be >= 2 for {spec.name} (group baselines), got {cfg.num_generations}")
 
 
 def check_output_dir(path: str | os.PathLike) -> Path:

@@ -10,10 +10,10 @@ model's own tokenizer; ``check_rewards`` / ``build_reward`` resolve ``--reward_f
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from unialign.config import UserError
+from unialign.config import UserError, arg
 from unialign.data import ENCODING_ERRORS, streamed_train_eval_rows, train_eval_rows
 
 
@@ -21,33 +21,30 @@ from unialign.data import ENCODING_ERRORS, streamed_train_eval_rows, train_eval_
 class TextDataArgs:
     """Data fields of the text scripts."""
 
-    dataset_name: str = field(default="", metadata={
-        "help": "a Hub id, a local .jsonl/.json/.parquet file, a folder of split files (train.jsonl, test.jsonl, "
-                "...), or a registered name (unialign.text.data.NAMED_DATASETS)"})
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration (GSM8K: 'main')"})
-    train_split: str = field(default="train", metadata={"help": "training split of a folder or Hub dataset"})
-    eval_split: str | None = field(default=None, metadata={
-        "help": "held-out split (default: 'test', else 'validation' of a folder; a single file holds out --eval_fraction)"})
-    eval_dataset_name: str | None = field(default=None, metadata={
-        "help": "a separate held-out dataset (file, folder or Hub id) instead of a split of --dataset_name"})
-    eval_fraction: float = field(default=0.1, metadata={
-        "help": "share of the rows held out for evaluation when the data has no held-out split (fixed seed 0)"})
-    num_eval: int = field(default=256, metadata={"help": "evaluate on at most this many held-out rows"})
-    max_prompt_length: int | None = field(default=512, metadata={
-        "help": "longest prompt in tokens (chat template and special tokens included); longer rows are refused"})
-    overlong_rows: str = field(default="error", metadata={
-        "help": "rows over a token limit: 'error' (refuse, naming them) or 'drop' (skip them, counted in the summary)"})
-    encoding_errors: str = field(default="strict", metadata={
-        "help": "text that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' (read each bad "
-                "byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
-    chat_template: str = field(default="auto", metadata={
-        "help": "prompts as TRL treats them: auto (a string prompt raw, a conversation -- a list of messages -- "
-                "through the tokenizer's chat template), always (a string too, as one user message), never (no "
-                "template: a conversation's text raw)", "group": "data", "choices": ("auto", "always", "never")})
-    streaming: bool = field(default=False, metadata={
-        "help": "read a Hub dataset with datasets' streaming=True: only the rows the run draws (the first "
-                "steps x rows-per-step of --train_split, in the stream's order, and --num_eval held-out rows) are "
-                "fetched; nothing is downloaded whole", "group": "data"})
+    dataset_name: str = arg("", "a Hub id, a local .jsonl/.json/.parquet file, a folder of split files (train.jsonl, "
+                            "test.jsonl, ...), or a registered name (unialign.text.data.NAMED_DATASETS)", group="data")
+    dataset_config: str | None = arg(None, "Hub dataset configuration (GSM8K: 'main')", group="data")
+    train_split: str = arg("train", "training split of a folder or Hub dataset", group="data")
+    eval_split: str | None = arg(None, "held-out split (default: 'test', else 'validation' of a folder; a single file "
+                                 "holds out --eval_fraction)", group="data")
+    eval_dataset_name: str | None = arg(None, "a separate held-out dataset (file, folder or Hub id) instead of a split "
+                                        "of --dataset_name", group="data")
+    eval_fraction: float = arg(0.1, "share of the rows held out for evaluation when the data has no held-out split "
+                               "(fixed seed 0)", group="data", gt=0.0, lt=1.0)
+    num_eval: int = arg(256, "evaluate on at most this many held-out rows", group="data", min=1)
+    max_prompt_length: int | None = arg(512, "longest prompt in tokens (chat template and special tokens included); "
+                                        "longer rows are refused", group="data", min=1)
+    overlong_rows: str = arg("error", "rows over a token limit: 'error' (refuse, naming them) or 'drop' (skip them, "
+                             "counted in the summary)", group="data", choices=("error", "drop"))
+    encoding_errors: str = arg("strict", "text that is not valid UTF-8: 'strict' (refuse it, naming file:line) or "
+                               "'replace' (read each bad byte as U+FFFD)", group="data", choices=ENCODING_ERRORS)
+    chat_template: str = arg("auto", "prompts as TRL treats them: auto (a string prompt raw, a conversation -- a list "
+                             "of messages -- through the tokenizer's chat template), always (a string too, as one user "
+                             "message), never (no template: a conversation's text raw)", group="data",
+                             choices=("auto", "always", "never"))
+    streaming: bool = arg(False, "read a Hub dataset with datasets' streaming=True: only the rows the run draws (the "
+                          "first steps x rows-per-step of --train_split, in the stream's order, and --num_eval held-out "
+                          "rows) are fetched; nothing is downloaded whole", group="data")
 
 
 def check_generation_backend(backend: str) -> None:

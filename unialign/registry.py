@@ -4,19 +4,15 @@ Each ``AlgoSpec`` names its parts: advantage estimator, ratio level, clip bounds
 KL estimator and where the KL goes. Field names follow TRL's ``GRPOConfig`` where TRL has one
 (``num_generations`` lives in the trainer config, being a batch shape, not an algorithm choice).
 Modality-dependent numbers (DDPO clips at 1e-4 on mean-reduced image log-probs; text PPO at 0.2)
-live here and in script presets, never in the math's defaults.
+live here and in script presets, never in the math's defaults. ``AlgoOverrides`` holds the same knobs as
+optional fields, each with its help line and rules: every online config inherits them as its flags.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, fields, replace
 
-
-def knob(default: Any, help: str, **rules: Any) -> Any:  # noqa: A002 - the metadata key the configs read
-    """An ``AlgoSpec`` field declared once: its default, its ``--help`` line and its rules (``choices``, ``min``,
-    ``gt``, ...; see ``unialign.config``). ``OnlineConfig`` derives its override flag from it."""
-    return field(default=default, metadata={"help": help, **rules})
+from unialign.config import arg
 
 
 def _estimators() -> tuple[str, ...]:
@@ -45,54 +41,116 @@ def _kl_estimators() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class AlgoSpec:
-    """One algorithm's choices. Every field but ``name`` is a knob: settable from the command line and YAML
-    as ``--<field>`` (unset: the preset's value), declared here once."""
+    """One algorithm's choices. Every field but ``name`` is a knob, its default the value a preset leaves unset;
+    what each means, its bounds and its flag: ``AlgoOverrides`` (the same fields, one for one)."""
 
     name: str
-    advantage: str = knob("group", "advantage estimator (registered in unialign.algos.estimators)", choices=_estimators)
-    policy_loss: str = knob("clipped", "policy loss (registered in unialign.algos.policy_loss)", choices=_policy_losses)
-    scale_rewards: str = knob("group", "group advantages divided by the group's std, the batch's, or none (TRL)",
-                              choices=("group", "batch", "none"))
-    importance_sampling_level: str = knob("token", "importance ratio per token, per sequence (GSPO) or sequence_token",
-                                          choices=("token", "sequence", "sequence_token"))
-    epsilon: float = knob(0.2, "lower clip bound of the ratio (TRL epsilon)", gt=0.0)
-    epsilon_high: float | None = knob(None, "upper clip bound (DAPO clip-higher); unset: epsilon", gt=0.0)
-    dual_clip: float | None = knob(None, "dual-clip bound c > 1 for negative advantages (verl clip_ratio_c)", gt=1.0)
-    loss_type: str = knob("seq_mean_token_mean", "loss aggregation over tokens and samples (TRL names accepted: grpo, "
-                          "dapo, dr_grpo, bnpo, ...)", choices=_aggregations)
-    beta: float = knob(0.0, "KL coefficient to the reference policy (0: no reference model)", min=0.0)
-    kl_estimator: str = knob("k3", "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion steps)",
-                             choices=_kl_estimators)
-    kl_in_reward: bool = knob(False, "put -beta * KL_t into the per-step rewards (PPO, REINFORCE++) instead of "
-                              "beta * KL into the loss")
-    kl_target: float | None = knob(None, "adaptive KL controller target (KL in the reward only; unset: fixed beta)",
-                                   gt=0.0)
-    kl_horizon: int = knob(10000, "adaptive KL controller horizon", min=1)
-    dynamic_sampling: bool = knob(False, "DAPO: drop groups whose rewards are all equal and sample again")
-    overlong_cache_len: float = knob(0, "DAPO soft overlong buffer: tokens if >= 1, else a share of "
-                                     "max_completion_length (DAPO: 4096 of 20480 = 0.2); 0: off", min=0.0)
-    mask_truncated_completions: bool = knob(False, "leave completions cut at the length limit out of the loss")
-    num_iterations: int = knob(1, "optimisation epochs over each batch of samples", min=1)
-    advantage_clip: float | None = knob(None, "clip advantages to +-this (DDPO: 5)", gt=0.0)
-    whiten_advantages: bool = knob(False, "PPO: masked whitening of the GAE advantages")
-    whiten_rewards: bool = knob(False, "PPO: whiten the KL-shaped token rewards (scale only, the mean kept)")
-    gamma: float = knob(1.0, "discount of the per-step returns (GAE, REINFORCE++)", min=0.0, max=1.0)
-    lam: float = knob(0.95, "GAE lambda", min=0.0, max=1.0)
-    value_coef: float = knob(0.0, "value-loss weight (> 0 trains the critic: PPO)", min=0.0)
-    value_clip: float | None = knob(0.2, "clip range of the value update around the old values", gt=0.0)
-    entropy_coef: float = knob(0.0, "entropy bonus weight")
-    stat_buffer_size: int = knob(32, "DDPO per-prompt reward tracker: rewards kept per prompt", min=1)
-    stat_min_count: int = knob(16, "DDPO tracker: below this many, the batch's statistics are used", min=1)
-    log_prob_estimator: str = knob("sampler", "what the policy's log-prob estimates: the sampler's own step density "
-                                   "(text tokens; DDPO's / Flow-GRPO's steps) or the forward-process matching surrogate "
-                                   "at fresh noise (AWM, DiffusionNFT; denoisers)", choices=("sampler", "forward"))
-    advantage_scale: float = knob(1.0, "multiply the (clipped) advantages by this (AWM: 1/5 after clipping to +-5)",
-                                  gt=0.0)
-    nft_beta: float = knob(1.0, "DiffusionNFT: strength of the implicit positive / negative policies (its OCR "
-                           "runs: 0.1)", gt=0.0)
+    advantage: str = "group"
+    policy_loss: str = "clipped"
+    scale_rewards: str = "group"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    dual_clip: float | None = None
+    loss_type: str = "seq_mean_token_mean"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    dynamic_sampling: bool = False
+    overlong_cache_len: float = 0
+    mask_truncated_completions: bool = False
+    num_iterations: int = 1
+    advantage_clip: float | None = None
+    whiten_advantages: bool = False
+    whiten_rewards: bool = False
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_coef: float = 0.0
+    value_clip: float | None = 0.2
+    entropy_coef: float = 0.0
+    stat_buffer_size: int = 32
+    stat_min_count: int = 16
+    log_prob_estimator: str = "sampler"
+    advantage_scale: float = 1.0
+    nft_beta: float = 1.0
 
     def with_overrides(self, **kw) -> AlgoSpec:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+@dataclass
+class AlgoOverrides:
+    """The knobs of ``AlgoSpec`` as overrides, one field each (same name, its type or None): left None, a knob takes
+    the preset's value. ``OnlineConfig`` inherits them, so each is a ``--flag`` and a YAML key with this help line
+    and these rules (the names of registered parts are read from their registries when checked)."""
+
+    advantage: str | None = arg(None, "advantage estimator (registered in unialign.algos.estimators) (unset: the "
+                                "algorithm's)", group="algorithm", choices=_estimators)
+    policy_loss: str | None = arg(None, "policy loss (registered in unialign.algos.policy_loss) (unset: the "
+                                  "algorithm's)", group="algorithm", choices=_policy_losses)
+    scale_rewards: str | None = arg(None, "group advantages divided by the group's std, the batch's, or none (TRL) "
+                                    "(unset: the algorithm's)", group="algorithm", choices=("group", "batch", "none"))
+    importance_sampling_level: str | None = arg(
+        None, "importance ratio per token, per sequence (GSPO) or sequence_token (unset: the algorithm's)",
+        group="algorithm", choices=("token", "sequence", "sequence_token"))
+    epsilon: float | None = arg(None, "lower clip bound of the ratio (TRL epsilon) (unset: the algorithm's)",
+                                group="algorithm", gt=0.0)
+    epsilon_high: float | None = arg(None, "upper clip bound (DAPO clip-higher); unset: epsilon (unset: the "
+                                     "algorithm's)", group="algorithm", gt=0.0)
+    dual_clip: float | None = arg(None, "dual-clip bound c > 1 for negative advantages (verl clip_ratio_c) (unset: "
+                                  "the algorithm's)", group="algorithm", gt=1.0)
+    loss_type: str | None = arg(None, "loss aggregation over tokens and samples (TRL names accepted: grpo, dapo, "
+                                "dr_grpo, bnpo, ...) (unset: the algorithm's)", group="algorithm", choices=_aggregations)
+    beta: float | None = arg(None, "KL coefficient to the reference policy (0: no reference model) (unset: the "
+                             "algorithm's)", group="algorithm", min=0.0)
+    kl_estimator: str | None = arg(None, "KL estimator: k1, k2, k3, or gaussian (closed form, diffusion steps) (unset: "
+                                   "the algorithm's)", group="algorithm", choices=_kl_estimators)
+    kl_in_reward: bool | None = arg(None, "put -beta * KL_t into the per-step rewards (PPO, REINFORCE++) instead of "
+                                    "beta * KL into the loss (unset: the algorithm's)", group="algorithm")
+    kl_target: float | None = arg(None, "adaptive KL controller target (KL in the reward only; unset: fixed beta) "
+                                  "(unset: the algorithm's)", group="algorithm", gt=0.0)
+    kl_horizon: int | None = arg(None, "adaptive KL controller horizon (unset: the algorithm's)", group="algorithm",
+                                 min=1)
+    dynamic_sampling: bool | None = arg(None, "DAPO: drop groups whose rewards are all equal and sample again (unset: "
+                                        "the algorithm's)", group="algorithm")
+    overlong_cache_len: float | None = arg(
+        None, "DAPO soft overlong buffer: tokens if >= 1, else a share of max_completion_length (DAPO: 4096 of 20480 "
+        "= 0.2); 0: off (unset: the algorithm's)", group="algorithm", min=0.0)
+    mask_truncated_completions: bool | None = arg(None, "leave completions cut at the length limit out of the loss "
+                                                  "(unset: the algorithm's)", group="algorithm")
+    num_iterations: int | None = arg(None, "optimisation epochs over each batch of samples (unset: the algorithm's)",
+                                     group="algorithm", min=1)
+    advantage_clip: float | None = arg(None, "clip advantages to +-this (DDPO: 5) (unset: the algorithm's)",
+                                       group="algorithm", gt=0.0)
+    whiten_advantages: bool | None = arg(None, "PPO: masked whitening of the GAE advantages (unset: the "
+                                         "algorithm's)", group="algorithm")
+    whiten_rewards: bool | None = arg(None, "PPO: whiten the KL-shaped token rewards (scale only, the mean kept) "
+                                      "(unset: the algorithm's)", group="algorithm")
+    gamma: float | None = arg(None, "discount of the per-step returns (GAE, REINFORCE++) (unset: the algorithm's)",
+                              group="algorithm", min=0.0, max=1.0)
+    lam: float | None = arg(None, "GAE lambda (unset: the algorithm's)", group="algorithm", min=0.0, max=1.0)
+    value_coef: float | None = arg(None, "value-loss weight (> 0 trains the critic: PPO) (unset: the algorithm's)",
+                                   group="algorithm", min=0.0)
+    value_clip: float | None = arg(None, "clip range of the value update around the old values (unset: the "
+                                   "algorithm's)", group="algorithm", gt=0.0)
+    entropy_coef: float | None = arg(None, "entropy bonus weight (unset: the algorithm's)", group="algorithm")
+    stat_buffer_size: int | None = arg(None, "DDPO per-prompt reward tracker: rewards kept per prompt (unset: the "
+                                       "algorithm's)", group="algorithm", min=1)
+    stat_min_count: int | None = arg(None, "DDPO tracker: below this many, the batch's statistics are used (unset: "
+                                     "the algorithm's)", group="algorithm", min=1)
+    log_prob_estimator: str | None = arg(
+        None, "what the policy's log-prob estimates: the sampler's own step density (text tokens; DDPO's / "
+        "Flow-GRPO's steps) or the forward-process matching surrogate at fresh noise (AWM, DiffusionNFT; denoisers) "
+        "(unset: the algorithm's)", group="algorithm", choices=("sampler", "forward"))
+    advantage_scale: float | None = arg(None, "multiply the (clipped) advantages by this (AWM: 1/5 after clipping to "
+                                        "+-5) (unset: the algorithm's)", group="algorithm", gt=0.0)
+    nft_beta: float | None = arg(None, "DiffusionNFT: strength of the implicit positive / negative policies (its OCR "
+                                 "runs: 0.1) (unset: the algorithm's)", group="algorithm", gt=0.0)
+
+
+KNOBS = tuple(f.name for f in fields(AlgoOverrides))  # the names of AlgoSpec's knobs (every field but name)
 
 
 ALGORITHMS: dict[str, AlgoSpec] = {
@@ -164,6 +222,15 @@ ALGORITHMS: dict[str, AlgoSpec] = {
 # diffusion sampling steps, or they need the forward-process estimate): the text scripts do not offer them.
 IMAGE_ONLY = ("ddpo", "flow_grpo", "pref_grpo", "awm", "nft")
 TEXT_ALGORITHMS = tuple(n for n in ALGORITHMS if n not in IMAGE_ONLY)
+
+
+def diffusion_preset_refused(value: str, choices: tuple) -> str | None:
+    """The refusal of a denoiser's preset by a text script (an ``--algorithm`` field's ``hint``, see
+    ``unialign.config``), or None for any other value."""
+    if value not in IMAGE_ONLY:
+        return None
+    return (f"{value!r} is a preset for diffusion models (scripts/grpo_image.py, scripts/ddpo_aesthetic.py); "
+            f"this script's: {', '.join(map(str, choices))}")
 
 
 def get_algorithm(name: str, **overrides) -> AlgoSpec:

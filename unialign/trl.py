@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from unialign.config import arg, resolve_names, validate
+from unialign.config import DTYPES, arg, resolve_names, validate
 from unialign.errors import UserError
 from unialign.trainers.online import OnlineConfig
 from unialign.trainers.preference import PreferenceConfig
@@ -57,20 +57,23 @@ class _GRPOFields(OnlineConfig):
     max_completion_length: int | None = arg(256, "generation length in tokens (TRL's name), also the loss "
                                             "normaliser's L and DAPO's limit", min=1)
     max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer rows are refused (overlong_rows)",
-                                        min=1)
-    overlong_rows: str = arg("error", "rows over max_prompt_length: 'error' or 'drop'", choices=("error", "drop"))
-    temperature: float = arg(1.0, "sampling temperature", gt=0.0)
-    top_p: float = arg(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
-    top_k: int = arg(0, "sample among the k most likely tokens (0: all)", min=0)
+                                        group="data", min=1)
+    overlong_rows: str = arg("error", "rows over max_prompt_length: 'error' or 'drop'",
+                             group="data", choices=("error", "drop"))
+    temperature: float = arg(1.0, "sampling temperature", group="algorithm", gt=0.0)
+    top_p: float = arg(1.0, "nucleus sampling mass", group="algorithm", gt=0.0, max=1.0)
+    top_k: int = arg(0, "sample among the k most likely tokens (0: all)", group="algorithm", min=0)
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's GRPO default)", min=0.0)
-    torch_dtype: str = arg("float32", "dtype the weights are loaded in")
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", min=0)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
     chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
                              choices=("auto", "always", "never"))
-    system_prompt: str | None = arg(None, "system message before every templated prompt")
-    generation_backend: str = arg("hf", "rollout engine: hf or vllm (colocated)")
-    vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes")
-    eval_batch_size: int = arg(64, "prompts per held-out greedy evaluation batch")
+    system_prompt: str | None = arg(None, "system message before every templated prompt", group="model")
+    generation_backend: str = arg("hf", "rollout engine: hf or vllm (colocated)",
+                                  group="model", choices=("hf", "vllm"))
+    vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes",
+                                             group="model", gt=0.0, max=1.0)
+    eval_batch_size: int = arg(64, "prompts per held-out greedy evaluation batch", group="logging", min=1)
     output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
@@ -84,17 +87,25 @@ class GRPOConfig(_TrlKeywords, _GRPOFields):
 class _DPOFields(PreferenceConfig):
     """``PreferenceConfig`` plus what TRL's ``DPOConfig`` holds (defaults TRL's)."""
 
-    beta: float = arg(0.1, "DPO temperature: strength of the implicit KL to the reference", min=0.0)
-    loss_type: str = arg("sigmoid", "DPO loss variant (unialign.algos.preference.DPO_LOSS_TYPES)")
-    label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO, robust DPO)", min=0.0, lt=0.5)
-    rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO)", min=0.0)
-    max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer pairs are refused", min=1)
-    max_completion_length: int | None = arg(None, "longest chosen / rejected completion in tokens", min=1)
-    overlong_rows: str = arg("error", "pairs over a limit: 'error' or 'drop'", choices=("error", "drop"))
-    precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front")
+    beta: float = arg(0.1, "DPO temperature: strength of the implicit KL to the reference",
+                      group="algorithm", min=0.0)
+    loss_type: str = arg("sigmoid", "DPO loss variant (unialign.algos.preference.DPO_LOSS_TYPES)",
+                         group="algorithm")
+    label_smoothing: float = arg(0.0, "assumed label-noise rate (cDPO, robust DPO)",
+                                 group="algorithm", min=0.0, lt=0.5)
+    rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO)",
+                                  group="algorithm", min=0.0)
+    max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer pairs are refused",
+                                        group="data", min=1)
+    max_completion_length: int | None = arg(None, "longest chosen / rejected completion in tokens",
+                                            group="algorithm", min=1)
+    overlong_rows: str = arg("error", "pairs over a limit: 'error' or 'drop'",
+                             group="data", choices=("error", "drop"))
+    precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front",
+                                         group="algorithm")
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's DPO default)", min=0.0)
-    torch_dtype: str = arg("float32", "dtype the weights are loaded in")
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", min=0)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
     chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
                              choices=("auto", "always", "never"))
     output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")

@@ -342,7 +342,8 @@ def migration_table(classes: Mapping[str, type]) -> str:
         lines += [f"## {trl_config} (`{cls.__name__}`)", "", "| TRL | unialign | what it does here |", "|---|---|---|"]
         for name in names:
             spelling, what = describe(name, cls)
-            lines.append(f"| `{name}` | {spelling} | {what.replace('|', '/')} |")
+            what = what.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")  # <output_dir> is no HTML tag
+            lines.append(f"| `{name}` | {spelling} | {what} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -120,9 +120,9 @@ def test_load_embedded_policy_samples_images():
 
 
 def test_missing_asset_folder_says_how_to_build(tmp_path):
-    with pytest.raises(FileNotFoundError, match="shapes_build build"):
+    with pytest.raises(FileNotFoundError, match="build_shapes_world build"):
         E.load_embedded_clip(tmp_path)
-    with pytest.raises(FileNotFoundError, match="shapes_build build-sd3"):
+    with pytest.raises(FileNotFoundError, match="build_shapes_world build-sd3"):
         E.load_embedded_sd3(tmp_path)
 
 
@@ -130,7 +130,7 @@ def test_missing_asset_folder_says_how_to_build(tmp_path):
 def test_stock_sd3_pipeline_loads_the_embedded_flow_model():
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    from unialign.embedded.shapes_build import encode_sd3_prompt
+    from tools.build_shapes_world import encode_sd3_prompt
 
     with pytest.raises(ValueError, match="text_encoder_3"):  # diffusers: a T5-less folder needs T5 passed as None
         StableDiffusion3Pipeline.from_pretrained(str(E.SD3_DIR))
@@ -187,7 +187,7 @@ def test_embedded_sd3_follows_prompts_better_with_cfg():
 
 
 def test_policy_space_images_are_vae_decodes_and_deterministic():
-    from unialign.embedded.shapes_build import policy_space_images
+    from tools.build_shapes_world import policy_space_images
 
     policy = E.load_embedded(num_steps=2)
     x = E.to_tensor([d.image for d in E.shape_dataset("train", per_prompt=1)[:3]])
@@ -216,13 +216,14 @@ def test_shipped_aesthetic_head_tracks_gold_on_model_samples():
 
 
 def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
+    from unialign.embedded.parts import fidelity_checks
     from unialign.embedded.shape_verifier import verify
     from unialign.image.evaluate import sample_scores
 
     policy = E.load_embedded(num_steps=2)
     prompts = E.prompts("test")[:3]
     reward = lambda prompts, completions: [float(i) for i in range(len(completions))]  # noqa: E731  TRL keywords
-    a = sample_scores(policy, prompts, 7, reward=reward, gold=E.gold_score, verifier=verify)
+    a = sample_scores(policy, prompts, 7, reward=reward, gold=E.gold_score, verifier=fidelity_checks)
     b = sample_scores(policy, prompts, 7, gold=E.gold_score)
     assert [x.tobytes() for x in a["images"]] == [x.tobytes() for x in b["images"]] and "mean" not in b
     assert torch.equal(a["gold_scores"], E.gold_score(a["images"])) and a["gold_mean"] == float(a["gold_scores"].mean())
@@ -230,3 +231,6 @@ def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
     checks = verify(prompts, a["images"])
     assert a["fidelity"] == float(checks["all"].mean()) and torch.equal(a["fidelity_flags"], checks["all"])
     assert a["fidelity/shape"] == float(checks["shape"].mean()) and "fidelity" not in b
+    # what the held-out evaluation logs of the shapes world: each part and the partial credit
+    assert {k for k in a if k.startswith("fidelity/")} == {f"fidelity/{k}" for k in ("background", "colour", "shape",
+                                                                                       "credit")}

@@ -106,9 +106,10 @@ def test_grpo_image_full_fine_tune_final_is_a_pipeline_with_the_trained_unet(tmp
     UNet (changed from the embedded one), samples finite images; ``comparison.png`` replaces the two grids."""
     from diffusers import DiffusionPipeline
 
-    from unialign.embedded import parts, shapes_world
+    from unialign.embedded import parts, register, shapes_world
     from unialign.image.recipe import run_image_rl
 
+    register()  # the shape verifier by name, as the script's main registers it
     out = tmp_path / "run"
     _, cfg = script_config("grpo_image", [
         "--max_steps", "1", "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",

@@ -252,10 +252,12 @@ def test_map_with_time_limit_defaults_slow_and_failing_items_keeps_order():
 
 
 def model_reward_kwargs() -> dict[str, dict]:
-    """Rewards that load a model need one: the demo package's tiny CLIP / head need no network (importing
-    the package also registers its shape verifiers, so they are checked below too)."""
+    """Rewards that load a model need one: the demo package's tiny CLIP / head need no network (its
+    ``register()`` also adds its shape verifiers, so they are checked below too)."""
+    from unialign.embedded import register
     from unialign.embedded.shapes_world import reward_kwargs
 
+    register()
     return {n: reward_kwargs(n) for n in ("aesthetic", "clip_score", "geneval")}
 
 

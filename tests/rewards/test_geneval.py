@@ -29,6 +29,8 @@ from unialign.rewards.geneval import (
     relative_position,
 )
 
+pytestmark = pytest.mark.usefixtures("demo_worlds")  # get_reward("geneval", backend="shapes"): registered as the scripts do
+
 Det = namedtuple("Det", "label score box")
 
 

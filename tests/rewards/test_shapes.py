@@ -20,6 +20,8 @@ from unialign.embedded.shape_verifier import (
 )
 from unialign.rewards import CombinedReward, get_reward
 
+pytestmark = pytest.mark.usefixtures("demo_worlds")  # get_reward("shape_verifier"): registered as the scripts do
+
 
 def _renders(per_prompt: int, seed: int = 0) -> tuple[list[str], list[Image.Image], list[tuple[str, str, str]]]:
     """Every (shape, colour, background) of the world, ``per_prompt`` random layouts each, every size."""

@@ -1,4 +1,5 @@
-"""The embedded offline default: arithmetic task, char tokenizer, shipped tiny Llama, evaluation."""
+"""The embedded offline default: arithmetic task, char tokenizer, shipped tiny Llama, evaluation; its builder
+(``tools/build_arith_lm.py``, not installed) and the explicit registration of the demo worlds."""
 
 from __future__ import annotations
 
@@ -108,13 +109,17 @@ def test_shipped_model_loads_offline_and_is_mid_way(monkeypatch):
     # generations stop at <|im_end|> and are in the task's format
     comp = E.generate_completions(model, tok, [rows[0]["question"]])[0][0]
     assert "####" in comp and len(comp) <= E.MAX_NEW_TOKENS
+    from tools.build_arith_lm import DEFAULT_CARRY_DROP, DEFAULT_STEPS
+
     metrics = json.loads((E.DEFAULT_ASSET_DIR / "build_metrics.json").read_text())
-    assert metrics["steps"] == E.DEFAULT_STEPS and metrics["carry_drop"] == E.DEFAULT_CARRY_DROP
+    assert metrics["steps"] == DEFAULT_STEPS and metrics["carry_drop"] == DEFAULT_CARRY_DROP
 
 
 def test_tiny_build_writes_loadable_files(tmp_path):
+    from tools.build_arith_lm import BUILT_FILES, build
+
     threads = torch.get_num_threads()
-    m = E.build(tmp_path, steps=3, batch_size=8, eval_rows=4, verbose=False, carry_drop=0.5)
+    m = build(tmp_path, steps=3, batch_size=8, eval_rows=4, verbose=False, carry_drop=0.5)
     assert torch.get_num_threads() == threads
     assert {"greedy_acc", "pass_at_8", "train_seconds"} <= set(m)
     names = set(os.listdir(tmp_path))
@@ -123,7 +128,8 @@ def test_tiny_build_writes_loadable_files(tmp_path):
     rows = E.arithmetic_dataset("test", n=4)
     assert 0.0 <= E.evaluate_accuracy(model, tok, rows, max_new_tokens=4) <= 1.0
     # same seed -> same weights
-    m2 = E.build(tmp_path / "again", steps=3, batch_size=8, eval_rows=0, verbose=False, carry_drop=0.5)
+    assert set(BUILT_FILES) == names  # what the check compares: every file the build writes
+    m2 = build(tmp_path / "again", steps=3, batch_size=8, eval_rows=0, verbose=False, carry_drop=0.5)
     assert "greedy_acc" not in m2
     model2, _ = E.load_arith_lm(tmp_path / "again")
     for (n1, p1), (_, p2) in zip(model.state_dict().items(), model2.state_dict().items()):
@@ -153,8 +159,10 @@ def test_preference_pairs_reject_a_wrong_self_consistent_answer_of_the_models_ki
 
 
 def test_the_demo_package_resolves_the_word_embedded():
-    # importing unialign.embedded registers its data sets and rewards; the core loaders know only the names
+    # unialign.embedded.register() adds its data sets and rewards by name; the core loaders know only the names
     import unialign.embedded as demo
+
+    demo.register()
     from unialign.recipes import load_pair_data
     from unialign.rewards import REWARDS
     from unialign.text.data import load_rows
@@ -171,3 +179,35 @@ def test_the_demo_package_resolves_the_word_embedded():
     assert len(held_out) == 4 and info["eval_source"] == "embedded [test]"
     policy = demo.load_arith_policy(max_new_tokens=4)
     assert Path(policy.model.name_or_path) == demo.ARITH_LM_DIR
+
+
+def test_importing_the_demo_package_registers_nothing_until_register_is_called():
+    """Registration is one explicit, idempotent call: importing every module of unialign.embedded leaves the core
+    registries as they were; ``register()`` adds the data sets, the shape verifiers and GenEval's backend; a second
+    call changes nothing; an entry registered first under the same name is kept."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, pkgutil
+import unialign.embedded as demo
+from unialign.rewards.geneval import GENEVAL_BACKENDS
+from unialign.rewards.registry import REWARD_INPUTS, REWARDS
+from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
+for m in pkgutil.iter_modules(demo.__path__):
+    importlib.import_module('unialign.embedded.' + m.name)
+registries = (REWARDS, REWARD_INPUTS, GENEVAL_BACKENDS, NAMED_DATASETS, NAMED_PAIR_DATASETS)
+before = [dict(r) for r in registries]
+assert 'embedded' not in NAMED_DATASETS and 'shape_verifier' not in REWARDS and 'shapes' not in GENEVAL_BACKENDS
+REWARDS['shape_verifier_partial'] = 'mine:Reward'
+demo.register()
+assert NAMED_DATASETS['embedded'] is demo._arithmetic_rows and NAMED_PAIR_DATASETS['embedded'] is demo._arithmetic_pairs
+assert REWARDS['shape_verifier'] == demo.REWARD_PATHS['shape_verifier'] and REWARD_INPUTS['shape_verifier'] == 'image'
+assert REWARDS['shape_verifier_partial'] == 'mine:Reward'  # setdefault: the first registration wins
+assert GENEVAL_BACKENDS['shapes'] == demo.GENEVAL_BACKEND_PATHS['shapes']
+after = [dict(r) for r in registries]
+demo.register()
+assert [dict(r) for r in registries] == after != before
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert res.returncode == 0, res.stderr

@@ -1,13 +1,19 @@
 """The offline demo worlds the scripts run by default, kept out of the library's core (which never imports
 this package): a tiny arithmetic task with its model (``arith``), and a world of captioned synthetic shapes
 with a tiny SDXL-architecture model, CLIP and aesthetic head (``shapes_world``), its verifiable reward
-(``shape_verifier``), the code that built their weights (``arith.build``, ``shapes_build``; the weights are
-in ``assets/``) and the parts the scripts assemble from them (``parts``).
+(``shape_verifier``), its GenEval backend (``geneval_shapes``) and the parts the scripts assemble from them
+(``parts``). The weights are in ``assets/``; the code that built them is not installed (``tools/`` of the source
+checkout: ``python -m tools.build_arith_lm``, ``python -m tools.build_shapes_world``).
 
 The scripts resolve the word ``"embedded"`` (``NAME``) here: ``--model_name_or_path embedded`` is
-``model_path(...)``, the arithmetic data set and its preference pairs are registered by that name in
-``unialign.text.data``, and the shape verifier in the reward registry, all when this package is imported::
+``model_path(...)``. Importing this package registers nothing; ``register()``, one explicit call the scripts
+make, adds the worlds to the core registries by name: the arithmetic data set and its preference pairs
+(``unialign.text.data.NAMED_DATASETS`` / ``NAMED_PAIR_DATASETS``), the shape verifiers
+(``unialign.rewards.registry.REWARDS`` / ``REWARD_INPUTS``) and GenEval's ``"shapes"`` backend
+(``unialign.rewards.geneval.GENEVAL_BACKENDS``)::
 
+    import unialign.embedded
+    unialign.embedded.register()                 # idempotent; a name already registered is left as it is
     from unialign.embedded import load_arith_policy
     policy = load_arith_policy()   # the shipped arithmetic model as a CausalLMPolicy
 """
@@ -17,15 +23,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from unialign.rewards.geneval import GENEVAL_BACKENDS
-from unialign.rewards.registry import REWARD_INPUTS, REWARDS
-from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
-
 NAME = "embedded"
 ARITH_LM_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"  # = arith.DEFAULT_ASSET_DIR
 
+# What ``register()`` adds, registry by registry (each a name -> "module:attribute" or a loader).
+REWARD_PATHS = {  # image, verifiable (shape_verifier.py): the shapes world's prompt checker, 0 / 1 and graded
+    "shape_verifier": "unialign.embedded.shape_verifier:ShapeVerifierReward",
+    "shape_verifier_partial": "unialign.embedded.shape_verifier:PartialShapeVerifierReward",
+}
+GENEVAL_BACKEND_PATHS = {  # GenEval's rules on this world (geneval_shapes.py): get_reward("geneval", backend="shapes")
+    "shapes": "unialign.embedded.geneval_shapes:ShapesDetector",
+}
 
-# arith is imported when first used, so that `python -m unialign.embedded.arith` runs a module not yet imported
+
+# arith is imported when first used: the loaders below run only when a script asks for the data set
 # The rows are conversational (TRL's format: the question as a user message), so the policy renders them through
 # the chat template the model was trained with; a plain string prompt would be used raw (TRL's rule).
 def _user(question: str) -> list[dict[str, str]]:
@@ -44,14 +55,21 @@ def _arithmetic_pairs(split: str, n: int | None = None, seed: int = 0) -> list[d
     return [{**r, "prompt": _user(r["prompt"])} for r in preference_pairs(split, n=n, seed=seed)]
 
 
-# image, verifiable (unialign/embedded/shape_verifier.py): the shapes world's prompt checker
-REWARDS.setdefault("shape_verifier", "unialign.embedded.shape_verifier:ShapeVerifierReward")
-REWARDS.setdefault("shape_verifier_partial", "unialign.embedded.shape_verifier:PartialShapeVerifierReward")
-REWARD_INPUTS.update({"shape_verifier": "image", "shape_verifier_partial": "image"})
-# GenEval's rules on this world (unialign/embedded/geneval_shapes.py): get_reward("geneval", backend="shapes")
-GENEVAL_BACKENDS.setdefault("shapes", "unialign.embedded.geneval_shapes:ShapesDetector")
-NAMED_DATASETS.setdefault(NAME, _arithmetic_rows)
-NAMED_PAIR_DATASETS.setdefault(NAME, _arithmetic_pairs)
+def register() -> None:
+    """Add the demo worlds to the core registries (module docstring): ``NAME`` as a prompt data set and a
+    pair data set, ``REWARD_PATHS`` as image rewards, ``GENEVAL_BACKEND_PATHS`` as GenEval backends. Idempotent;
+    an entry someone registered under the same name first is kept (``setdefault``). Imports nothing heavy."""
+    from unialign.rewards.geneval import GENEVAL_BACKENDS
+    from unialign.rewards.registry import REWARD_INPUTS, REWARDS
+    from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
+
+    for name, path in REWARD_PATHS.items():
+        REWARDS.setdefault(name, path)
+        REWARD_INPUTS.setdefault(name, "image")
+    for name, path in GENEVAL_BACKEND_PATHS.items():
+        GENEVAL_BACKENDS.setdefault(name, path)
+    NAMED_DATASETS.setdefault(NAME, _arithmetic_rows)
+    NAMED_PAIR_DATASETS.setdefault(NAME, _arithmetic_pairs)
 
 
 def model_path(name_or_path: str) -> str:

@@ -31,14 +31,14 @@ Why it suits RL (and the one deliberate imperfection of the warm start)
 GRPO needs a policy that is mid-way: wrong often enough under greedy decoding to leave room, yet
 right often enough when sampling that a group of 8 usually contains a correct answer. A plain short
 SFT reaches that state only in a narrow, steep window of steps (measured: held-out greedy 28 % after
-200 steps, 66 % after 280), too fragile to ship. So ``build`` trains long enough to learn the digit
-steps well, with **noisy labels**: each time a training row that needs a carry is used, with
+200 steps, 66 % after 280), too fragile to ship. So the build (``tools/build_arith_lm.py``, in the source
+checkout, not installed) trains long enough to learn the digit steps well, with **noisy labels**: each time a training row that needs a carry is used, with
 probability ``carry_drop`` (default 0.4) its SFT target forgets the ``+1``
 (``"7+8=15,4+3=7\\n#### 75"``: a plausible, wrong answer). The model therefore learns P(carry) of about
 0.4 on carry problems: its greedy answer is usually wrong exactly when a carry is needed (about 45 %
 of problems), while the right answer keeps high probability (pass@8 at temperature 1: 79 %).
 Reward-driven RL on the *true* answers (the dataset's answers are always correct; the noise exists
-only inside ``build``) then sharpens the carry decision, which is the held-out gain that
+only inside the build) then sharpens the carry decision, which is the held-out gain that
 ``scripts/grpo_math.py`` measures. The numbers for the shipped model are in
 ``unialign/embedded/assets/arith_lm/BUILD.md``.
 
@@ -50,27 +50,26 @@ A character-level ``tokenizers`` WordLevel model over a fixed character set plus
 ``LlamaForCausalLM`` (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings, 0.43 M parameters).
 Both round-trip through ``save_pretrained`` / ``from_pretrained`` with stock transformers.
 
-CLI::
+This module holds what a run needs (task, tokenizer, architecture, loader, evaluation). The supervised warm
+start that trained the shipped weights, and the check that a rebuild gives them, are in the source checkout
+(not installed)::
 
-    python -m unialign.embedded.arith build --out DIR   # deterministic rebuild (same machine/torch)
-    python -m unialign.embedded.arith eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
+    python -m tools.build_arith_lm build --out DIR   # deterministic rebuild (same machine/torch)
+    python -m tools.build_arith_lm eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
+    python -m tools.build_arith_lm check             # rebuild into a temp folder, compare file by file (sha256)
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
-import math
 import random
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unialign.text.tokens import encode_prompt, encode_prompts
+from unialign.text.tokens import encode_prompts
 
 PAD, BOS, EOS, UNK = "<|pad|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -116,13 +115,22 @@ def _all_problems() -> list[tuple[str, int, int]]:
 def worked_answer(a: int, b: int, drop_carry: bool = False) -> str:
     """``"7+8=15,4+3+1=8\\n#### 85"`` for 47+38: units digits first, then tens digits plus the carry; the
     final answer is the tens step's result followed by the units step's last digit.
-    ``drop_carry`` (SFT label noise only, see ``build``) forgets the ``+1``: a plausible wrong answer."""
+    ``drop_carry`` (SFT label noise only, see the module docstring) forgets the ``+1``: a plausible wrong answer."""
     ua, ub, ta, tb = a % 10, b % 10, a // 10, b // 10
     u = ua + ub
     carry = u >= 10 and not drop_carry
     t = ta + tb + int(carry)
     final = t * 10 + u % 10
     return f"{ua}+{ub}={u},{ta}+{tb}{'+1' if carry else ''}={t}\n#### {final}"
+
+
+def _operands(answer: str) -> tuple[int, int]:
+    """``(a, b)`` back from a worked answer ``"<u1>+<u2>=..,<t1>+<t2>..."``."""
+    m = re.match(r"(\d)\+(\d)=\d+,(\d)\+(\d)", answer)
+    if m is None:
+        raise ValueError(f"not a worked addition answer: {answer!r}")
+    ua, ub, ta, tb = map(int, m.groups())
+    return 10 * ta + ua, 10 * tb + ub
 
 
 CARRY_ERROR_SHARE = 0.6  # measured: 137 of the shipped model's 240 wrong greedy answers (512 held-out) drop the carry
@@ -284,7 +292,8 @@ def load_arith_lm(path: str | Path | None = None):
 
     p = Path(path) if path is not None else DEFAULT_ASSET_DIR
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"no arith_lm at {p}; rebuild with `python -m unialign.embedded.arith build`")
+        raise FileNotFoundError(f"no arith_lm at {p}; rebuild it from a source checkout with "
+                                f"`python -m tools.build_arith_lm build --out {p}`")
     tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     tok.padding_side = "left"
     model = LlamaForCausalLM.from_pretrained(str(p), local_files_only=True)
@@ -346,176 +355,3 @@ def pass_at_k(model, tokenizer, rows: list[dict], k: int = 8, temperature: float
                                  max_new_tokens, greedy=False, num_samples=k, temperature=temperature,
                                  seed=seed)
     return sum(any(is_correct(c, r["answer"]) for c in cs) for cs, r in zip(comps, rows)) / max(1, len(rows))
-
-
-# ---------------------------------------------------------------------------------------------
-# Supervised warm start
-# ---------------------------------------------------------------------------------------------
-
-
-def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + answer + <|im_end|>, prompt length) per row."""
-    out = []
-    for r in rows:
-        p = encode_prompt(tokenizer, chat_prompt(tokenizer, r["question"]), templated=True)
-        a = tokenizer.encode(r["answer"] + EOS, add_special_tokens=False)
-        out.append((p + a, len(p)))
-    return out
-
-
-def _collate(batch: list[tuple[list[int], int]], pad_id: int):
-    """Left-padded input ids, attention mask and labels (-100 outside the assistant answer)."""
-    L = max(len(ids) for ids, _ in batch)
-    ids_t = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), L), dtype=torch.long)
-    labels = torch.full((len(batch), L), -100, dtype=torch.long)
-    for i, (ids, plen) in enumerate(batch):
-        off = L - len(ids)
-        ids_t[i, off:] = torch.tensor(ids)
-        mask[i, off:] = 1
-        labels[i, off + plen:] = torch.tensor(ids[plen:])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids_t, mask, labels, pos
-
-
-DEFAULT_STEPS = 280
-DEFAULT_BATCH = 32
-DEFAULT_LR = 3e-3
-DEFAULT_CARRY_DROP = 0.4
-
-
-def _operands(answer: str) -> tuple[int, int]:
-    """``(a, b)`` back from a worked answer ``"<u1>+<u2>=..,<t1>+<t2>..."``."""
-    m = re.match(r"(\d)\+(\d)=\d+,(\d)\+(\d)", answer)
-    if m is None:
-        raise ValueError(f"not a worked addition answer: {answer!r}")
-    ua, ub, ta, tb = map(int, m.groups())
-    return 10 * ta + ua, 10 * tb + ub
-
-
-def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
-          lr: float = DEFAULT_LR, warmup: int = 50, num_threads: int = 1, eval_rows: int = 256,
-          carry_drop: float | None = None,
-          log_every: int = 100, callback=None, verbose: bool = True, **model_kw) -> dict:
-    """Build the tokenizer, train the tiny Llama with supervised next-token loss on the assistant answer
-    for a FIXED number of ``steps`` (AdamW, linear warmup, cosine decay to 0), save both to ``out_dir``.
-    ``carry_drop`` (default ``DEFAULT_CARRY_DROP``): probability that a drawn training row needing a
-    carry gets the carry-dropped (wrong) target instead (label noise; see the module docstring).
-
-    Deterministic for a given ``seed`` on the same machine / torch build (fixed thread count,
-    deterministic algorithms, seeded data order). Returns a dict of measurements (also written to
-    ``out_dir/build_metrics.json``). ``callback(step, model, tokenizer)`` is called every ``log_every``
-    steps (for exploration).
-    """
-    carry_drop = DEFAULT_CARRY_DROP if carry_drop is None else carry_drop
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    prev_threads = torch.get_num_threads()
-    prev_det = torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(num_threads)
-    torch.use_deterministic_algorithms(True)
-    t0 = time.time()
-    try:
-        tok = build_tokenizer()
-        model = build_model(tok, seed=seed, **model_kw)
-        train_rows = arithmetic_dataset("train", seed=seed)
-        cache: dict[tuple[int, bool], tuple[list[int], int]] = {}
-        noise_rng = random.Random(f"carry-drop-{seed}")
-
-        def encoded(i: int) -> tuple[list[int], int]:
-            row = train_rows[i]
-            a, b = _operands(row["answer"])
-            drop = carry_drop > 0 and a % 10 + b % 10 >= 10 and noise_rng.random() < carry_drop
-            if (i, drop) not in cache:
-                if drop:
-                    row = {"question": row["question"], "answer": worked_answer(a, b, drop_carry=True)}
-                cache[i, drop] = _encode_sft(tok, [row])[0]
-            return cache[i, drop]
-
-        rng = random.Random(seed)
-        order: list[int] = []
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-
-        def lr_at(s: int) -> float:
-            if s < warmup:
-                return lr * (s + 1) / warmup
-            return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
-
-        model.train()
-        for step in range(steps):
-            if len(order) < batch_size:
-                perm = list(range(len(train_rows)))
-                rng.shuffle(perm)
-                order += perm
-            idx, order = order[:batch_size], order[batch_size:]
-            ids, mask, labels, pos = _collate([encoded(i) for i in idx], tok.pad_token_id)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if verbose and (step % log_every == 0 or step == steps - 1):
-                print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  "
-                      f"{time.time() - t0:.0f}s", flush=True)
-            if callback is not None and (step + 1) % log_every == 0:
-                callback(step + 1, model, tok)
-        train_s = time.time() - t0
-        model.eval()
-        model.save_pretrained(str(out), safe_serialization=True)
-        tok.save_pretrained(str(out))
-        metrics: dict[str, Any] = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
-                                   "warmup": warmup, "num_threads": num_threads, "carry_drop": carry_drop,
-                                   "train_seconds": round(train_s, 1), "torch": torch.__version__}
-        if eval_rows:
-            test = arithmetic_dataset("test", n=eval_rows)
-            metrics["greedy_acc"] = evaluate_accuracy(model, tok, test)
-            metrics["pass_at_8"] = pass_at_k(model, tok, test, k=8)
-            metrics["eval_rows"] = len(test)
-        (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if verbose:
-            print(json.dumps(metrics), flush=True)
-        return metrics
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m unialign.embedded.arith", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="train the tiny arithmetic LM deterministically and save it")
-    b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
-    b.add_argument("--lr", type=float, default=DEFAULT_LR)
-    b.add_argument("--threads", type=int, default=1)
-    b.add_argument("--carry-drop", type=float, default=DEFAULT_CARRY_DROP)
-    b.add_argument("--eval-rows", type=int, default=256)
-    e = sub.add_parser("eval", help="greedy accuracy and pass@k on held-out rows")
-    e.add_argument("--path", default=None)
-    e.add_argument("--n", type=int, default=None, help="held-out rows (default: all)")
-    e.add_argument("--k", type=int, default=8)
-    args = ap.parse_args(argv)
-    if args.cmd == "build":
-        build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-              num_threads=args.threads, eval_rows=args.eval_rows, carry_drop=args.carry_drop)
-    else:
-        model, tok = load_arith_lm(args.path)
-        rows = arithmetic_dataset("test", n=args.n)
-        t0 = time.time()
-        g = evaluate_accuracy(model, tok, rows)
-        p = pass_at_k(model, tok, rows, k=args.k)
-        print(json.dumps({"rows": len(rows), "greedy_acc": round(g, 4), f"pass_at_{args.k}": round(p, 4),
-                          "seconds": round(time.time() - t0, 1)}))
-
-
-if __name__ == "__main__":
-    main()

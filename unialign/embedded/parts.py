@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from unialign.embedded import shapes_world as world
-from unialign.embedded.shape_verifier import parse_shape_prompt, verify
+from unialign.embedded.shape_verifier import PARTS, parse_shape_prompt, verify
 from unialign.image.data import normalize_pickapic, synthetic_pairs
 from unialign.image.recipe import (
     check_prompts,
@@ -40,13 +40,21 @@ def image_rl_parts(cfg) -> dict[str, Any]:
     check_reward_rows(names, train + held_out, geneval_columns=False)  # the pixel detector reads the prompts
     try:
         check_prompts([r["prompt"] for r in held_out], parse_shape_prompt, "prompt_set")
-        verifier = verify
+        verifier = fidelity_checks
     except ValueError:
         verifier = None  # prompts from elsewhere: no fidelity to read
     reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights,
                             timeout_s=getattr(cfg, "reward_timeout", None))
     return dict(policy=embedded_policy(cfg.model_name_or_path, **policy_kwargs(cfg, family)), reward=reward,
                 train_prompts=train, eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
+
+
+def fidelity_checks(prompts: list[str], images: Any, **columns: Any) -> dict[str, Any]:
+    """The shape verifier as the held-out evaluation reads a verifier (``unialign.image.evaluate.sample_scores``):
+    ``all`` (all three right, the fidelity) and the per-image rates it logs as ``fidelity/<name>``: each part
+    (background, colour, shape) and the partial credit."""
+    checks = verify(prompts, images, **columns)
+    return {k: checks[k] for k in (*PARTS, "all", "credit")}
 
 
 def embedded_family(name: str, requested: str = "auto") -> str:

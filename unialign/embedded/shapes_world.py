@@ -6,9 +6,9 @@ Why this exists
 ``scripts/ddpo_aesthetic.py`` must run with no arguments, offline, on two CPU cores in a few minutes, and
 show that RL raises an aesthetic reward. Stable Diffusion, CLIP ViT-L/14 and the LAION head cannot be
 downloaded here and are far too slow on CPU. So the package ships its own small stand-ins, built in
-code by ``unialign.embedded.shapes_build`` into ``unialign/embedded/assets/image`` (numbers and timings in ``BUILD.md``
-there). This module holds what a run needs (data, gold score, tokenizer, loaders); the training recipe
-that builds the assets is ``shapes_build``.
+code by ``tools/build_shapes_world.py`` (in the source checkout, not installed) into
+``unialign/embedded/assets/image`` (numbers and timings in ``BUILD.md`` there). This module holds what a run needs
+(data, gold score, tokenizer, loaders); the training recipe that builds the assets is that tool's.
 
 The data
 --------
@@ -69,12 +69,13 @@ The models
 Prompt fidelity is read by the verifiable reward ``unialign.embedded.shape_verifier`` (``shape_verifier``), which
 decides background colour, object colour and shape from pixels alone.
 
-CLI (``unialign.embedded.shapes_build``)::
+The builder (``tools/build_shapes_world.py``; from the repository root of a source checkout)::
 
-    python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image   # deterministic rebuild
-    python -m unialign.embedded.shapes_build build-head --out unialign/embedded/assets/image   # only the (last) head stage
-    python -m unialign.embedded.shapes_build build-sd3 --out unialign/embedded/assets/image    # the SD3 model (after build)
-    python -m unialign.embedded.shapes_build eval [--path DIR] [--n 64]           # reward / gold statistics
+    python -m tools.build_shapes_world build --out unialign/embedded/assets/image   # deterministic rebuild
+    python -m tools.build_shapes_world build-head --out unialign/embedded/assets/image   # only the (last) head stage
+    python -m tools.build_shapes_world build-sd3 --out unialign/embedded/assets/image    # the SD3 model (after build)
+    python -m tools.build_shapes_world eval [--path DIR] [--n 64]           # reward / gold statistics
+    python -m tools.build_shapes_world check --stage data    # a stage rebuilt in a temp folder against the shipped files
 """
 
 from __future__ import annotations
@@ -385,7 +386,7 @@ def sd3_dir(path: str | Path | None = None) -> Path:
         folder = Path(path) if (Path(path) / "model_index.json").exists() else Path(path) / "sd3"
     if not (folder / "model_index.json").exists():
         raise FileNotFoundError(f"no embedded SD3 model in {folder}; build it with "
-                                f"`python -m unialign.embedded.shapes_build build-sd3 --out {folder.parent}`")
+                                f"`python -m tools.build_shapes_world build-sd3 --out {folder.parent}` (a source checkout)")
     return folder
 
 
@@ -439,5 +440,5 @@ def _asset_dir(path: str | Path | None) -> Path:
     root = Path(path) if path is not None else DEFAULT_ASSET_DIR
     if not (root / "sdxl" / "model_index.json").exists() and not (root / "clip").exists():
         raise FileNotFoundError(f"no embedded image assets in {root}; build them with "
-                                f"`python -m unialign.embedded.shapes_build build --out {root}`")
+                                f"`python -m tools.build_shapes_world build --out {root}` (a source checkout)")
     return root

@@ -22,9 +22,9 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
       ``std``, for a combination of several each part's mean as ``reward/<name>``, and the batch metrics the
       functions report (e.g. GenEval's strict rate) as ``rewards/<name>/<metric>``;
     * ``gold`` (images -> tensor [N]): ``gold_scores``, ``gold_mean``, ``gold_std``;
-    * ``verifier`` (a shape verifier's ``verify``-like: (prompts, images) -> dict of [N] tensors with
-      ``all`` and per-part entries): ``fidelity`` = the all-right rate, ``fidelity/<part>`` rates and
-      the per-image ``fidelity_flags`` [N].
+    * ``verifier`` ((prompts, images) -> dict of [N] tensors: ``all``, the 0 / 1 verdict, and any per-part
+      rates): ``fidelity`` = the all-right rate, ``fidelity/<name>`` the mean of every other entry, and the
+      per-image ``fidelity_flags`` [N].
 
     ``columns``: dataset columns of the prompts (name -> [N] values, e.g. GenEval's metadata), given to the
     reward and the verifier as TRL gives them to reward functions.
@@ -50,7 +50,7 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
     if verifier is not None:
         checks = verifier(prompts, images, **columns) if columns else verifier(prompts, images)
         out.update(fidelity=float(checks["all"].mean()), fidelity_flags=checks["all"],
-                   **{f"fidelity/{k}": float(v.mean()) for k, v in checks.items() if k not in ("all", "score", "invalid")})
+                   **{f"fidelity/{k}": float(v.mean()) for k, v in checks.items() if k != "all"})
     return out
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from unialign.config import DTYPES, arg
 from unialign.data import ENCODING_ERRORS
 from unialign.image.evaluate import HeldOutImages, finish_image_run
 from unialign.rewards import CombinedReward, get_reward
@@ -28,89 +29,105 @@ ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird",
 
 
 @dataclass
+class PickapicDataArgs:
+    """Data fields of a Pick-a-Pic-schema preference dataset and its held-out split: what ``load_pickapic`` reads
+    (``scripts/dpo_sdxl.py`` mixes them into its config)."""
+
+    dataset_name: str = arg("", "Pick-a-Pic-schema Hub id, .jsonl/.json/.parquet file or folder (images as bytes or "
+                            "paths)", group="data")
+    dataset_config: str | None = arg(None, "Hub dataset configuration", group="data")
+    train_split: str = arg("train", "training split of a folder or Hub dataset", group="data")
+    eval_split: str | None = arg(None, "held-out split (default: 'test', else 'validation' of a folder; a single file "
+                                 "holds out --eval_fraction)", group="data")
+    eval_dataset_name: str | None = arg(None, "a separate held-out dataset (file, folder or Hub id)", group="data")
+    eval_fraction: float = arg(0.1, "share of the rows held out when the data has no held-out split (fixed seed 0)",
+                               group="data", gt=0.0, lt=1.0)
+    encoding_errors: str = arg("strict", "dataset text that is not valid UTF-8: 'strict' (refuse it, naming "
+                               "file:line) or 'replace' (read each bad byte as U+FFFD)", group="data",
+                               choices=ENCODING_ERRORS)
+    num_eval: int = arg(256, "evaluate implicit accuracy on at most this many held-out pairs", group="data", min=1)
+
+
+@dataclass
 class ImageRLConfig(OnlineConfig):
     """Fields of the online image scripts (on top of ``OnlineConfig``'s loop and algorithm knobs)."""
 
     ALIASES = {"reward": "reward_funcs"}  # the image scripts' old name of the reward flag (unialign.trl_compat)
 
-    preset: str | None = field(default=None, metadata={"help": "a named recipe of the script (see its PRESETS)"})
-    config: str | None = field(default=None, metadata={"help": "YAML file of field values"})
-    model_name_or_path: str = field(default="runwayml/stable-diffusion-v1-5", metadata={
-        "help": "SD1.x / SDXL / SD3 / FLUX.1 hub id or local diffusers folder"})
-    model_family: str = field(default="auto", metadata={
-        "help": "auto (a folder's model_index.json, else the hub id's name) | sd | sdxl (DDIM, DiffusionPolicy) | "
-                "sd3 | flux (flow matching with Flow-GRPO's SDE step)", "choices": ("auto", "sd", "sdxl", "sd3", "flux")})
-    prompt_set: str = field(default="animals", metadata={
-        "help": "'animals' (ddpo-pytorch's list), a .txt file (one prompt per line) or a .jsonl file (a 'prompt' and "
-                "other columns per line, given to the rewards: GenEval's metadata files as they are)"})
-    encoding_errors: str = field(default="strict", metadata={
-        "help": "a --prompt_set file that is not valid UTF-8: 'strict' (refuse it, naming file:line) or 'replace' "
-                "(read each bad byte as U+FFFD)", "group": "data", "choices": ENCODING_ERRORS})
-    reward_funcs: str = field(default="aesthetic", metadata={
-        "help": "comma-separated rewards (TRL's name; --reward too): registry names (aesthetic, clip_score, "
-                "shape_verifier, jpeg_compressibility, ...) or your own function as module:function"})
-    reward_weights: str | None = field(default=None, metadata={"help": "comma-separated floats, one per reward"})
-    num_steps: int = field(default=8, metadata={"help": "denoising steps per sample"})
-    guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance weight (<= 1: off)"})
-    eta: float = field(default=1.0, metadata={"help": "DDIM eta (> 0: the stochastic steps RL needs; SD1.x / SDXL)"})
-    noise_level: float = field(default=0.7, metadata={
-        "help": "flow matching (SD3 / FLUX): the SDE step's noise level eta (Flow-GRPO: 0.7 for sde, 0.8 for cps)",
-        "min": 0.0})
-    sde_type: str = field(default="sde", metadata={
-        "help": "flow matching: sde (Flow-GRPO's marginal-preserving SDE) | cps (coefficient-preserving sampling)",
-        "choices": ("sde", "cps")})
-    sde_window_size: int = field(default=0, metadata={
-        "help": "flow matching: only a window of this many consecutive steps per sampling call is stochastic and "
-                "trained, the rest deterministic Euler steps (Flow-GRPO-Fast / MixGRPO); 0: every step", "min": 0})
-    sde_window_range: str | None = field(default=None, metadata={
-        "help": "flow matching: 'lo,hi' -- the window starts uniformly in [lo, hi - size] (default: 0,num_steps)"})
-    max_sequence_length: int | None = field(default=None, metadata={
-        "help": "flow matching: T5 prompt tokens (default: the policy's, SD3's stock 256; FLUX.1-dev 512)", "min": 1})
-    resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the model's)"})
-    timestep_fraction: float = field(default=0.25, metadata={
-        "help": "share of the trainable steps trained per sample (SD1.x / SDXL; flow matching trains its SDE window)"})
-    min_step_std: float = field(default=0.05, metadata={
-        "help": "never train steps whose noise std sigma_t is below this (their 1/sigma gradients are mostly noise; "
-                "SD's DDIM schedule at eta 1 ends in two steps of sigma 0.04 / 0.02 at any step count; SD1.x / SDXL)"})
-    lora_rank: int = field(default=0, metadata={
-        "help": "> 0: train a LoRA of this rank instead of the full UNet / transformer"})
-    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: the rank)", "gt": 0.0})
-    cfg_uncond_grad: bool | None = field(default=None, metadata={
-        "help": "with CFG in training: true = gradients through both branches (DDPO as published, the SD1.x / SDXL "
-                "default), false = the unconditional branch under no_grad (Flow-GRPO, the SD3 default; less compute "
-                "and memory, a different gradient); unset: the policy's default", "group": "model"})
-    train_chunk_size: int = field(default=0, metadata={
-        "help": "(sample, step) pairs per forward/backward in training: a micro-batch's trained steps in chunks of "
-                "this many, one backward each, the same update (0: all in one UNet call; memory only)"})
-    sample_batch_size: int = field(default=0, metadata={
-        "help": "images denoised at once while sampling (0: the whole step's batch; memory only)"})
+    preset: str | None = arg(None, "a named recipe of the script (see its PRESETS)", group="config")
+    config: str | None = arg(None, "YAML file of field values", group="config")
+    model_name_or_path: str = arg("runwayml/stable-diffusion-v1-5", "SD1.x / SDXL / SD3 / FLUX.1 hub id or local "
+                                  "diffusers folder", group="model")
+    model_family: str = arg("auto", "auto (a folder's model_index.json, else the hub id's name) | sd | sdxl "
+                            "(DDIM, DiffusionPolicy) | sd3 | flux (flow matching with Flow-GRPO's SDE step)",
+                            group="model", choices=("auto", "sd", "sdxl", "sd3", "flux"))
+    prompt_set: str = arg("animals", "'animals' (ddpo-pytorch's list), a .txt file (one prompt per line) or a "
+                          ".jsonl file (a 'prompt' and other columns per line, given to the rewards: GenEval's "
+                          "metadata files as they are)", group="data")
+    encoding_errors: str = arg("strict", "a --prompt_set file that is not valid UTF-8: 'strict' (refuse it, "
+                               "naming file:line) or 'replace' (read each bad byte as U+FFFD)",
+                               group="data", choices=ENCODING_ERRORS)
+    reward_funcs: str = arg("aesthetic", "comma-separated rewards (TRL's name; --reward too): registry names "
+                            "(aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...) or your own "
+                            "function as module:function", group="algorithm")
+    reward_weights: str | None = arg(None, "comma-separated floats, one per reward", group="algorithm")
+    num_steps: int = arg(8, "denoising steps per sample", group="algorithm", min=1)
+    guidance_scale: float = arg(1.0, "classifier-free guidance weight (<= 1: off)", group="algorithm", min=0.0)
+    eta: float = arg(1.0, "DDIM eta (> 0: the stochastic steps RL needs; SD1.x / SDXL)",
+                     group="algorithm", min=0.0)
+    noise_level: float = arg(0.7, "flow matching (SD3 / FLUX): the SDE step's noise level eta (Flow-GRPO: 0.7 "
+                             "for sde, 0.8 for cps)", group="algorithm", min=0.0)
+    sde_type: str = arg("sde", "flow matching: sde (Flow-GRPO's marginal-preserving SDE) | cps "
+                        "(coefficient-preserving sampling)", group="algorithm", choices=("sde", "cps"))
+    sde_window_size: int = arg(0, "flow matching: only a window of this many consecutive steps per sampling call "
+                               "is stochastic and trained, the rest deterministic Euler steps (Flow-GRPO-Fast / "
+                               "MixGRPO); 0: every step", group="algorithm", min=0)
+    sde_window_range: str | None = arg(None, "flow matching: 'lo,hi' -- the window starts uniformly in [lo, hi - "
+                                       "size] (default: 0,num_steps)", group="algorithm")
+    max_sequence_length: int | None = arg(None, "flow matching: T5 prompt tokens (default: the policy's, SD3's "
+                                          "stock 256; FLUX.1-dev 512)", group="model", min=1)
+    resolution: int | None = arg(None, "image side in pixels (default: the model's)", group="model", min=8)
+    timestep_fraction: float = arg(0.25, "share of the trainable steps trained per sample (SD1.x / SDXL; flow "
+                                   "matching trains its SDE window)", group="algorithm", gt=0.0, max=1.0)
+    min_step_std: float = arg(0.05, "never train steps whose noise std sigma_t is below this (their 1/sigma "
+                              "gradients are mostly noise; SD's DDIM schedule at eta 1 ends in two steps of "
+                              "sigma 0.04 / 0.02 at any step count; SD1.x / SDXL)", group="algorithm", min=0.0)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full UNet / transformer",
+                         group="model", min=0)
+    lora_alpha: float | None = arg(None, "LoRA alpha (default: the rank)", group="model", gt=0.0)
+    cfg_uncond_grad: bool | None = arg(
+        None, "with CFG in training: true = gradients through both branches (DDPO as published, the SD1.x / SDXL "
+        "default), false = the unconditional branch under no_grad (Flow-GRPO, the SD3 default; less compute and "
+        "memory, a different gradient); unset: the policy's default", group="model")
+    train_chunk_size: int = arg(0, "(sample, step) pairs per forward/backward in training: a micro-batch's "
+                                "trained steps in chunks of this many, one backward each, the same update (0: "
+                                "all in one UNet call; memory only)", group="optimisation", min=0)
+    sample_batch_size: int = arg(0, "images denoised at once while sampling (0: the whole step's batch; memory "
+                                 "only)", group="optimisation", min=0)
     # forward-process RL (--algorithm awm | nft; unset: the algorithm's published values, FORWARD_PROCESS)
-    sampler: str = field(default="auto", metadata={
-        "help": "forward-process algorithms: the deterministic collection solver (auto: Euler for flow matching, "
-                "DDIM eta 0 for UNets; dpmpp: DPM-Solver++ 2M, UNets)", "choices": ("auto", "euler", "ddim", "dpmpp"),
-        "group": "algorithm"})
-    train_timesteps: int | None = field(default=None, metadata={
-        "help": "forward-process algorithms: training pairs (t, eps) per sample (AWM 6, DiffusionNFT int(N x 0.99))",
-        "min": 1, "group": "algorithm"})
-    forward_fraction: float | None = field(default=None, metadata={
-        "help": "forward-process algorithms: the share of the solver's schedule the pairs' times come from (AWM 0.9, "
-                "DiffusionNFT 0.99)", "gt": 0.0, "max": 1.0, "group": "algorithm"})
-    forward_weighting: str | None = field(default=None, metadata={
-        "help": "AWM: the matching log-prob's time weighting (uniform | t | t2 | ghuber; AWM's default ghuber)",
-        "choices": ("uniform", "t", "t2", "ghuber"), "group": "algorithm"})
-    ghuber_power: float = field(default=0.25, metadata={"help": "AWM: the ghuber weighting's power p", "gt": 0.0,
-                                                        "group": "algorithm"})
-    old_policy_decay: str | None = field(default=None, metadata={
-        "help": "forward-process algorithms: the old policy, a moving average of the trained weights, decayed per "
-                "step by 'nft' (DiffusionNFT: min(0.001 step, 0.5)), a constant in [0, 1), or 'off' (unset: the "
-                "algorithm's: DiffusionNFT samples from it and mixes it into its loss, AWM keeps none)",
-        "group": "algorithm"})
-    torch_dtype: str = field(default="float32", metadata={"help": "UNet / text-encoder dtype (the VAE runs in fp32)"})
-    num_eval: int = field(default=168, metadata={"help": "held-out images (prompts cycled), sampled with eval_seed"})
-    eval_seed: int = field(default=1234, metadata={"help": "seed of the held-out samples: the same noise every time"})
-    eval_steps: int = field(default=10, metadata={"help": "held-out evaluation every N steps (curves, TensorBoard)"})
-    num_threads: int = field(default=1, metadata={
-        "help": "torch CPU threads (tiny models: 1 is fastest; <= 0 leaves torch's choice)"})
+    sampler: str = arg("auto", "forward-process algorithms: the deterministic collection solver (auto: Euler for "
+                       "flow matching, DDIM eta 0 for UNets; dpmpp: DPM-Solver++ 2M, UNets)",
+                       group="algorithm", choices=("auto", "euler", "ddim", "dpmpp"))
+    train_timesteps: int | None = arg(None, "forward-process algorithms: training pairs (t, eps) per sample (AWM "
+                                      "6, DiffusionNFT int(N x 0.99))", group="algorithm", min=1)
+    forward_fraction: float | None = arg(None, "forward-process algorithms: the share of the solver's schedule "
+                                         "the pairs' times come from (AWM 0.9, DiffusionNFT 0.99)",
+                                         group="algorithm", gt=0.0, max=1.0)
+    forward_weighting: str | None = arg(None, "AWM: the matching log-prob's time weighting (uniform | t | t2 | "
+                                        "ghuber; AWM's default ghuber)",
+                                        group="algorithm", choices=("uniform", "t", "t2", "ghuber"))
+    ghuber_power: float = arg(0.25, "AWM: the ghuber weighting's power p", group="algorithm", gt=0.0)
+    old_policy_decay: str | None = arg(None, "forward-process algorithms: the old policy, a moving average of "
+                                       "the trained weights, decayed per step by 'nft' (DiffusionNFT: min(0.001 "
+                                       "step, 0.5)), a constant in [0, 1), or 'off' (unset: the algorithm's: "
+                                       "DiffusionNFT samples from it and mixes it into its loss, AWM keeps none)",
+                                       group="algorithm")
+    torch_dtype: str = arg("float32", "UNet / text-encoder dtype (the VAE runs in fp32)",
+                           group="model", choices=DTYPES)
+    num_eval: int = arg(168, "held-out images (prompts cycled), sampled with eval_seed", group="data", min=1)
+    eval_seed: int = arg(1234, "seed of the held-out samples: the same noise every time", group="logging")
+    eval_steps: int = arg(10, "held-out evaluation every N steps (curves, TensorBoard)")
+    num_threads: int = arg(1, "torch CPU threads (tiny models: 1 is fastest; <= 0 leaves torch's choice)")
 
 
 def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:

@@ -11,7 +11,7 @@ This module only resolves specs (``unialign.rewards.base.get_reward`` builds the
 either a reward *class* (a factory: ``get_reward`` instantiates it with the keyword arguments, and the
 instance is the reward, e.g. a model-based reward that loads weights in ``__init__``) or a reward
 *function* with TRL's signature (the keyword arguments are bound to every call). Other packages register
-their own names by adding entries to ``REWARDS`` when imported (the demo worlds add their shape verifiers).
+their own names by adding entries to ``REWARDS`` (the demo worlds' explicit ``register()`` adds their shape verifiers).
 """
 
 from __future__ import annotations

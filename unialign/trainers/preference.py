@@ -33,9 +33,9 @@ from accelerate.utils import gather
 
 from unialign import algos
 from unialign.algos.pair_losses import check_pair_loss_params
+from unialign.config import arg
 from unialign.trainers.common import (
     TrainConfig,
-    config_field,
     epoch_order,
     preserved_random_state,
     save_curves,
@@ -48,13 +48,14 @@ from unialign.types import PreferenceBatch
 class PreferenceConfig(TrainConfig):
     """Knobs of the pairwise loop."""
 
-    batch_size: int = config_field(16, "preference pairs per optimizer step (all processes together)")
-    micro_batch_size: int = config_field(8, "pairs per forward/backward pass (memory only; the update is the same)")
-    output_dir: str = config_field("outputs/preference",
-                                   "folder for checkpoints, logs, curves, summary.json and final/")
-    eval_batch_size: int = config_field(32, "pairs per batch when evaluating")
-    eval_steps: int = config_field(0, "evaluate the trainer's held-out pairs (eval_rows) every N steps, logged and "
-                                      "plotted as eval/* (0: only when a script asks)")
+    batch_size: int = arg(16, "preference pairs per optimizer step (all processes together)", group="optimisation",
+                          min=1)
+    micro_batch_size: int = arg(8, "pairs per forward/backward pass (memory only; the update is the same)",
+                                group="optimisation", min=1)
+    output_dir: str = arg("outputs/preference", "folder for checkpoints, logs, curves, summary.json and final/")
+    eval_batch_size: int = arg(32, "pairs per batch when evaluating", group="logging", min=1)
+    eval_steps: int = arg(0, "evaluate the trainer's held-out pairs (eval_rows) every N steps, logged and "
+                             "plotted as eval/* (0: only when a script asks)", group="logging", min=0)
 
 
 def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch.Tensor:

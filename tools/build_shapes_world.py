@@ -1,14 +1,25 @@
-"""How the embedded image assets in ``unialign/embedded/assets/image`` are built: the training recipe for the tiny
-CLIP, the LAION-shaped aesthetic head, the VAE and the SDXL-architecture UNet, plus the statistics in
-``BUILD.md``. The data, the gold score and the models are described in ``unialign.embedded.shapes_world``
-(what a run needs); this module is only needed to rebuild or re-measure the assets.
+"""How the shapes world's assets in ``unialign/embedded/assets/image`` are built: the training recipe for the tiny
+CLIP, the LAION-shaped aesthetic head, the VAE, the SDXL-architecture UNet and the SD3-architecture transformer,
+the statistics and the writer of ``BUILD.md``, and the check that a rebuild gives the shipped files. The data, the
+gold score and the models are described in ``unialign.embedded.shapes_world`` (what a run needs); this module is
+only needed to rebuild or re-measure the assets.
 
-CLI::
+CLI (from the repository root)::
 
-    python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image       # deterministic rebuild
-    python -m unialign.embedded.shapes_build build-head --out unialign/embedded/assets/image  # only the (last) head stage
-    python -m unialign.embedded.shapes_build build-sd3 --out unialign/embedded/assets/image   # the SD3 model (after build)
-    python -m unialign.embedded.shapes_build eval [--path DIR] [--n 64]               # reward / gold statistics
+    python -m tools.build_shapes_world build --out DIR        # deterministic rebuild (the shipped: unialign/embedded/assets/image)
+    python -m tools.build_shapes_world build-head --out DIR   # only the (last) head stage
+    python -m tools.build_shapes_world build-sd3 --out DIR    # the SD3 model (after build)
+    python -m tools.build_shapes_world eval [--path DIR] [--n 64]   # reward / gold statistics
+    python -m tools.build_shapes_world markdown --out DIR     # rewrite DIR/BUILD.md from DIR/build_report.json
+    python -m tools.build_shapes_world check --stage STAGE    # rebuild a stage in a temp folder, compare (sha256)
+
+``check`` stages, each with the shipped record's arguments (``build_report.json``) and what it compares; the
+seconds are one thread of a shared 2-core machine, measured: ``data`` (tokenizer, prompt split: 1 s), ``clip``
+(data + CLIP: 20 s), ``head`` (the aesthetic head on the shipped CLIP and SDXL model: 60 s), ``sdxl`` (data + VAE +
+UNet and both text encoders: 310 s), ``sd3`` (the SD3 model on the shipped tokenizer and VAE: 265 s), ``all``
+(every stage in order, then the statistics and the records: 675 s; ``build_report.json`` without its wall-clock fields
+and ``BUILD.md`` with its seconds masked). Each stage seeds itself, so a stage alone writes what the whole build
+writes. Exit status 0 when every file is bit-identical.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ import argparse
 import json
 import math
 import random
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tools.asset_check import Comparison, compare, json_without
 from unialign.embedded.shapes_world import (
     BOS_TOKEN,
     CLIP_MEAN,
@@ -400,11 +414,11 @@ def sd3_prompt_fidelity(path: str | Path | None = None, n: int = 168, seed: int 
     return out
 
 
-def build_sd3(out_dir: str | Path, seed: int = 0, steps: int = 5000, batch_size: int = 64, per_prompt: int = 16,
-              threads: int = 1, shift: float = 1.0, lr: float = 1e-3) -> dict[str, Any]:
-    """Build ``out_dir/sd3`` (a diffusers ``StableDiffusion3Pipeline`` folder) deterministically from the VAE and
-    tokenizer already in ``out_dir`` (run after ``build``: it reuses that VAE), measure its prompt fidelity, and add
-    an ``"sd3"`` section to ``build_report.json`` / ``BUILD.md``."""
+def build_sd3_model(out_dir: str | Path, seed: int = 0, steps: int = 5000, batch_size: int = 64, per_prompt: int = 16,
+                    threads: int = 1, shift: float = 1.0, lr: float = 1e-3) -> dict[str, Any]:
+    """Train and save ``out_dir/sd3`` (a diffusers ``StableDiffusion3Pipeline`` folder) deterministically from the
+    VAE and tokenizer already in ``out_dir`` (run after ``build``: it reuses that VAE). Returns what the report
+    needs of it: the parts, the final loss, the number of training images and the training seconds."""
     from diffusers import StableDiffusion3Pipeline
 
     torch.set_num_threads(threads)
@@ -427,6 +441,17 @@ def build_sd3(out_dir: str | Path, seed: int = 0, steps: int = 5000, batch_size:
                                     text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(str(out / "sd3"))
     _log(f"sd3: trained {steps} steps in {train_s:.1f}s, final loss {final_loss:.4f}")
+    return dict(parts=parts, final_loss=final_loss, train_images=len(data), train_seconds=train_s)
+
+
+def build_sd3(out_dir: str | Path, seed: int = 0, steps: int = 5000, batch_size: int = 64, per_prompt: int = 16,
+              threads: int = 1, shift: float = 1.0, lr: float = 1e-3) -> dict[str, Any]:
+    """Build ``out_dir/sd3`` (``build_sd3_model``), measure its prompt fidelity, and add an ``"sd3"`` section to
+    ``build_report.json`` / ``BUILD.md``."""
+    out = Path(out_dir)
+    model = build_sd3_model(out, seed=seed, steps=steps, batch_size=batch_size, per_prompt=per_prompt, threads=threads,
+                            shift=shift, lr=lr)
+    parts, final_loss, train_s = model["parts"], model["final_loss"], model["train_seconds"]
     t0 = time.perf_counter()
     fidelity = sd3_prompt_fidelity(out, seed=seed)
     eval_s = time.perf_counter() - t0
@@ -434,8 +459,8 @@ def build_sd3(out_dir: str | Path, seed: int = 0, steps: int = 5000, batch_size:
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     report.setdefault("sizes_bytes", {})["sd3"] = _dir_size(out / "sd3")
     report["sd3"] = {"seed": seed, "threads": threads, "steps": steps, "batch_size": batch_size, "lr": lr,
-                     "per_prompt": per_prompt, "train_images": len(data), "shift": shift, "layers": SD3_LAYERS,
-                     "max_sequence_length": SD3_MAX_SEQUENCE_LENGTH, "final_loss": final_loss,
+                     "per_prompt": per_prompt, "train_images": model["train_images"], "shift": shift,
+                     "layers": SD3_LAYERS, "max_sequence_length": SD3_MAX_SEQUENCE_LENGTH, "final_loss": final_loss,
                      "transformer_params": sum(p.numel() for p in parts["transformer"].parameters()),
                      "timings_s": {"build": train_s, "eval": eval_s}, "size_bytes": report["sizes_bytes"]["sd3"],
                      "fidelity": fidelity}
@@ -488,31 +513,23 @@ def rebuild_head(out_dir: str | Path, seed: int = 0, head_steps: int = 1500, per
     return report
 
 
-def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps: int = 1500, vae_steps: int = 1000,
-          unet_steps: int = 1000, per_prompt: int = 16, threads: int = 1, n_eval: int = 64) -> dict[str, Any]:
-    """Build every asset into ``out_dir`` deterministically (same machine, torch and ``threads``)."""
-    from diffusers import StableDiffusionXLPipeline
-    from safetensors.torch import save_file
-
-    torch.set_num_threads(threads)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    t_all = t0 = time.perf_counter()
-
+def build_data_stage(out: Path, seed: int, per_prompt: int) -> tuple[list[ShapeSample], Tensor, Any]:
+    """The data stage: the training images (``shape_dataset``, in memory), ``out/tokenizer`` and
+    ``out/prompts.json``. Returns (data, their images [N, 3, H, W] in [0, 1], the tokenizer)."""
     data = shape_dataset("train", per_prompt=per_prompt, seed=seed)
     x_N = to_tensor([d.image for d in data])
-    tok_dir = write_tokenizer(out / "tokenizer")
-    tokenizer = load_tokenizer(tok_dir)
+    tokenizer = load_tokenizer(write_tokenizer(out / "tokenizer"))
     for word in caption_words():  # every caption word must be a single token
         assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, word
     (out / "prompts.json").write_text(json.dumps({"train": prompts("train"), "test": prompts("test")}, indent=1))
-    timings["data"] = time.perf_counter() - t0
-    _log(f"data: {len(data)} images, {len(prompts('train'))} train / {len(prompts('test'))} test prompts, "
-         f"vocab {len(tokenizer.get_vocab())} ({timings['data']:.1f}s)")
+    return data, x_N, tokenizer
 
-    t0 = time.perf_counter()
-    clip = train_clip(data, x_N, tokenizer, clip_steps, batch_size=128, seed=seed)
+
+def build_clip_stage(out: Path, data: list[ShapeSample], x_N: Tensor, tokenizer, steps: int, seed: int):
+    """The CLIP stage: train it (``train_clip``, batch 128) and save ``out/clip``. Returns the model."""
+    from safetensors.torch import save_file
+
+    clip = train_clip(data, x_N, tokenizer, steps, batch_size=128, seed=seed)
     (out / "clip").mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in clip.state_dict().items()}, str(out / "clip" / "open_clip_model.safetensors"))
     cfg = {"model_cfg": clip_config(len(tokenizer.get_vocab())),
@@ -520,15 +537,22 @@ def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps:
                               "interpolation": "bicubic", "resize_mode": "shortest"},
            "tokenizer": "../tokenizer (transformers.CLIPTokenizer)"}
     (out / "clip" / "open_clip_config.json").write_text(json.dumps(cfg, indent=1))
-    timings["clip"] = time.perf_counter() - t0
+    return clip
+
+
+def build_sdxl_stage(out: Path, data: list[ShapeSample], x_N: Tensor, tokenizer, vae_steps: int, unet_steps: int,
+               seed: int) -> dict[str, float]:
+    """The SDXL stage: the VAE (``train_vae``, batch 32), then the UNet and both text encoders on its latents
+    (``train_unet``, batch 64), saved as ``out/sdxl`` (a ``StableDiffusionXLPipeline`` folder). Returns the VAE's
+    reconstruction MSE and the two parts' seconds."""
+    from diffusers import StableDiffusionXLPipeline
 
     t0 = time.perf_counter()
     parts = build_diffusion_components(tokenizer, seed)
     vae_mse = train_vae(parts["vae"], x_N, vae_steps, batch_size=32, seed=seed)
-    timings["vae"] = time.perf_counter() - t0
+    vae_s = time.perf_counter() - t0
     _log(f"vae: recon mse {vae_mse:.4f} ([-1,1] pixels), scaling_factor {parts['vae'].config.scaling_factor:.3f} "
-         f"({timings['vae']:.1f}s)")
-
+         f"({vae_s:.1f}s)")
     t0 = time.perf_counter()
     with torch.no_grad():
         pixels = x_N * 2 - 1
@@ -536,13 +560,37 @@ def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps:
         latents = latents * parts["vae"].config.scaling_factor
     prompt_ids = tokenize(tokenizer, [d.prompt for d in data])
     train_unet(parts, latents, prompt_ids, unet_steps, batch_size=64, seed=seed)
-    timings["unet"] = time.perf_counter() - t0
-
+    unet_s = time.perf_counter() - t0
     pipe = StableDiffusionXLPipeline(vae=parts["vae"], text_encoder=parts["text_encoder"],
                                      text_encoder_2=parts["text_encoder_2"], tokenizer=tokenizer, tokenizer_2=tokenizer,
                                      unet=parts["unet"], scheduler=parts["scheduler"],
                                      force_zeros_for_empty_prompt=True, add_watermarker=False)
     pipe.save_pretrained(str(out / "sdxl"))
+    return {"vae_recon_mse": vae_mse, "vae": vae_s, "unet": unet_s}
+
+
+def build(out_dir: str | Path, seed: int = 0, clip_steps: int = 150, head_steps: int = 1500, vae_steps: int = 1000,
+          unet_steps: int = 1000, per_prompt: int = 16, threads: int = 1, n_eval: int = 64) -> dict[str, Any]:
+    """Build every asset but ``sd3/`` into ``out_dir`` deterministically (same machine, torch and ``threads``):
+    the data, CLIP, SDXL and head stages in that order (each seeds itself), then the statistics,
+    ``build_report.json`` and ``BUILD.md``."""
+    torch.set_num_threads(threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t_all = t0 = time.perf_counter()
+
+    data, x_N, tokenizer = build_data_stage(out, seed, per_prompt)
+    timings["data"] = time.perf_counter() - t0
+    _log(f"data: {len(data)} images, {len(prompts('train'))} train / {len(prompts('test'))} test prompts, "
+         f"vocab {len(tokenizer.get_vocab())} ({timings['data']:.1f}s)")
+
+    t0 = time.perf_counter()
+    clip = build_clip_stage(out, data, x_N, tokenizer, clip_steps, seed)
+    timings["clip"] = time.perf_counter() - t0
+
+    sdxl = build_sdxl_stage(out, data, x_N, tokenizer, vae_steps, unet_steps, seed)
+    timings["vae"], timings["unet"], vae_mse = sdxl["vae"], sdxl["unet"], sdxl["vae_recon_mse"]
 
     # the head last: it is trained on what the saved diffusion model can produce (``policy_space_images``)
     t0 = time.perf_counter()
@@ -571,14 +619,14 @@ def build_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Embedded image default: build record",
         "",
-        "Built by `unialign.embedded.shapes_build` (read `unialign.embedded.shapes_world`'s module docstring for the data, "
+        "Built by `tools.build_shapes_world` (read `unialign.embedded.shapes_world`'s module docstring for the data, "
         "gold score and models):",
         "",
         "```",
-        f"python -m unialign.embedded.shapes_build build --out unialign/embedded/assets/image --seed {report['seed']} "
+        f"python -m tools.build_shapes_world build --out unialign/embedded/assets/image --seed {report['seed']} "
         f"--clip-steps {steps['clip']} --head-steps {steps['head']} --vae-steps {steps['vae']} "
         f"--unet-steps {steps['unet']} --per-prompt {report['per_prompt']} --threads {report['threads']}",
-        "python -m unialign.embedded.shapes_build eval     # re-measures the sample statistics below",
+        "python -m tools.build_shapes_world eval     # re-measures the sample statistics below",
         "```",
         "",
         f"Deterministic for a fixed seed, torch version and thread count ({report['threads']}; with more threads",
@@ -667,7 +715,7 @@ def sd3_markdown(r: dict[str, Any], sizes: dict[str, int]) -> list[str]:
         "(`unialign.embedded.shapes_world.load_embedded_sd3`). Built after the assets above (it reuses their VAE):",
         "",
         "```",
-        f"python -m unialign.embedded.shapes_build build-sd3 --out unialign/embedded/assets/image --seed {r['seed']} "
+        f"python -m tools.build_shapes_world build-sd3 --out unialign/embedded/assets/image --seed {r['seed']} "
         f"--steps {r['steps']} --batch-size {r['batch_size']} --lr {r['lr']:g} --shift {r['shift']:g} "
         f"--per-prompt {r['per_prompt']} --threads {r['threads']}",
         "```",
@@ -767,22 +815,126 @@ def prompt_fidelity(path: str | Path | None = None, n: int = 168, seed: int = 0)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m unialign.embedded.shapes_build", description=__doc__.split("\n")[0])
+# ---------------------------------------------------------------------------------------------
+# The check: a stage rebuilt in a temp folder against the shipped files
+# ---------------------------------------------------------------------------------------------
+LEGACY_NAME = "unialign.embedded.shapes_build"  # where this module lived when the shipped BUILD.md was written
+MODULE_NAME = "tools.build_shapes_world"
+# stage -> (the shipped files it writes, the shipped files it starts from)
+STAGES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "data": (("tokenizer/", "prompts.json"), ()),
+    "clip": (("tokenizer/", "prompts.json", "clip/"), ()),
+    "sdxl": (("tokenizer/", "prompts.json", "sdxl/"), ()),
+    "head": (("aesthetic_head.pth",), ("tokenizer/", "clip/", "sdxl/")),
+    "sd3": (("sd3/",), ("tokenizer/", "sdxl/")),
+    "all": (("",), ()),
+}
+REPORT_TIMINGS = ("timings_s", "eval.sample_seconds", "sd3.timings_s")  # build_report.json's wall-clock fields
+
+
+def mask_page_timings(page: str) -> str:
+    """``BUILD.md`` with its wall-clock numbers replaced by ``#`` (the last cell of the "Build" table's rows, the
+    sampling time, the SD3 build and evaluation rows) and the module's old name read as its new one: what a
+    rebuild must reproduce byte for byte."""
+    out, in_build_table = [], False
+    for line in page.replace(LEGACY_NAME, MODULE_NAME).split("\n"):
+        if line.startswith("## "):
+            in_build_table = line.startswith("## Build (wall seconds")
+        if (in_build_table and line.startswith("| ") and not line.startswith(("| stage ", "|---"))) or \
+                line.startswith(("| build (data + training", "| fidelity evaluation below |")):
+            line = re.sub(r"[\d.]+(?=\**( s)? \|$)", "#", line)
+        elif line.startswith("Sampling the "):
+            line = re.sub(r"took [\d.]+ s", "took # s", line)
+        out.append(line)
+    return "\n".join(out)
+
+
+def shipped_arguments(shipped: str | Path = DEFAULT_ASSET_DIR) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword arguments of ``build`` and ``build_sd3`` that made the shipped assets (``build_report.json``)."""
+    r = json.loads((Path(shipped) / "build_report.json").read_text())
+    build_kw = dict(seed=r["seed"], clip_steps=r["steps"]["clip"], head_steps=r["steps"]["head"],
+                    vae_steps=r["steps"]["vae"], unet_steps=r["steps"]["unet"], per_prompt=r["per_prompt"],
+                    threads=r["threads"], n_eval=r["eval"]["n"])
+    s = r["sd3"]
+    sd3_kw = dict(seed=s["seed"], steps=s["steps"], batch_size=s["batch_size"], per_prompt=s["per_prompt"],
+                  threads=s["threads"], shift=s["shift"], lr=s["lr"])
+    return build_kw, sd3_kw
+
+
+def rebuild_stage(stage: str, out: Path, shipped: str | Path = DEFAULT_ASSET_DIR) -> None:
+    """Run ``stage`` (``STAGES``) into the empty folder ``out`` with the shipped arguments, its inputs copied from
+    ``shipped`` first."""
+    import shutil
+
+    if stage not in STAGES:
+        raise ValueError(f"stage: {stage!r} is not one of {', '.join(STAGES)}")
+    shipped = Path(shipped)
+    kw, sd3_kw = shipped_arguments(shipped)
+    for name in STAGES[stage][1]:
+        shutil.copytree(shipped / name, out / name)
+    torch.set_num_threads(kw["threads"])
+    if stage == "all":
+        build(out, **kw)
+        build_sd3(out, **sd3_kw)
+    elif stage == "sd3":
+        build_sd3_model(out, **sd3_kw)
+    elif stage == "head":
+        x_N = to_tensor([d.image for d in shape_dataset("train", per_prompt=kw["per_prompt"], seed=kw["seed"])])
+        build_head(out, x_N, load_embedded_clip(out).model, kw["head_steps"], kw["seed"])
+    else:
+        data, x_N, tokenizer = build_data_stage(out, kw["seed"], kw["per_prompt"])
+        if stage == "clip":
+            build_clip_stage(out, data, x_N, tokenizer, kw["clip_steps"], kw["seed"])
+        elif stage == "sdxl":
+            build_sdxl_stage(out, data, x_N, tokenizer, kw["vae_steps"], kw["unet_steps"], kw["seed"])
+
+
+SHIPPED_OUT = Path("unialign/embedded/assets/image")  # the --out of the shipped build, from the repository root
+
+
+def check(stage: str = "data", shipped: str | Path = DEFAULT_ASSET_DIR, keep: str | Path | None = None) -> Comparison:
+    """Rebuild ``stage`` into a temp folder (``keep``: this folder instead, left in place) and compare the files it
+    writes with the shipped ones (sha256; the records, written by ``all`` only, without their wall-clock fields:
+    ``REPORT_TIMINGS``, ``mask_page_timings``). The stage runs as the shipped build ran, from a root folder with
+    ``--out unialign/embedded/assets/image`` (``SHIPPED_OUT``, which must be empty there): a folder a model was
+    loaded from is saved in its config (``sd3/vae/config.json``'s ``_name_or_path``)."""
+    import os
+    import tempfile
+
+    shipped = Path(shipped).resolve()
+    with tempfile.TemporaryDirectory(prefix="shapes_world_") as tmp:
+        root = Path(keep).resolve() if keep is not None else Path(tmp)
+        out = root / SHIPPED_OUT
+        out.mkdir(parents=True, exist_ok=True)
+        if any(out.iterdir()):
+            raise FileExistsError(f"keep: {out} is not empty")
+        cwd = os.getcwd()
+        os.chdir(root)
+        try:
+            rebuild_stage(stage, SHIPPED_OUT, shipped)
+        finally:
+            os.chdir(cwd)
+        views = {"build_report.json": json_without(*REPORT_TIMINGS),
+                 "BUILD.md": lambda data: mask_page_timings(data.decode())}
+        return compare(out, shipped, STAGES[stage][0], views=views)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.build_shapes_world", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the assets deterministically")
-    b.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
+    b.add_argument("--out", required=True, help=f"output folder (the shipped one: {DEFAULT_ASSET_DIR})")
     b.add_argument("--seed", type=int, default=0)
     for name, default in (("clip_steps", 150), ("head_steps", 1500), ("vae_steps", 1000), ("unet_steps", 1000),
                           ("per_prompt", 16), ("threads", 1), ("n_eval", 64)):
         b.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     h = sub.add_parser("build-head", help="re-run only the (last) head stage on the CLIP / model already built")
-    h.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
+    h.add_argument("--out", required=True)
     h.add_argument("--seed", type=int, default=0)
     for name, default in (("head_steps", 1500), ("per_prompt", 16), ("threads", 1), ("n_eval", 64)):
         h.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     s = sub.add_parser("build-sd3", help="build the SD3-architecture flow-matching model (after build: reuses its VAE)")
-    s.add_argument("--out", default=str(DEFAULT_ASSET_DIR))
+    s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
     for name, default in (("steps", 5000), ("batch_size", 64), ("per_prompt", 16), ("threads", 1)):
         s.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
@@ -793,6 +945,12 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--n", type=int, default=64)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--split", default="train")
+    m = sub.add_parser("markdown", help="rewrite BUILD.md from build_report.json (no training)")
+    m.add_argument("--out", required=True)
+    c = sub.add_parser("check", help="rebuild a stage into a temp folder and compare with the shipped files (sha256)")
+    c.add_argument("--stage", default="data", choices=tuple(STAGES))
+    c.add_argument("--shipped", default=str(DEFAULT_ASSET_DIR))
+    c.add_argument("--keep", default=None, help=f"build into this folder's {SHIPPED_OUT} instead of a temp one, kept")
     args = parser.parse_args(argv)
     if args.command == "build":
         build(args.out, seed=args.seed, clip_steps=args.clip_steps, head_steps=args.head_steps,
@@ -804,9 +962,19 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "build-head":
         rebuild_head(args.out, seed=args.seed, head_steps=args.head_steps, per_prompt=args.per_prompt,
                      threads=args.threads, n_eval=args.n_eval)
+    elif args.command == "markdown":
+        out = Path(args.out)
+        (out / "BUILD.md").write_text(build_markdown(json.loads((out / "build_report.json").read_text())))
+    elif args.command == "check":
+        t0 = time.perf_counter()
+        result = check(args.stage, args.shipped, args.keep)
+        print(result.table())
+        print(f"check --stage {args.stage} took {time.perf_counter() - t0:.0f} s")
+        return 0 if result.ok else 1
     else:
         print(json.dumps(evaluate(args.path, n=args.n, seed=args.seed, split=args.split), indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

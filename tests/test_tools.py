@@ -1,0 +1,139 @@
+"""The demo worlds' builders in ``tools/`` (a source checkout's, not installed): they import, their stages cover
+the shipped assets, the checks compare file by file and can fail, the ``BUILD.md`` writer gives the shipped page,
+and the cheap stages rebuild the shipped files bit-identically. The full rebuilds are commands, not tests:
+``python -m tools.build_arith_lm check`` (~1 min) and ``python -m tools.build_shapes_world check --stage all``
+(~15 min); each stage of the image world alone: ``--stage data | clip | head | sd3 | sdxl``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = ROOT / "unialign" / "embedded" / "assets" / "image"
+ARITH = ROOT / "unialign" / "embedded" / "assets" / "arith_lm"
+
+
+def test_tools_are_not_part_of_the_installed_package():
+    import re
+
+    from setuptools import find_packages
+
+    section = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.packages.find]", 1)[1].split("\n[", 1)[0]
+    include = re.findall(r'"([^"]+)"', re.search(r"include\s*=\s*\[(.*?)\]", section).group(1))
+    assert include == ["unialign*"] and "exclude" not in section
+    packages = find_packages(str(ROOT), include=include)
+    assert "unialign.embedded" in packages and not any(p.split(".")[0] == "tools" for p in packages), packages
+    import unialign.embedded
+
+    assert not list(Path(unialign.embedded.__file__).parent.glob("*build*.py"))  # the builders left the package
+
+
+def test_compare_sees_identical_different_missing_and_record_views(tmp_path):
+    from tools.asset_check import compare, json_without
+
+    a, b = tmp_path / "built", tmp_path / "shipped"
+    for root, seconds, weight in ((a, 1.5, b"w1"), (b, 9.0, b"w2")):
+        (root / "sub").mkdir(parents=True)
+        (root / "sub" / "same.txt").write_text("x")
+        (root / "weights.bin").write_bytes(weight)
+        (root / "record.json").write_text(json.dumps({"loss": 0.1, "timings": {"s": seconds}}))
+    (b / "only_shipped.txt").write_text("y")
+    (b / "HAND.md").write_text("by hand")
+    result = compare(a, b, views={"record.json": json_without("timings.s")}, skip=("HAND.md",))
+    assert dict((p, v) for p, v, _ in result.rows) == {
+        "only_shipped.txt": "not rebuilt", "record.json": "equal without timings", "sub/same.txt": "identical",
+        "weights.bin": "DIFFERENT"}
+    assert not result.ok and "1 of 4 files bit-identical" in result.table()
+    assert compare(a, b, prefixes=("sub/",)).ok
+    (a / "record.json").write_text(json.dumps({"loss": 0.2, "timings": {"s": 1.0}}))  # a measured number moved
+    assert dict((p, v) for p, v, _ in compare(a, b, ("record.json",), views={
+        "record.json": json_without("timings.s")}).rows) == {"record.json": "DIFFERENT"}
+
+
+def test_image_stages_cover_the_shipped_assets_and_read_the_shipped_arguments():
+    from tools.asset_check import files_under
+    from tools.build_shapes_world import STAGES, shipped_arguments
+
+    shipped = set(files_under(IMAGE))
+    for stage, (writes, reads) in STAGES.items():
+        for prefix in writes + reads:
+            assert files_under(IMAGE, (prefix,)), (stage, prefix)
+    by_stages = set(files_under(IMAGE, [p for s, (w, _) in STAGES.items() if s != "all" for p in w]))
+    assert shipped - by_stages == {"BUILD.md", "build_report.json"}  # the records: written by the whole build only
+    kw, sd3_kw = shipped_arguments(IMAGE)
+    assert kw == dict(seed=0, clip_steps=150, head_steps=1500, vae_steps=1000, unet_steps=1000, per_prompt=16,
+                      threads=1, n_eval=64)
+    assert sd3_kw == dict(seed=0, steps=5000, batch_size=64, per_prompt=16, threads=1, shift=1.0, lr=1e-3)
+    with pytest.raises(ValueError, match="stage: 'unet' is not one of data, clip"):
+        from tools.build_shapes_world import rebuild_stage
+
+        rebuild_stage("unet", IMAGE)
+
+
+def test_build_md_is_the_writers_page_of_the_shipped_report_and_its_timings_are_what_a_rebuild_may_change():
+    from tools.build_shapes_world import LEGACY_NAME, MODULE_NAME, build_markdown, mask_page_timings
+
+    report = json.loads((IMAGE / "build_report.json").read_text())
+    page = (IMAGE / "BUILD.md").read_text()
+    assert build_markdown(report) == page.replace(LEGACY_NAME, MODULE_NAME)  # the shipped page, byte for byte
+    assert (IMAGE / "build_report.json").read_text() == json.dumps(report, indent=1)  # as build writes it
+    slower = json.loads(json.dumps(report))
+    slower["timings_s"] = {k: 2 * v + 1 for k, v in report["timings_s"].items()}
+    slower["eval"]["sample_seconds"] += 1.0
+    slower["sd3"]["timings_s"] = {"build": 1.0, "eval": 2.0}
+    assert build_markdown(slower) != build_markdown(report)
+    assert mask_page_timings(build_markdown(slower)) == mask_page_timings(page)
+    worse = json.loads(json.dumps(report))
+    worse["eval"]["fidelity"]["test_cfg3"] = 0.5
+    worse["sd3"]["final_loss"] += 1e-3
+    assert mask_page_timings(build_markdown(worse)) != mask_page_timings(page)
+
+
+def test_the_data_stage_rebuilds_bit_identically(tmp_path):
+    from tools.build_shapes_world import check
+
+    result = check("data", IMAGE, keep=tmp_path / "data")
+    assert result.ok and [p for p, _, _ in result.rows] == ["prompts.json", "tokenizer/merges.txt",
+                                                            "tokenizer/vocab.json"], result.table()
+    with pytest.raises(FileExistsError, match="not empty"):
+        check("data", IMAGE, keep=tmp_path / "data")
+
+
+@pytest.mark.slow
+def test_the_clip_stage_rebuilds_bit_identically():
+    """150 contrastive steps on one thread (20-45 s): the shipped CLIP weights, byte for byte."""
+    from tools.build_shapes_world import check
+
+    result = check("clip", IMAGE)
+    assert result.ok and "clip/open_clip_model.safetensors" in [p for p, _, _ in result.rows], result.table()
+
+
+def test_arith_check_rebuilds_with_the_shipped_record_and_compares_every_file_it_writes(tmp_path, capsys):
+    """Wiring only (3 steps, not the shipped 280): the files that do not depend on training are identical, the
+    weights and the record are not; the full check is ``python -m tools.build_arith_lm check``."""
+    from tools.build_arith_lm import BUILT_FILES, check, main
+
+    result = check(ARITH, keep=tmp_path / "lm", steps=3, eval_rows=0, verbose=False)
+    verdicts = {p: v for p, v, _ in result.rows}
+    assert set(verdicts) == set(BUILT_FILES) and not result.ok
+    assert {p for p, v in verdicts.items() if v != "identical"} == {"model.safetensors", "build_metrics.json"}
+    record = json.loads((tmp_path / "lm" / "build_metrics.json").read_text())
+    shipped = json.loads((ARITH / "build_metrics.json").read_text())
+    arguments = ("seed", "batch_size", "lr", "warmup", "num_threads", "carry_drop")  # taken from the shipped record
+    assert record["steps"] == 3 and all(record[k] == shipped[k] for k in arguments)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "check" in capsys.readouterr().out
+
+
+def test_the_builders_run_as_modules_from_the_repository_root():
+    import subprocess
+
+    for module in ("tools.build_arith_lm", "tools.build_shapes_world"):
+        res = subprocess.run([sys.executable, "-m", module, "check", "--help"], capture_output=True, text=True,
+                             cwd=ROOT)
+        assert res.returncode == 0 and "--keep" in res.stdout, res.stderr

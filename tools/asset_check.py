@@ -1,0 +1,120 @@
+"""A rebuilt asset folder against the shipped one, file by file: sha256 of the bytes. The build records
+(``build_metrics.json``, ``build_report.json``, ``BUILD.md``) carry wall-clock seconds, which no rebuild
+repeats; a record may therefore be compared through a ``view`` that sets those fields aside (verdict
+``equal without timings``), never the weights, configs or tokenizers.
+
+Used by ``python -m tools.build_arith_lm check`` and ``python -m tools.build_shapes_world check``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+IDENTICAL = "identical"
+EQUAL_WITHOUT_TIMINGS = "equal without timings"
+PASSING = (IDENTICAL, EQUAL_WITHOUT_TIMINGS)
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def files_under(root: str | Path, prefixes: Iterable[str] = ("",)) -> list[str]:
+    """Relative POSIX paths of the files under ``root`` whose path starts with one of ``prefixes``
+    (``"clip/"`` a folder, ``"prompts.json"`` a file; ``""`` everything), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    paths = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    return sorted(p for p in paths if any(p.startswith(x) for x in prefixes) and "__pycache__" not in p)
+
+
+@dataclass
+class Comparison:
+    """One row per file: (path, verdict, detail). ``ok`` when every verdict is in ``PASSING``."""
+
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(v in PASSING for _, v, _ in self.rows)
+
+    def table(self) -> str:
+        width = max((len(p) for p, _, _ in self.rows), default=4)
+        lines = [f"{'file':<{width}}  verdict", f"{'-' * width}  -------"]
+        lines += [f"{p:<{width}}  {v}{'  (' + d + ')' if d else ''}" for p, v, d in self.rows]
+        n = sum(v == IDENTICAL for _, v, _ in self.rows)
+        m = sum(v == EQUAL_WITHOUT_TIMINGS for _, v, _ in self.rows)
+        lines.append(f"{n} of {len(self.rows)} files bit-identical, {m} records equal without their timings: "
+                     + ("OK" if self.ok else "DIFFERENT"))
+        return "\n".join(lines)
+
+
+def _tensor_detail(built: Path, shipped: Path) -> str:
+    """For weights that differ: how much (the largest absolute difference over their tensors)."""
+    try:
+        import torch
+
+        if built.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            a, b = load_file(str(built)), load_file(str(shipped))
+        elif built.suffix in (".pth", ".pt", ".bin"):
+            a, b = (torch.load(str(p), map_location="cpu", weights_only=True) for p in (built, shipped))
+        else:
+            return ""
+        if set(a) != set(b):
+            return "different tensor names"
+        worst = max(((a[k].double() - b[k].double()).abs().max().item() if a[k].shape == b[k].shape else float("inf"))
+                    for k in a)
+        return f"max |difference| {worst:.3g} over {len(a)} tensors"
+    except Exception as err:  # a detail only; the verdict stands
+        return f"not compared as tensors: {type(err).__name__}"
+
+
+def compare(built: str | Path, shipped: str | Path, prefixes: Iterable[str] = ("",),
+            views: dict[str, Callable[[bytes], Any]] | None = None, skip: Iterable[str] = ()) -> Comparison:
+    """Compare every file under ``prefixes`` in either folder: ``identical`` (same sha256), ``equal without
+    timings`` (a path in ``views`` whose view of both files' bytes is equal), ``DIFFERENT``, ``not rebuilt``
+    (shipped only) or ``not shipped`` (rebuilt only). ``skip``: shipped paths the build does not write (a
+    hand-written page), listed as ``not built`` and not counted."""
+    built, shipped, views, skip = Path(built), Path(shipped), views or {}, set(skip)
+    prefixes = tuple(prefixes)
+    out = Comparison()
+    for path in sorted(set(files_under(built, prefixes)) | set(files_under(shipped, prefixes))):
+        b, s = built / path, shipped / path
+        if path in skip:
+            continue
+        if not b.is_file():
+            out.rows.append((path, "not rebuilt", ""))
+        elif not s.is_file():
+            out.rows.append((path, "not shipped", ""))
+        elif sha256(b) == sha256(s):
+            out.rows.append((path, IDENTICAL, ""))
+        elif path in views and views[path](b.read_bytes()) == views[path](s.read_bytes()):
+            out.rows.append((path, EQUAL_WITHOUT_TIMINGS, ""))
+        else:
+            out.rows.append((path, "DIFFERENT", _tensor_detail(b, s)))
+    return out
+
+
+def json_without(*keys: str) -> Callable[[bytes], Any]:
+    """A view of a JSON record without ``keys`` (dotted: ``"sd3.timings_s"`` is ``record["sd3"]["timings_s"]``)."""
+    import json
+
+    def view(data: bytes) -> Any:
+        record = json.loads(data)
+        for key in keys:
+            *parents, last = key.split(".")
+            node = record
+            for p in parents:
+                node = node.get(p, {}) if isinstance(node, dict) else {}
+            if isinstance(node, dict):
+                node.pop(last, None)
+        return record
+
+    return view

@@ -1,0 +1,231 @@
+"""How the shipped arithmetic LM (``unialign/embedded/assets/arith_lm``) is built: the tokenizer, the tiny Llama
+of ``unialign.embedded.arith`` and its supervised warm start with carry-drop label noise (why: that module's
+docstring), plus the check that a rebuild gives the shipped files.
+
+CLI (from the repository root)::
+
+    python -m tools.build_arith_lm build --out DIR   # deterministic rebuild (same machine / torch / threads)
+    python -m tools.build_arith_lm eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
+    python -m tools.build_arith_lm check [--keep DIR]  # build into a temp folder, compare with the shipped one
+
+The build is deterministic on one machine (two rebuilds give the same bytes) but its 280 training steps amplify the
+last-bit differences of the CPU's kernels: on the machines this project runs on now (AVX-512), ``check`` finds the
+tokenizer and configs identical and the weights not (max |difference| 0.12; held-out greedy 0.508, not 0.531); forcing
+``ATEN_CPU_CAPABILITY=avx2`` / ``default`` (with ``MKL_CBWR``) gives two more weight sets, neither the shipped one. The
+shipped weights were built on another machine (2026-11-29); the image world's assets, built later, rebuild
+bit-identically here (``python -m tools.build_shapes_world check``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tools.asset_check import Comparison, compare, json_without
+from unialign.embedded.arith import (
+    DEFAULT_ASSET_DIR,
+    EOS,
+    _operands,
+    arithmetic_dataset,
+    build_model,
+    build_tokenizer,
+    chat_prompt,
+    evaluate_accuracy,
+    load_arith_lm,
+    pass_at_k,
+    worked_answer,
+)
+from unialign.text.tokens import encode_prompt
+
+DEFAULT_STEPS = 280
+DEFAULT_BATCH = 32
+DEFAULT_LR = 3e-3
+DEFAULT_CARRY_DROP = 0.4
+# what `build` writes (BUILD.md beside them is written by hand); build_metrics.json carries the wall time
+BUILT_FILES = ("build_metrics.json", "chat_template.jinja", "config.json", "generation_config.json",
+               "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+TIMING_FIELDS = ("train_seconds",)
+
+
+def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + answer + <|im_end|>, prompt length) per row."""
+    out = []
+    for r in rows:
+        p = encode_prompt(tokenizer, chat_prompt(tokenizer, r["question"]), templated=True)
+        a = tokenizer.encode(r["answer"] + EOS, add_special_tokens=False)
+        out.append((p + a, len(p)))
+    return out
+
+
+def _collate(batch: list[tuple[list[int], int]], pad_id: int):
+    """Left-padded input ids, attention mask and labels (-100 outside the assistant answer)."""
+    L = max(len(ids) for ids, _ in batch)
+    ids_t = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), L), dtype=torch.long)
+    labels = torch.full((len(batch), L), -100, dtype=torch.long)
+    for i, (ids, plen) in enumerate(batch):
+        off = L - len(ids)
+        ids_t[i, off:] = torch.tensor(ids)
+        mask[i, off:] = 1
+        labels[i, off + plen:] = torch.tensor(ids[plen:])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids_t, mask, labels, pos
+
+
+def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
+          lr: float = DEFAULT_LR, warmup: int = 50, num_threads: int = 1, eval_rows: int = 256,
+          carry_drop: float | None = None,
+          log_every: int = 100, callback=None, verbose: bool = True, **model_kw) -> dict:
+    """Build the tokenizer, train the tiny Llama with supervised next-token loss on the assistant answer
+    for a FIXED number of ``steps`` (AdamW, linear warmup, cosine decay to 0), save both to ``out_dir``.
+    ``carry_drop`` (default ``DEFAULT_CARRY_DROP``): probability that a drawn training row needing a
+    carry gets the carry-dropped (wrong) target instead (label noise; see ``unialign.embedded.arith``).
+
+    Deterministic for a given ``seed`` on the same machine / torch build (fixed thread count,
+    deterministic algorithms, seeded data order). Returns a dict of measurements (also written to
+    ``out_dir/build_metrics.json``). ``callback(step, model, tokenizer)`` is called every ``log_every``
+    steps (for exploration).
+    """
+    carry_drop = DEFAULT_CARRY_DROP if carry_drop is None else carry_drop
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prev_threads = torch.get_num_threads()
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(num_threads)
+    torch.use_deterministic_algorithms(True)
+    t0 = time.time()
+    try:
+        tok = build_tokenizer()
+        model = build_model(tok, seed=seed, **model_kw)
+        train_rows = arithmetic_dataset("train", seed=seed)
+        cache: dict[tuple[int, bool], tuple[list[int], int]] = {}
+        noise_rng = random.Random(f"carry-drop-{seed}")
+
+        def encoded(i: int) -> tuple[list[int], int]:
+            row = train_rows[i]
+            a, b = _operands(row["answer"])
+            drop = carry_drop > 0 and a % 10 + b % 10 >= 10 and noise_rng.random() < carry_drop
+            if (i, drop) not in cache:
+                if drop:
+                    row = {"question": row["question"], "answer": worked_answer(a, b, drop_carry=True)}
+                cache[i, drop] = _encode_sft(tok, [row])[0]
+            return cache[i, drop]
+
+        rng = random.Random(seed)
+        order: list[int] = []
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+        def lr_at(s: int) -> float:
+            if s < warmup:
+                return lr * (s + 1) / warmup
+            return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+        model.train()
+        for step in range(steps):
+            if len(order) < batch_size:
+                perm = list(range(len(train_rows)))
+                rng.shuffle(perm)
+                order += perm
+            idx, order = order[:batch_size], order[batch_size:]
+            ids, mask, labels, pos = _collate([encoded(i) for i in idx], tok.pad_token_id)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if verbose and (step % log_every == 0 or step == steps - 1):
+                print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  "
+                      f"{time.time() - t0:.0f}s", flush=True)
+            if callback is not None and (step + 1) % log_every == 0:
+                callback(step + 1, model, tok)
+        train_s = time.time() - t0
+        model.eval()
+        model.save_pretrained(str(out), safe_serialization=True)
+        tok.save_pretrained(str(out))
+        metrics: dict[str, Any] = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
+                                   "warmup": warmup, "num_threads": num_threads, "carry_drop": carry_drop,
+                                   "train_seconds": round(train_s, 1), "torch": torch.__version__}
+        if eval_rows:
+            test = arithmetic_dataset("test", n=eval_rows)
+            metrics["greedy_acc"] = evaluate_accuracy(model, tok, test)
+            metrics["pass_at_8"] = pass_at_k(model, tok, test, k=8)
+            metrics["eval_rows"] = len(test)
+        (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if verbose:
+            print(json.dumps(metrics), flush=True)
+        return metrics
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det)
+
+
+def check(shipped: str | Path = DEFAULT_ASSET_DIR, keep: str | Path | None = None, **build_kw: Any) -> Comparison:
+    """Rebuild with the shipped record's arguments (``build_metrics.json``: seed, steps, batch size, lr,
+    warmup, threads, carry drop, evaluation rows; ``build_kw`` overrides) into a temp folder (``keep``: this
+    folder instead, left in place) and compare every file ``build`` writes with the shipped one (sha256;
+    ``build_metrics.json`` without its wall time)."""
+    shipped = Path(shipped)
+    record = json.loads((shipped / "build_metrics.json").read_text())
+    kw = dict(seed=record["seed"], steps=record["steps"], batch_size=record["batch_size"], lr=record["lr"],
+              warmup=record["warmup"], num_threads=record["num_threads"], carry_drop=record["carry_drop"],
+              eval_rows=record.get("eval_rows", 0))
+    kw.update(build_kw)
+    with tempfile.TemporaryDirectory(prefix="arith_lm_") as tmp:
+        out = Path(keep) if keep is not None else Path(tmp)
+        build(out, **kw)
+        return compare(out, shipped, BUILT_FILES, views={"build_metrics.json": json_without(*TIMING_FIELDS)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.build_arith_lm", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="train the tiny arithmetic LM deterministically and save it")
+    b.add_argument("--out", required=True, help=f"output folder (the shipped one: {DEFAULT_ASSET_DIR})")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
+    b.add_argument("--lr", type=float, default=DEFAULT_LR)
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--carry-drop", type=float, default=DEFAULT_CARRY_DROP)
+    b.add_argument("--eval-rows", type=int, default=256)
+    e = sub.add_parser("eval", help="greedy accuracy and pass@k on held-out rows")
+    e.add_argument("--path", default=None)
+    e.add_argument("--n", type=int, default=None, help="held-out rows (default: all)")
+    e.add_argument("--k", type=int, default=8)
+    c = sub.add_parser("check", help="rebuild into a temp folder and compare with the shipped files (sha256)")
+    c.add_argument("--shipped", default=str(DEFAULT_ASSET_DIR))
+    c.add_argument("--keep", default=None, help="build into this folder instead of a temp one and keep it")
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+              num_threads=args.threads, eval_rows=args.eval_rows, carry_drop=args.carry_drop)
+    elif args.cmd == "check":
+        t0 = time.time()
+        result = check(args.shipped, args.keep)
+        print(result.table())
+        print(f"check took {time.time() - t0:.0f} s")
+        return 0 if result.ok else 1
+    else:
+        model, tok = load_arith_lm(args.path)
+        rows = arithmetic_dataset("test", n=args.n)
+        t0 = time.time()
+        g = evaluate_accuracy(model, tok, rows)
+        p = pass_at_k(model, tok, rows, k=args.k)
+        print(json.dumps({"rows": len(rows), "greedy_acc": round(g, 4), f"pass_at_{args.k}": round(p, 4),
+                          "seconds": round(time.time() - t0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
