@@ -57,8 +57,11 @@ def _help(cls: type, name: str) -> str:
     return parser.format_help()
 
 
+REPO = str(Path(__file__).resolve().parents[1])  # a clone's own path (shipped prompt files) is no setting
+
+
 def _resolved(cfg: Any, root: str) -> dict[str, Any]:
-    values = json.loads(json.dumps(_plain(dataclasses.asdict(cfg))).replace(root, "<tmp>"))
+    values = json.loads(json.dumps(_plain(dataclasses.asdict(cfg))).replace(root, "<tmp>").replace(REPO, "<repo>"))
     if hasattr(cfg, "algo_spec"):
         values["algo_spec()"] = _plain(dataclasses.asdict(cfg.algo_spec()))
     return values
