@@ -27,6 +27,7 @@ from unialign.config import DTYPES, UserError, arg, exit_on_user_error, parse_co
 from unialign.embedded import NAME, parts, register, shapes_world
 from unialign.image.data import load_pickapic
 from unialign.image.evaluate import HeldOutImages, finish_image_run
+from unialign.image.families import FAMILY_CHOICES
 from unialign.image.grid import first_of_each_prompt
 from unialign.image.recipe import PickapicDataArgs, load_denoiser
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer
@@ -41,7 +42,7 @@ class DiffusionDPOConfig(PickapicDataArgs, PreferenceConfig):
                                   "'embedded' / 'embedded-sd3' (the shapes world's SDXL- / SD3-architecture models)",
                                   group="model")
     model_family: str = arg("auto", "auto (the folder's model_index.json, else the hub id) | sd | sdxl | sd3 | flux",
-                            group="model", choices=("auto", "sd", "sdxl", "sd3", "flux"))
+                            group="model", choices=FAMILY_CHOICES)
     vae_name_or_path: str | None = arg(None, "a VAE to use instead of the model's (e.g. the fp16-fix SDXL VAE)",
                                        group="model")
     dataset_name: str = arg("embedded", "Pick-a-Pic-schema Hub id, .jsonl/.json/.parquet file or folder (images as "

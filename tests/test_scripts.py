@@ -127,10 +127,10 @@ def test_model_family_from_folder_and_name(tmp_path):
         family(str(tmp_path))
     cfg = ImageRLConfig(sde_window_size=2, sde_window_range="1,5", num_steps=8)
     assert window_range(cfg) == (1, 5)
-    flow, ddim = policy_kwargs(cfg, "sd3"), policy_kwargs(cfg, "sd")
-    assert flow["sde_window_size"] == 2 and flow["sde_window_range"] == (1, 5) and "eta" not in flow
-    assert "max_sequence_length" not in flow  # the policy's own unless set
-    assert "noise_level" not in ddim and ddim["eta"] == 1.0
+    flow, ddim = policy_kwargs(cfg, "sd3")["knobs"], policy_kwargs(cfg, "sd")["knobs"]
+    assert flow.sde_window_size == 2 and flow.sde_window_range == (1, 5) and flow.eta is None
+    assert flow.max_sequence_length is None  # the policy's own unless set
+    assert ddim.noise_level is None and ddim.eta == 1.0
     with pytest.raises(ValueError, match="sde_window_range"):
         window_range(ImageRLConfig(sde_window_range="1-5"))
 

@@ -8,6 +8,7 @@ from typing import Any
 from unialign.embedded import shapes_world as world
 from unialign.embedded.shape_verifier import PARTS, parse_shape_prompt, verify
 from unialign.image.data import normalize_pickapic, synthetic_pairs
+from unialign.image.families import FAMILIES
 from unialign.image.recipe import (
     check_prompts,
     check_reward_rows,
@@ -20,7 +21,9 @@ from unialign.rewards import CombinedReward, get_reward
 
 NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
 NAME_SD3 = "embedded-sd3"  # the shapes world's flow-matching (SD3-architecture) model
-IMAGE_MODELS = (NAME, NAME_SD3)
+# the shapes world's image models: their family (unialign.image.families) and their loader in shapes_world
+EMBEDDED_MODELS = {NAME: (FAMILIES["sdxl"], "load_embedded"), NAME_SD3: (FAMILIES["sd3"], "load_embedded_sd3")}
+IMAGE_MODELS = tuple(EMBEDDED_MODELS)
 
 
 def image_rl_parts(cfg) -> dict[str, Any]:
@@ -58,11 +61,11 @@ def fidelity_checks(prompts: list[str], images: Any, **columns: Any) -> dict[str
 
 
 def embedded_family(name: str, requested: str = "auto") -> str:
-    """The pipeline family of the embedded image model ``name`` ("sdxl" or "sd3"); a ``model_family`` that
+    """The pipeline family (``EMBEDDED_MODELS``) of the embedded image model ``name``; a ``model_family`` that
     says otherwise is refused (ValueError naming the field) rather than ignored."""
     if name not in IMAGE_MODELS:
         raise ValueError(f"model_name_or_path: {name!r} is not one of the embedded image models {IMAGE_MODELS}")
-    family = "sd3" if name == NAME_SD3 else "sdxl"
+    family = EMBEDDED_MODELS[name][0].name
     if requested not in ("auto", family):
         raise ValueError(f"model_family: {requested!r}, but the embedded model {name!r} is {family} (leave it auto)")
     return family
@@ -73,7 +76,7 @@ def embedded_policy(name: str, **kwargs: Any):
     SD3-architecture ``FlowMatchingPolicy``) with ``kwargs`` over its sampling defaults."""
     if name not in IMAGE_MODELS:
         raise ValueError(f"model_name_or_path: {name!r} is not one of the embedded image models {IMAGE_MODELS}")
-    return world.load_embedded_sd3(**kwargs) if name == NAME_SD3 else world.load_embedded(**kwargs)
+    return getattr(world, EMBEDDED_MODELS[name][1])(**kwargs)
 
 
 def image_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:

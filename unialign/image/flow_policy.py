@@ -38,11 +38,13 @@ Payload written by ``preference_batch`` (the Diffusion-DPO surrogate, ``sequence
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
+from unialign.image.families import SamplerKnobs
 from unialign.image.kernels import FlowSDEKernel
 from unialign.types import Trajectory
 
@@ -63,14 +65,16 @@ class FlowPolicyBase(DenoiserPolicy):
     denoiser_subfolder = "transformer"
     cond_keys = text_keys = COND_KEYS
 
-    def _setup_flow(self, transformer, vae, scheduler, frozen: tuple, *, num_steps: int, guidance_scale: float,
-                    noise_level: float, sde_type: str, sde_window_size: int, sde_window_range: tuple[int, int] | None,
-                    height: int, width: int, max_sequence_length: int, lora_rank: int, lora_alpha: float | None,
-                    target_modules: list[str], gradient_checkpointing: bool, sample_batch_size: int,
-                    train_chunk_size: int, seed: int, caption_dropout: float) -> None:
+    def _setup_flow(self, transformer, vae, scheduler, frozen: tuple, knobs: SamplerKnobs, *, lora_rank: int,
+                    lora_alpha: float | None, target_modules: list[str], gradient_checkpointing: bool,
+                    sample_batch_size: int, train_chunk_size: int, seed: int, caption_dropout: float) -> None:
+        """The shared set-up; ``knobs``: the sampler knobs, every flow one set (height and width resolved)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        kernel = FlowSDEKernel(num_steps, noise_level, sde_type, sde_window_size, sde_window_range)
+        self.knobs = knobs
+        num_steps, height, width = knobs.num_steps, knobs.height, knobs.width
+        kernel = FlowSDEKernel(num_steps, knobs.noise_level, knobs.sde_type, knobs.sde_window_size,
+                               knobs.sde_window_range)
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.transformer = transformer
@@ -82,7 +86,7 @@ class FlowPolicyBase(DenoiserPolicy):
         train = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         self.train_timesteps = train.timesteps.detach().float().cpu()
         self.train_sigmas = train.sigmas.detach().float().cpu()[: len(self.train_timesteps)]
-        self.num_steps, self.guidance_scale = num_steps, guidance_scale
+        self.num_steps, self.guidance_scale = num_steps, knobs.guidance_scale
         self.kernel = kernel
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.height, self.width = height, width
@@ -92,7 +96,7 @@ class FlowPolicyBase(DenoiserPolicy):
                              f"(the VAE factor {self.vae_scale_factor} x the transformer's "
                              f"{multiple // self.vae_scale_factor}x{multiple // self.vae_scale_factor} patches), "
                              f"got {height} x {width}")
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length = knobs.max_sequence_length
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
         self._set_timesteps()
@@ -238,6 +242,8 @@ class FlowMatchingPolicy(FlowPolicyBase):
             uses 0.2), so classifier-free guidance keeps working (``DiffusionPolicy``'s name).
         cfg_uncond_grad: with CFG in training, the gradient also flows through the unconditional branch;
             default False: Flow-GRPO's training step computes it under no_grad (``DenoiserPolicy._guided``).
+        knobs: the sampler knobs as one frozen value (``unialign.image.families.SamplerKnobs``); its set fields
+            replace the keywords of the same name (``self.knobs``: the values used).
     """
 
     family = "sd3"
@@ -271,22 +277,22 @@ class FlowMatchingPolicy(FlowPolicyBase):
         seed: int = 0,
         caption_dropout: float = 0.0,
         cfg_uncond_grad: bool = False,
+        knobs: SamplerKnobs | None = None,
     ) -> None:
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 and tokenizer_3 go together (both None: no T5, zeros as the stock pipeline)")
         self.text_encoder, self.tokenizer = text_encoder, tokenizer
         self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
         self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        k = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
+                              sde_type=sde_type, sde_window_size=sde_window_size, sde_window_range=sde_window_range,
+                              height=height, width=width, max_sequence_length=max_sequence_length)
+        default = transformer.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
         self._setup_flow(transformer, vae, scheduler, (text_encoder, text_encoder_2, text_encoder_3),
-                         num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
-                         sde_type=sde_type, sde_window_size=sde_window_size, sde_window_range=sde_window_range,
-                         height=height or transformer.config.sample_size * scale,
-                         width=width or transformer.config.sample_size * scale,
-                         max_sequence_length=max_sequence_length, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                         target_modules=SD3_LORA_TARGET_MODULES, gradient_checkpointing=gradient_checkpointing,
-                         sample_batch_size=sample_batch_size, train_chunk_size=train_chunk_size, seed=seed,
-                         caption_dropout=caption_dropout)
+                         replace(k, height=k.height or default, width=k.width or default), lora_rank=lora_rank,
+                         lora_alpha=lora_alpha, target_modules=SD3_LORA_TARGET_MODULES,
+                         gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
+                         train_chunk_size=train_chunk_size, seed=seed, caption_dropout=caption_dropout)
         self.cfg_uncond_grad = cfg_uncond_grad
 
     def _set_timesteps(self) -> None:

@@ -27,11 +27,13 @@ velocity field the policy samples with.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from unialign.image.families import SamplerKnobs
 from unialign.image.flow_policy import FlowPolicyBase
 
 Tensor = torch.Tensor
@@ -77,7 +79,7 @@ class FluxPolicy(FlowPolicyBase):
         num_steps: N sampling steps.  guidance_scale: the distilled guidance embedding (FLUX-dev; stock
             default 3.5); ignored for a transformer without ``guidance_embeds``. Never CFG.
         noise_level, sde_type, sde_window_size, sde_window_range, lora_alpha, gradient_checkpointing,
-            sample_batch_size, train_chunk_size, seed, caption_dropout: as ``FlowMatchingPolicy``.
+            sample_batch_size, train_chunk_size, seed, caption_dropout, knobs: as ``FlowMatchingPolicy``.
         cfg_uncond_grad: accepted for the image scripts' one interface; FLUX-dev has no CFG to detach.
         height, width: image size in pixels, multiples of 2 x the VAE factor (default: the stock pipeline's
             128 x VAE factor = 1024).
@@ -116,17 +118,18 @@ class FluxPolicy(FlowPolicyBase):
         seed: int = 0,
         caption_dropout: float = 0.0,
         cfg_uncond_grad: bool = False,
+        knobs: SamplerKnobs | None = None,
     ) -> None:
         if getattr(vae.config, "shift_factor", None) is None:
             raise ValueError("FluxPolicy needs a VAE with shift_factor in its config (FLUX's AutoencoderKL has one)")
         self.text_encoder, self.tokenizer = text_encoder, tokenizer
         self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        height, width = height or DEFAULT_SAMPLE_SIZE * scale, width or DEFAULT_SAMPLE_SIZE * scale
-        self._setup_flow(transformer, vae, scheduler, (text_encoder, text_encoder_2), num_steps=num_steps,
-                         guidance_scale=guidance_scale, noise_level=noise_level, sde_type=sde_type,
-                         sde_window_size=sde_window_size, sde_window_range=sde_window_range, height=height,
-                         width=width, max_sequence_length=max_sequence_length, lora_rank=lora_rank,
+        k = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
+                              sde_type=sde_type, sde_window_size=sde_window_size, sde_window_range=sde_window_range,
+                              height=height, width=width, max_sequence_length=max_sequence_length)
+        default = DEFAULT_SAMPLE_SIZE * 2 ** (len(vae.config.block_out_channels) - 1)
+        self._setup_flow(transformer, vae, scheduler, (text_encoder, text_encoder_2),
+                         replace(k, height=k.height or default, width=k.width or default), lora_rank=lora_rank,
                          lora_alpha=lora_alpha, target_modules=FLUX_LORA_TARGET_MODULES,
                          gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
                          train_chunk_size=train_chunk_size, seed=seed, caption_dropout=caption_dropout)

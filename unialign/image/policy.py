@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
+from unialign.image.families import SamplerKnobs
 from unialign.image.kernels import DDIMKernel
 from unialign.types import PreferenceBatch
 
@@ -249,6 +250,8 @@ class DiffusionPolicy(DenoiserPolicy):
         sample_batch_size: ``sample`` denoises the prompts this many at a time (TRL's ``sample_batch_size``):
             the sampling activations of one chunk are alive, not the whole batch's. 0: all at once. The
             chunks draw their noise one after the other from the same generator.
+        knobs: the sampler knobs as one frozen value (``unialign.image.families.SamplerKnobs``); its set fields
+            replace the keywords of the same name (``self.knobs``: the values used, unset height / width None).
     """
 
     denoiser_subfolder = "unet"
@@ -280,13 +283,18 @@ class DiffusionPolicy(DenoiserPolicy):
         train_chunk_size: int = 0,
         sample_batch_size: int = 0,
         cfg_uncond_grad: bool = True,
+        knobs: SamplerKnobs | None = None,
     ) -> None:
         from diffusers import DDIMScheduler
 
+        k = self.knobs = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
+                                           height=height, width=width, timestep_fraction=timestep_fraction,
+                                           min_step_std=min_step_std)
+        num_steps, guidance_scale, eta = k.num_steps, k.guidance_scale, k.eta
         if eta <= 0:
             raise ValueError(f"eta must be > 0 (the step log-probability needs sigma_t > 0), got {eta}")
-        if not 0.0 < timestep_fraction <= 1.0:
-            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        if not 0.0 < k.timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {k.timestep_fraction}")
         self.unet = unet
         self.cfg_uncond_grad = cfg_uncond_grad
         # decode / encode in fp32 (half-precision SD VAEs overflow to NaN)
@@ -296,9 +304,9 @@ class DiffusionPolicy(DenoiserPolicy):
         self.num_steps, self.guidance_scale = num_steps, guidance_scale
         self.scheduler.set_timesteps(num_steps)
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.height = height or unet.config.sample_size * self.vae_scale_factor
-        self.width = width or unet.config.sample_size * self.vae_scale_factor
-        self.kernel = DDIMKernel(self.scheduler, num_steps, eta, timestep_fraction, min_step_std)
+        self.height = k.height or unet.config.sample_size * self.vae_scale_factor
+        self.width = k.width or unet.config.sample_size * self.vae_scale_factor
+        self.kernel = DDIMKernel(self.scheduler, num_steps, eta, k.timestep_fraction, k.min_step_std)
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout

@@ -18,6 +18,7 @@ import torch
 from unialign.config import DTYPES, arg
 from unialign.data import ENCODING_ERRORS
 from unialign.image.evaluate import HeldOutImages, finish_image_run
+from unialign.image.families import FAMILIES, FAMILY_CHOICES, Family, SamplerKnobs, get_family, resolve
 from unialign.rewards import CombinedReward, get_reward
 from unialign.trainers import OnlineConfig, OnlineTrainer
 
@@ -60,7 +61,7 @@ class ImageRLConfig(OnlineConfig):
                                   "diffusers folder", group="model")
     model_family: str = arg("auto", "auto (a folder's model_index.json, else the hub id's name) | sd | sdxl "
                             "(DDIM, DiffusionPolicy) | sd3 | flux (flow matching with Flow-GRPO's SDE step)",
-                            group="model", choices=("auto", "sd", "sdxl", "sd3", "flux"))
+                            group="model", choices=FAMILY_CHOICES)
     prompt_set: str = arg("animals", "'animals' (ddpo-pytorch's list), a .txt file (one prompt per line) or a "
                           ".jsonl file (a 'prompt' and other columns per line, given to the rewards: GenEval's "
                           "metadata files as they are)", group="data")
@@ -146,32 +147,10 @@ def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:
     return names, weights
 
 
-FLOW_FAMILIES = ("sd3", "flux")
-# diffusers pipeline class (model_index.json "_class_name") -> family
-PIPELINE_FAMILIES = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
-                     "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-
-
 def family_of(model_name_or_path: str, family: str = "auto") -> str:
-    """``family``, or with "auto": a local folder's ``model_index.json`` pipeline class, else the hub id's
-    name ("stable-diffusion-3" / "sd3" -> sd3, "flux" -> flux, "xl" -> sdxl, otherwise sd)."""
-    if family != "auto":
-        return family
-    index = Path(model_name_or_path) / "model_index.json"
-    if index.is_file():
-        import json
-
-        name = json.loads(index.read_text()).get("_class_name", "")
-        if name not in PIPELINE_FAMILIES:
-            raise ValueError(f"model_name_or_path: {model_name_or_path!r} holds a {name!r}; this script trains "
-                             f"{', '.join(PIPELINE_FAMILIES)} (or set --model_family)")
-        return PIPELINE_FAMILIES[name]
-    lowered = model_name_or_path.lower()
-    if "stable-diffusion-3" in lowered or "sd3" in lowered:
-        return "sd3"
-    if "flux" in lowered:
-        return "flux"
-    return "sdxl" if "xl" in lowered else "sd"
+    """The name of the family of ``model_name_or_path`` (``unialign.image.families.resolve``: ``family``, or with
+    "auto" a local folder's ``model_index.json`` pipeline class, else the hub id's name)."""
+    return resolve(model_name_or_path, family).name
 
 
 def model_family(cfg: ImageRLConfig) -> str:
@@ -181,23 +160,18 @@ def model_family(cfg: ImageRLConfig) -> str:
 
 def load_denoiser(model_name_or_path: str, family: str = "auto", torch_dtype: str | None = None,
                   vae_name_or_path: str | None = None, **kwargs: Any):
-    """The policy of a hub id / diffusers folder for its family (``family_of``): ``DiffusionPolicy`` (SD1.x /
-    SDXL, DDIM), ``FlowMatchingPolicy`` (SD3 family) or ``FluxPolicy`` (FLUX.1); ``kwargs`` go to its
-    constructor. Each fails in seconds offline. ``vae_name_or_path`` (a replacement VAE) is for SD1.x / SDXL."""
-    resolved = family_of(model_name_or_path, family)
-    if resolved in FLOW_FAMILIES:
-        if vae_name_or_path is not None:
-            raise ValueError(f"vae_name_or_path: a replacement VAE is for SD1.x / SDXL, not {resolved}")
-        if resolved == "sd3":
-            from unialign.image.flow_policy import FlowMatchingPolicy as cls
-        else:
-            from unialign.image.flux_policy import FluxPolicy as cls
-        return cls.from_pretrained(model_name_or_path, torch_dtype=torch_dtype, **kwargs)
-    from unialign.image import DiffusionPolicy
-
-    sdxl = None if family == "auto" else resolved == "sdxl"  # None: DiffusionPolicy reads the parts
-    extra = {} if vae_name_or_path is None else {"vae_name_or_path": vae_name_or_path}
-    return DiffusionPolicy.from_pretrained(model_name_or_path, sdxl=sdxl, torch_dtype=torch_dtype, **extra, **kwargs)
+    """The policy of a hub id / diffusers folder for its family (``unialign.image.families.FAMILIES``: its
+    ``policy``, e.g. ``DiffusionPolicy`` for SD1.x / SDXL, ``FlowMatchingPolicy`` for SD3, ``FluxPolicy`` for
+    FLUX.1); ``kwargs`` go to its constructor. Each fails in seconds offline. ``vae_name_or_path`` (a replacement
+    VAE) is for the families that take one (SD1.x / SDXL)."""
+    row = resolve(model_name_or_path, family)
+    extra = {} if family == "auto" else dict(row.load_kwargs)  # auto: the policy reads the parts
+    if vae_name_or_path is not None:
+        if not row.replacement_vae:
+            takes = " / ".join(f.title for f in FAMILIES.values() if f.replacement_vae)
+            raise ValueError(f"vae_name_or_path: a replacement VAE is for {takes}, not {row.name}")
+        extra["vae_name_or_path"] = vae_name_or_path
+    return row.policy_class().from_pretrained(model_name_or_path, torch_dtype=torch_dtype, **extra, **kwargs)
 
 
 def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
@@ -211,12 +185,13 @@ def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
     return lo, hi
 
 
-def check_sampling_knobs(cfg: ImageRLConfig, family: str) -> None:
-    """The sampling knobs a ``family`` policy checks, checked from ``cfg`` alone before any model loads (one
-    ValueError naming the field): the SDE window against ``num_steps`` and eta for its step type (sd3 /
-    flux), DDIM's eta > 0 (sd / sdxl)."""
+def check_sampling_knobs(cfg: ImageRLConfig, family: str | Family) -> None:
+    """The sampling knobs a ``family`` policy checks (a name or a ``FAMILIES`` row), checked from ``cfg`` alone
+    before any model loads (one ValueError naming the field): the SDE window against ``num_steps`` and eta for
+    its step type (flow families), DDIM's eta > 0 (the others)."""
     window = window_range(cfg)
-    if family in FLOW_FAMILIES:
+    flow = get_family(family).flow
+    if flow:
         from unialign.image.flow import check_noise_level, sde_window_bounds
 
         check_noise_level(cfg.sde_type, cfg.noise_level)
@@ -228,25 +203,30 @@ def check_sampling_knobs(cfg: ImageRLConfig, family: str) -> None:
         from unialign.image.kernels import ForwardKernel
 
         try:  # a solver for the family
-            ForwardKernel._solver_kind(forward["sampler"], family in FLOW_FAMILIES)
+            ForwardKernel._solver_kind(forward["sampler"], flow)
         except ValueError as err:
             raise ValueError(f"sampler: {err}") from None
 
 
-def policy_kwargs(cfg: ImageRLConfig, family: str = "sd") -> dict[str, Any]:
-    """The policy constructor's knobs from ``cfg``: ``DiffusionPolicy``'s (sd / sdxl) or the flow-matching
-    policies' (sd3 / flux)."""
-    common = dict(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, lora_rank=cfg.lora_rank,
-                  lora_alpha=cfg.lora_alpha, train_chunk_size=cfg.train_chunk_size,
-                  sample_batch_size=cfg.sample_batch_size, seed=cfg.seed)
-    optional = dict(height=cfg.resolution, width=cfg.resolution, cfg_uncond_grad=cfg.cfg_uncond_grad)
-    if family in FLOW_FAMILIES:
-        common.update(noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
-                      sde_window_range=window_range(cfg))
-        optional["max_sequence_length"] = cfg.max_sequence_length
-    else:
-        common.update(eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std)
-    return {**common, **{k: v for k, v in optional.items() if v is not None}}  # unset: the policy's default
+def sampler_knobs(cfg: ImageRLConfig, family: str | Family = "sd") -> SamplerKnobs:
+    """The sampler knobs of ``cfg`` that apply to ``family`` (a name or a ``FAMILIES`` row), one frozen value;
+    the unset optional ones (``resolution``, ``max_sequence_length``) None: the policy's default."""
+    return SamplerKnobs(
+        num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, height=cfg.resolution, width=cfg.resolution,
+        eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std,
+        noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
+        sde_window_range=window_range(cfg), max_sequence_length=cfg.max_sequence_length,
+    ).for_family(get_family(family))
+
+
+def policy_kwargs(cfg: ImageRLConfig, family: str | Family = "sd") -> dict[str, Any]:
+    """The policy constructor's arguments from ``cfg`` for ``family`` (a name or a ``FAMILIES`` row): its sampler
+    knobs as one value (``knobs``, ``sampler_knobs``), the LoRA, memory and seed knobs."""
+    kw = dict(knobs=sampler_knobs(cfg, family), lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+              train_chunk_size=cfg.train_chunk_size, sample_batch_size=cfg.sample_batch_size, seed=cfg.seed)
+    if cfg.cfg_uncond_grad is not None:  # unset: the policy's default
+        kw["cfg_uncond_grad"] = cfg.cfg_uncond_grad
+    return kw
 
 
 # The policy side of the forward-process algorithms, by algorithm (the trainer side is unialign.registry's):

@@ -1,0 +1,70 @@
+"""The family table (``unialign.image.families``): everything that chooses by family reads its rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from unialign.image.families import COMMON_KNOBS, FAMILIES, FAMILY_CHOICES, PIPELINE_FAMILIES, resolve
+
+
+def test_choices_detection_and_policies_come_from_the_table(tmp_path):
+    from unialign.config import field_rules
+    from unialign.image.recipe import ImageRLConfig, family_of
+
+    field = next(f for f in dataclasses.fields(ImageRLConfig) if f.name == "model_family")
+    assert tuple(field_rules(ImageRLConfig, field)["choices"]) == FAMILY_CHOICES == ("auto", *FAMILIES)
+    for row in FAMILIES.values():
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": row.pipeline_class}))
+        assert resolve(str(tmp_path)) is row and family_of(str(tmp_path)) == row.name
+        assert PIPELINE_FAMILIES[row.pipeline_class] is row
+        assert hasattr(row.policy_class(), "from_pretrained")
+        for marker in row.markers:
+            assert resolve(f"org/model-{marker}-base") is row
+    assert resolve("org/stable-diffusion-3-xl").name == "sd3"  # flow markers first, as before the table
+    assert resolve("org/anything").name == "sd"  # the family without markers
+
+
+def test_the_knobs_follow_the_row():
+    from unialign.image.recipe import ImageRLConfig, policy_kwargs
+
+    cfg = ImageRLConfig()
+    for row in FAMILIES.values():
+        kw = policy_kwargs(cfg, row)
+        assert kw == policy_kwargs(cfg, row.name)
+        knobs = kw["knobs"]
+        set_ = {f.name for f in dataclasses.fields(knobs) if getattr(knobs, f.name) is not None}
+        assert set_ == {*COMMON_KNOBS, *row.knobs} - {"height", "width", "max_sequence_length", "sde_window_range"}
+        assert (knobs.noise_level is not None) == row.flow == (knobs.eta is None)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            knobs.num_steps = 3
+    with pytest.raises(ValueError, match="model_family"):
+        policy_kwargs(cfg, "kandinsky")
+
+
+def test_load_denoiser_dispatches_on_the_row(tmp_path, monkeypatch):
+    from unialign.image import recipe
+
+    seen = []
+
+    class Fake:
+        @classmethod
+        def from_pretrained(cls, path, **kw):
+            seen.append(kw)
+            return "policy"
+
+    for row in FAMILIES.values():
+        monkeypatch.setattr(type(row), "policy_class", lambda self: Fake)
+        assert recipe.load_denoiser("x", row.name, num_steps=3) == "policy"
+        assert seen.pop() == {"torch_dtype": None, **dict(row.load_kwargs), "num_steps": 3}
+    assert recipe.load_denoiser("x") == "policy" and seen.pop() == {"torch_dtype": None}  # auto: no sdxl=
+
+
+def test_knobs_replace_the_keywords_they_set():
+    from unialign.image.families import SamplerKnobs
+
+    k = SamplerKnobs.over(SamplerKnobs(num_steps=4, height=None), num_steps=10, guidance_scale=4.5, height=64)
+    assert (k.num_steps, k.guidance_scale, k.height) == (4, 4.5, 64)
+    assert SamplerKnobs.over(None, num_steps=10) == SamplerKnobs(num_steps=10)
