@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from unialign.image.families import COMMON_KNOBS, FAMILIES, FAMILY_CHOICES, PIPELINE_FAMILIES, resolve
 
@@ -68,3 +69,23 @@ def test_knobs_replace_the_keywords_they_set():
     k = SamplerKnobs.over(SamplerKnobs(num_steps=4, height=None), num_steps=10, guidance_scale=4.5, height=64)
     assert (k.num_steps, k.guidance_scale, k.height) == (4, 4.5, 64)
     assert SamplerKnobs.over(None, num_steps=10) == SamplerKnobs(num_steps=10)
+
+
+def _sampled(policy) -> torch.Tensor:
+    return policy.sample(["a cat", "cat"], generator=torch.Generator().manual_seed(5)).payload["latents"]
+
+
+def test_knobs_give_the_policy_the_keywords_do(make_policy, tokenizer_dir):
+    from tests.image.test_flow_policy import sd3_components
+    from unialign.image.families import SamplerKnobs
+    from unialign.image.flow_policy import FlowMatchingPolicy
+
+    ddim = dict(num_steps=3, guidance_scale=2.0, eta=0.8, timestep_fraction=0.5, min_step_std=0.01)
+    by_keywords, by_knobs = make_policy(**ddim), make_policy(knobs=SamplerKnobs(**ddim))
+    assert by_knobs.knobs == by_keywords.knobs and by_knobs.num_steps == 3
+    assert torch.equal(_sampled(by_keywords), _sampled(by_knobs))
+    flow = dict(num_steps=3, guidance_scale=2.0, noise_level=0.5, sde_window_size=2, max_sequence_length=4)
+    by_keywords = FlowMatchingPolicy(**sd3_components(tokenizer_dir), **flow)
+    by_knobs = FlowMatchingPolicy(**sd3_components(tokenizer_dir), num_steps=9, knobs=SamplerKnobs(**flow))
+    assert by_knobs.knobs == by_keywords.knobs and by_knobs.num_steps == 3 and by_knobs.height == by_keywords.height
+    assert torch.equal(_sampled(by_keywords), _sampled(by_knobs))
