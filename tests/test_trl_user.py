@@ -57,7 +57,7 @@ def test_max_completion_length_is_the_generation_length_in_the_grpo_scripts(tmp_
     assert config("grpo_math", ["--max_completion_length", "8"], tmp_path).max_new_tokens == 8
     assert config("ppo_rlhf", ["--max_completion_length=8"], tmp_path).max_new_tokens == 8
     assert config("dpo_text", ["--max_completion_length", "64"], tmp_path).max_completion_length == 64  # DPO's
-    with pytest.raises(UserError, match="TRL's name for --max_new_tokens; both are given"):
+    with pytest.raises(UserError, match="another name for --max_new_tokens; both are given"):
         config("grpo_math", ["--max_completion_length", "8", "--max_new_tokens", "9"], tmp_path)
 
 

@@ -141,7 +141,7 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
         section.add_argument(f"--{f.name}", **kwargs)
         for alias in (a for a, target in aliases.items() if target == f.name):
             section.add_argument(f"--{alias}", dest=f"{ALIAS_DEST}{alias}", default=argparse.SUPPRESS,
-                                 metavar=kwargs["metavar"], help=f"TRL's name for --{f.name} (same meaning)")
+                                 metavar=kwargs["metavar"], help=f"the same as --{f.name} (another name for it)")
     return parser
 
 
@@ -186,7 +186,7 @@ def resolve_names(cls: type, given: dict[str, Any], where: str = "", before: dic
         if name in aliases:
             target = aliases[name]
             if target in given and str(given[target]) != str(value):
-                raise UserError(f"{where}--{name} is TRL's name for --{target}; both are given ({value} and "
+                raise UserError(f"{where}--{name} is another name for --{target}; both are given ({value} and "
                                 f"{given[target]}): give one")
             own[target] = value
         elif name in fields:  # the config's own field wins over a TRL name it shares

@@ -319,7 +319,7 @@ def describe(name: str, cls: type) -> tuple[str, str]:
     fields = {f.name for f in dataclasses.fields(cls)}
     aliases = field_aliases(cls)
     if name in aliases:
-        return f"--{aliases[name]}", f"same meaning: TRL's name for --{aliases[name]}"
+        return f"--{aliases[name]}", f"same meaning: this script's name for it is --{aliases[name]}"
     if name in fields:
         return f"--{name}", "same name, same meaning"
     if name in TRL_NAMES:
