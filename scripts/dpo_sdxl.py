@@ -27,7 +27,7 @@ from unialign.config import DTYPES, UserError, arg, exit_on_user_error, parse_co
 from unialign.embedded import NAME, parts, register, shapes_world
 from unialign.image.data import load_pickapic
 from unialign.image.evaluate import HeldOutImages, finish_image_run
-from unialign.image.families import FAMILY_CHOICES
+from unialign.image.families import FAMILY_CHOICES, family_names
 from unialign.image.grid import first_of_each_prompt
 from unialign.image.recipe import PickapicDataArgs, load_denoiser
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer
@@ -41,7 +41,7 @@ class DiffusionDPOConfig(PickapicDataArgs, PreferenceConfig):
     model_name_or_path: str = arg("embedded", "SDXL / SD1.x / SD3 / FLUX.1 Hub id or local diffusers folder, or "
                                   "'embedded' / 'embedded-sd3' (the shapes world's SDXL- / SD3-architecture models)",
                                   group="model")
-    model_family: str = arg("auto", "auto (the folder's model_index.json, else the hub id) | sd | sdxl | sd3 | flux",
+    model_family: str = arg("auto", "auto (the folder's model_index.json, else the hub id) | " + family_names(False),
                             group="model", choices=FAMILY_CHOICES)
     vae_name_or_path: str | None = arg(None, "a VAE to use instead of the model's (e.g. the fp16-fix SDXL VAE)",
                                        group="model")

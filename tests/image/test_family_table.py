@@ -89,3 +89,13 @@ def test_knobs_give_the_policy_the_keywords_do(make_policy, tokenizer_dir):
     by_knobs = FlowMatchingPolicy(**sd3_components(tokenizer_dir), num_steps=9, knobs=SamplerKnobs(**flow))
     assert by_knobs.knobs == by_keywords.knobs and by_knobs.num_steps == 3 and by_knobs.height == by_keywords.height
     assert torch.equal(_sampled(by_keywords), _sampled(by_knobs))
+
+
+def test_the_model_family_help_lists_the_table(monkeypatch):
+    from unialign.image import families
+
+    assert families.family_names() == ("sd | sdxl (DDIM, DiffusionPolicy) | sd3 | flux (flow matching with "
+                                       "Flow-GRPO's SDE step)")
+    row = families.Family("sana", "SANA", "SanaPipeline", "x:Y", flow=True, markers=("sana",))
+    monkeypatch.setattr(families, "FAMILIES", {**families.FAMILIES, "sana": row})
+    assert families.family_names(False) == "sd | sdxl | sd3 | flux | sana"

@@ -100,6 +100,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            markers=("flux",), knobs=FLOW_KNOBS),
 )}
 FAMILY_CHOICES = ("auto", *FAMILIES)  # the --model_family choices
+# the families in the --model_family help lines, by kind of step kernel (a new row shows up in them by itself)
+KERNEL_WORDS = {False: "DDIM, DiffusionPolicy", True: "flow matching with Flow-GRPO's SDE step"}
+
+
+def family_names(detail: bool = True) -> str:
+    """``"sd | sdxl (DDIM, DiffusionPolicy) | sd3 | flux (flow matching ...)"``: the families in table order, each
+    run of one kind of kernel followed by ``KERNEL_WORDS`` (``detail``), for the ``--model_family`` help."""
+    rows, out = list(FAMILIES.values()), []
+    for i, row in enumerate(rows):
+        last_of_kind = i + 1 == len(rows) or rows[i + 1].flow != row.flow
+        out.append(f"{row.name} ({KERNEL_WORDS[row.flow]})" if detail and last_of_kind else row.name)
+    return " | ".join(out)
 # diffusers pipeline class (model_index.json "_class_name") -> family
 PIPELINE_FAMILIES = {f.pipeline_class: f for f in FAMILIES.values()}
 

@@ -18,7 +18,15 @@ import torch
 from unialign.config import DTYPES, arg
 from unialign.data import ENCODING_ERRORS
 from unialign.image.evaluate import HeldOutImages, finish_image_run
-from unialign.image.families import FAMILIES, FAMILY_CHOICES, Family, SamplerKnobs, get_family, resolve
+from unialign.image.families import (
+    FAMILIES,
+    FAMILY_CHOICES,
+    Family,
+    SamplerKnobs,
+    family_names,
+    get_family,
+    resolve,
+)
 from unialign.rewards import CombinedReward, get_reward
 from unialign.trainers import OnlineConfig, OnlineTrainer
 
@@ -59,8 +67,7 @@ class ImageRLConfig(OnlineConfig):
     config: str | None = arg(None, "YAML file of field values", group="config")
     model_name_or_path: str = arg("runwayml/stable-diffusion-v1-5", "SD1.x / SDXL / SD3 / FLUX.1 hub id or local "
                                   "diffusers folder", group="model")
-    model_family: str = arg("auto", "auto (a folder's model_index.json, else the hub id's name) | sd | sdxl "
-                            "(DDIM, DiffusionPolicy) | sd3 | flux (flow matching with Flow-GRPO's SDE step)",
+    model_family: str = arg("auto", "auto (a folder's model_index.json, else the hub id's name) | " + family_names(),
                             group="model", choices=FAMILY_CHOICES)
     prompt_set: str = arg("animals", "'animals' (ddpo-pytorch's list), a .txt file (one prompt per line) or a "
                           ".jsonl file (a 'prompt' and other columns per line, given to the rewards: GenEval's "
