@@ -217,25 +217,33 @@ def test_trl_style_dpo_trainer_runs(tmp_path):
     from unialign.embedded.arith import preference_pairs
 
     pairs = preference_pairs("train", n=24)
+    # TRL's epochs: 16 pairs, 4 x 2 per optimizer step -> 2 steps (the Python trainers know the data size)
     args = DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                     max_steps=2, learning_rate=1e-4, report_to="none", chat_template="always")
+                     num_train_epochs=1, warmup_ratio=0.5, learning_rate=1e-4, report_to="none",
+                     chat_template="always")
     trainer = DPOTrainer(model=ARITH_LM_DIR, args=args, train_dataset=Dataset.from_list(pairs[:16]),
                          eval_dataset=Dataset.from_list(pairs[16:]))
+    assert (args.max_steps, args.warmup_steps) == (2, 1)
     out = trainer.train()
     assert out.global_step == 2 and trainer.summary["metric"] == "implicit_accuracy"
     assert trainer.summary["before"] == 0.5  # policy == reference at the start: every pair a tie
     assert (tmp_path / "dpo" / "final" / "config.json").is_file()
 
 
-def test_trl_config_keywords_refused_with_the_unialign_way():
+def test_trl_config_keywords_refused_with_the_unialign_way(tmp_path):
     from unialign import DPOConfig, GRPOConfig
 
-    with pytest.raises(UserError, match="--max_steps"):
-        GRPOConfig(num_train_epochs=3)
+    with pytest.raises(UserError, match="--max_steps"):  # the scripts count steps
+        config("grpo_math", ["--num_train_epochs", "3"], tmp_path)
     with pytest.raises(UserError, match="did you mean 'learning_rate'"):
         GRPOConfig(learning_rat=1e-5)
     assert DPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=8).batch_size == 16
     assert GRPOConfig().max_completion_length == 256  # TRL's defaults
+    given = GRPOConfig(num_train_epochs=3, max_steps=5)  # TRL: max_steps wins over epochs
+    from unialign.trl import _steps_from_epochs
+
+    _steps_from_epochs(given, 1000, 4)
+    assert given.max_steps == 5
 
 
 def test_the_docs_trl_example_runs_as_written(tmp_path, monkeypatch):

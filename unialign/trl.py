@@ -30,6 +30,7 @@ after, on ``eval_dataset`` when given), curves, ``final/``; ``state.log_history`
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class _TrlKeywords:
         base = next(c for c in type(self).__mro__[1:] if dataclasses.is_dataclass(c) and c is not _TrlKeywords)
         values = resolve_names(type(self), kwargs)  # UserError for a refused or unknown name
         base.__init__(self, **values)
+        self._given = dict(kwargs)  # what the user wrote (num_train_epochs vs max_steps, TRL's precedence)
 
 
 @dataclass
@@ -74,6 +76,9 @@ class _GRPOFields(OnlineConfig):
     vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes",
                                              group="model", gt=0.0, max=1.0)
     eval_batch_size: int = arg(64, "prompts per held-out greedy evaluation batch", group="logging", min=1)
+    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
+                                         "ceil(epochs x rows / prompts_per_step) unless max_steps is given too",
+                                         group="optimisation", gt=0.0)
     output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
@@ -108,6 +113,9 @@ class _DPOFields(PreferenceConfig):
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
     chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
                              choices=("auto", "always", "never"))
+    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
+                                         "ceil(epochs x rows / batch_size) unless max_steps is given too",
+                                         group="optimisation", gt=0.0)
     output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
@@ -186,6 +194,17 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
                                                  2 * lora["lora_rank"], task_type="CAUSAL_LM",
                                                  target_modules=lora.get("lora_target_modules") or "all-linear"))
     return CausalLMPolicy(model, tokenizer, **kwargs)
+
+
+def _steps_from_epochs(args: Any, rows: int, per_step: int) -> None:
+    """TRL's precedence: ``num_train_epochs`` sets ``max_steps`` = ceil(epochs x rows / per_step) unless
+    ``max_steps`` was given as well (then it wins); a ``warmup_ratio`` given with it is taken of those steps."""
+    given = getattr(args, "_given", {})
+    if args.num_train_epochs is None or "max_steps" in given:
+        return
+    args.max_steps = max(1, math.ceil(args.num_train_epochs * rows / per_step))
+    if "warmup_ratio" in given:
+        args.warmup_steps = math.ceil(float(given["warmup_ratio"]) * args.max_steps)  # transformers' rounding
 
 
 def _unsupported(callbacks: Any, optimizers: Any) -> None:
@@ -277,6 +296,7 @@ class GRPOTrainer(_Wrapper):
         self.policy.max_new_tokens = args.max_completion_length
         self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
         train, held = fit_prompts(self.policy, train, held, args, self.data_info)
+        _steps_from_epochs(args, len(train), args.prompts_per_step)
         self.evaluator = (GreedyHeldOut(self.policy, held, {"reward": as_trl_reward(reward)}, args.eval_batch_size)
                           if held else None)
         self.trainer = OnlineTrainer(self.policy, reward, train, args, evaluator=self.evaluator)
@@ -328,6 +348,7 @@ class DPOTrainer(_Wrapper):
         self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
         train, held = fit_pairs(self.policy.tokenizer, prompt_token_counter(self.policy), train, held, args,
                                 self.data_info)
+        _steps_from_epochs(args, len(train), args.batch_size)
         self.held = held
         objective = DPOObjective(self.policy, args.beta, args.loss_type, args.label_smoothing,
                                  cache_reference=args.precompute_ref_log_probs, rpo_alpha=args.rpo_alpha)
