@@ -7,26 +7,17 @@ scripts' default prompt set is refused naming ``--prompt_set`` before anything l
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.test_scripts import load_script
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def script_config(name: str, argv: list[str]):
