@@ -123,6 +123,8 @@ def prompt_token_counter(policy) -> Counter:
     """``count(prompts, limit)``: token counts of prompts in ``policy`` (a ``CausalLMPolicy``) -- chat template
     and system prompt applied, with the special tokens the policy adds (BOS on raw text where the tokenizer
     adds one) -- exact wherever a prompt could be longer than ``limit`` (``bounded_counts``)."""
+    if hasattr(policy, "count_prompt_tokens"):  # a policy whose prompts hold more than text (image tokens)
+        return policy.count_prompt_tokens
     tokenizer = policy.tokenizer
 
     def count(prompts: list[Any], limit: int) -> list[int]:

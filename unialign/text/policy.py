@@ -153,7 +153,7 @@ class CausalLMPolicy:
             base = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
             if value_head in (True, "shared"):
                 if not hasattr(base, "value_head"):
-                    base.value_head = _zero_linear(base.config.hidden_size, self.head.weight.device)
+                    base.value_head = _zero_linear(base.config.get_text_config().hidden_size, self.head.weight.device)
                 self.value_head = base.value_head
             else:  # attached to the policy's module, so the trainer's optimizer and wrapper see it
                 if not hasattr(base, "value_model"):
@@ -349,7 +349,8 @@ class CausalLMPolicy:
             old_logp_B_T=torch.zeros(0),
             truncated_B=g["truncated"],
             payload={"prompt_ids": g["prompt_ids"], "prompt_mask": g["prompt_mask"],
-                     "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"]},
+                     "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"],
+                     **g.get("payload", {})},  # what a subclass's prompts carry besides tokens (images)
         )
         if rollout is not None:
             with torch.no_grad():
