@@ -23,10 +23,13 @@ from unialign.config import DTYPES, UserError, arg, exit_on_user_error, parse_co
 from unialign.embedded import NAME, model_path, register
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
 from unialign.rewards import get_reward
-from unialign.text import CausalLMPolicy, evaluate, load_rows
+from unialign.text import evaluate, load_rows
 from unialign.text.data import prompt_rows, prompt_token_counter
 from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
+from unialign.vision.recipe import has_images, load_policy, with_images
+
+TASKS = {NAME: "math_accuracy", "embedded-vlm": "vlm_accuracy"}  # built-in data sets with a verifiable task
 
 # per-algorithm defaults of --beta / --simpo_gamma / --rpo_alpha (flags override them)
 ALGORITHM_DEFAULTS = {
@@ -105,11 +108,13 @@ def main(cfg: DPOTextConfig) -> dict:
     register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     loss, knobs, params = pair_loss(cfg)
-    embedded = cfg.dataset_name == NAME  # correct vs wrong final answers on the embedded arithmetic task
+    task = TASKS.get(cfg.dataset_name)  # correct vs wrong final answers on an embedded task (arithmetic; VLM)
+    embedded = task is not None
     train, held_out, data_info = load_pair_data(cfg)
-    policy = CausalLMPolicy.from_pretrained(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank,
-                                            torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
-                                            chat_template=cfg.chat_template)
+    if has_images(train + held_out):  # image + prompt + chosen / rejected (RLAIF-V): images read and checked now
+        train, held_out = with_images(train, cfg, "train"), with_images(held_out, cfg, "eval")
+    policy = load_policy(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
+                         max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
                              rpo_alpha=knobs["rpo_alpha"], loss_params=params)
@@ -121,8 +126,9 @@ def main(cfg: DPOTextConfig) -> dict:
     def task_accuracy() -> float | None:
         if not embedded:
             return None
-        rows = prompt_rows(load_rows(NAME, "test")[:cfg.num_eval], "eval")
-        return evaluate.greedy_score(policy, rows, get_reward("math_accuracy"), cfg.eval_batch_size)
+        rows = prompt_rows(load_rows(cfg.dataset_name, "test")[:cfg.num_eval], "eval")
+        rows = with_images(rows, cfg, "eval") if has_images(rows) else rows
+        return evaluate.greedy_score(policy, rows, get_reward(task), cfg.eval_batch_size)
 
     acc_before, implicit_before = task_accuracy(), trainer.evaluate(held_out)["implicit_accuracy"]
     history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)

@@ -163,6 +163,8 @@ def json_safe(obj: Any) -> Any:
         return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
+    if type(obj).__module__.startswith("PIL.") and hasattr(obj, "size"):  # an image in a prompt: its size, not a repr
+        return f"<image {obj.size[0]}x{obj.size[1]}>"
     return str(obj)
 
 

@@ -1,0 +1,83 @@
+"""What the vision-language scripts share: image-size and tower flags, rows with images read and checked before any
+model loads, and the policy of a checkpoint chosen by its config (a VLM or a text LM) for scripts that take both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unialign.config import UserError, arg
+
+
+@dataclass
+class VisionArgs:
+    """Fields of the scripts that train vision-language policies."""
+
+    max_pixels: int | None = arg(None, "processor: largest image area in pixels (Qwen-VL's max_pixels; fewer pixels, "
+                                 "fewer image tokens); unset: the processor's own", group="model", min=1)
+    min_pixels: int | None = arg(None, "processor: smallest image area in pixels (Qwen-VL's min_pixels)",
+                                 group="model", min=1)
+    freeze_vision: bool = arg(False, "train the language model only (the vision tower frozen)", group="model")
+    prompt_column: str = arg("prompt", "the column holding the prompt (e.g. 'problem' for geometry3k); it is read "
+                             "as 'prompt'", group="data")
+    prompt_template: str | None = arg(None, "a string prompt becomes this with {content} replaced by it (e.g. "
+                                      "EasyR1's reasoning instruction); unset: the prompt as it is", group="data")
+
+
+def processor_kwargs(cfg: Any) -> dict[str, int]:
+    """The processor's image-size knobs set by ``cfg`` (``--max_pixels`` / ``--min_pixels``)."""
+    return {k: getattr(cfg, k) for k in ("max_pixels", "min_pixels") if getattr(cfg, k, None) is not None}
+
+
+def data_folder(name: str) -> Path | None:
+    """Where a data set's relative image paths are read from: the file's folder, the folder itself, else None."""
+    path = Path(name)
+    return path.parent if path.is_file() else path if path.is_dir() else None
+
+
+def with_images(rows: list[dict[str, Any]], cfg: Any, source: str) -> list[dict[str, Any]]:
+    """``rows`` (already in TRL's prompt format) with their images in their prompts (``vision_rows``), the prompt
+    taken from ``cfg.prompt_column``; errors name the row."""
+    from unialign.vision.media import vision_rows
+
+    column = getattr(cfg, "prompt_column", "prompt")
+    if column != "prompt":
+        if rows and column not in rows[0]:
+            raise UserError(f"--prompt_column {column!r}: {source} has no such column; columns: {sorted(rows[0])}")
+        rows = [{**{k: v for k, v in r.items() if k != column}, "prompt": r[column]} for r in rows]
+    template = getattr(cfg, "prompt_template", None)
+    if template:
+        if "{content}" not in template:
+            raise UserError(f"--prompt_template must contain {{content}} (where the prompt goes), got {template!r}")
+        rows = [{**r, "prompt": template.replace("{content}", r["prompt"])} if isinstance(r["prompt"], str) else r
+                for r in rows]
+    return vision_rows(rows, source, data_folder(cfg.dataset_name))
+
+
+def is_vision_checkpoint(name_or_path: str) -> bool:
+    """Whether a local checkpoint's config is a vision-language model's (it has a vision tower)."""
+    import json
+
+    cfg = Path(name_or_path) / "config.json"
+    if not cfg.is_file():
+        return False
+    data = json.loads(cfg.read_text())
+    return "vision_config" in data
+
+
+def has_images(rows: list[dict[str, Any]]) -> bool:
+    return any(r.get("image") is not None or r.get("images") for r in rows)
+
+
+def load_policy(name_or_path: str, **kwargs: Any):
+    """A ``VisionLanguagePolicy`` for a vision-language checkpoint (a local folder whose config has a vision
+    tower), else a ``CausalLMPolicy``: the scripts that take both (DPO) load through here. ``kwargs`` as their
+    ``from_pretrained``."""
+    if is_vision_checkpoint(name_or_path):
+        from unialign.vision.policy import VisionLanguagePolicy
+
+        return VisionLanguagePolicy.from_pretrained(name_or_path, **kwargs)
+    from unialign.text.policy import CausalLMPolicy
+
+    return CausalLMPolicy.from_pretrained(name_or_path, **kwargs)
