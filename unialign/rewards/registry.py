@@ -43,6 +43,8 @@ REWARDS: dict[str, str] = {
     # any modality (unialign/rewards/pairwise.py): Pref-GRPO's win rate in the group under a pairwise judge
     "pairwise": "unialign.rewards.pairwise:PairwiseReward",
     "ocr": "unialign.rewards.ocr:OcrReward",  # unialign/rewards/ocr.py; needs the ocr extra
+    # image, learned (unialign/rewards/vlm_judge.py): a VLM's P(yes) or its "Final Score: x" / 5
+    "vlm_judge": "unialign.rewards.vlm_judge:VLMJudgeReward",
 }  # other packages add their own entries (a name -> "module:attribute") when imported
 
 # What each registered reward scores: "text" completions, "image" samples or "any" (a name missing here: any).
@@ -50,7 +52,7 @@ REWARDS: dict[str, str] = {
 REWARD_INPUTS: dict[str, str] = {
     "math_accuracy": "text", "math_format": "text", "reward_model": "text", "jpeg_compressibility": "image",
     "jpeg_incompressibility": "image", "aesthetic": "image", "clip_score": "image", "pickscore": "image",
-    "hps": "image", "geneval": "image", "ocr": "image", "pairwise": "any",
+    "hps": "image", "geneval": "image", "ocr": "image", "pairwise": "any", "vlm_judge": "image",
 }
 
 
