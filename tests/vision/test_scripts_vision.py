@@ -1,0 +1,113 @@
+"""The vision-language entry points on TRL-format folders: grpo_vision (GRPO, PPO), dpo_text on image pairs, the
+checks that run before any model loads, the offline preset."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.test_scripts import load_script, run
+from tests.vision.tiny import build, random_image
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm")
+    model, processor = build("qwen2_vl")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def _data(folder, n_train: int = 12, n_test: int = 4, pairs: bool = False):
+    """A folder of TRL vision rows: messages + an image path relative to the file, ``<image>`` strings with
+    ``images``, a text-only row; ``solution`` (or chosen / rejected) columns."""
+    rng = random.Random(0)
+    (folder / "images").mkdir(parents=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        rows = []
+        for i in range(n):
+            path = f"images/{split}_{i}.png"
+            random_image(rng).save(folder / path)
+            if i % 4 == 3:
+                row = {"prompt": "no image, answer 'a'"}
+            elif i % 2:
+                row = {"prompt": "Look: <image> colour?", "images": [path]}
+            else:
+                row = {"prompt": [{"role": "user", "content": "Colour?"}], "image": path}
+            row.update({"chosen": "a", "rejected": "bb"} if pairs else {"solution": "a"})
+            rows.append(row)
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def _reward_module(tmp_path, monkeypatch):
+    (tmp_path / "vrewards.py").write_text(
+        "def has(completions, solution, **kwargs):\n"
+        "    return [float(s in c) + 0.1 * len(c) for c, s in zip(completions, solution)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "vrewards:has"
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_grpo_vision_on_a_folder_of_trl_rows(tmp_path, monkeypatch, vlm_dir, algorithm):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    data = _data(tmp_path / "data")
+    out = tmp_path / "out"
+    s = run("grpo_vision", ["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--algorithm", algorithm,
+                            "--reward_funcs", _reward_module(tmp_path, monkeypatch), "--max_steps", "2",
+                            "--prompts_per_step", "2", "--num_generations", "2", "--output_dir", str(out),
+                            "--report_to", "none"])
+    assert s["steps"] == 2 and (s["train_rows"], s["eval_rows"]) == (12, 4)
+    AutoModelForImageTextToText.from_pretrained(str(out / "final"))
+    AutoProcessor.from_pretrained(str(out / "final"))
+    first = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
+    assert "<image 32x" in json.dumps(first["prompt"]) or "<image 40x" in json.dumps(first["prompt"]) \
+        or "<image 48x" in json.dumps(first["prompt"])
+
+
+def test_dpo_text_trains_a_vlm_on_image_pairs(tmp_path, vlm_dir):
+    data = _data(tmp_path / "pairs", pairs=True)
+    s = run("dpo_text", ["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--max_steps", "2",
+                         "--batch_size", "4", "--micro_batch_size", "2", "--output_dir", str(tmp_path / "out"),
+                         "--report_to", "none"])
+    assert s["metric"] == "implicit_accuracy" and s["steps"] == 2 and s["eval_rows"] == 4
+
+
+def _exit_line(argv, capsys) -> str:
+    from unialign.config import exit_on_user_error, parse_config
+
+    module = load_script("grpo_vision")
+    with pytest.raises(SystemExit) as info, exit_on_user_error():
+        module.main(parse_config(module.GRPOVisionConfig, argv, presets=module.PRESETS))
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
+def test_bad_rows_are_refused_naming_the_row_before_any_model_loads(tmp_path, capsys):
+    data = _data(tmp_path / "data")
+    rows = (data / "train.jsonl").read_text().splitlines()
+    rows[5] = json.dumps({"prompt": "two <image> and <image>", "images": ["images/train_0.png"], "solution": "a"})
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    line = _exit_line(["--model_name_or_path", str(tmp_path / "no_model"), "--dataset_name", str(data)], capsys)
+    assert "row 5: the prompt has 2 image placeholder(s) but the row has 1 image(s)" in line, line
+    rows[5] = json.dumps({"prompt": "x", "image": "images/missing.png", "solution": "a"})
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    line = _exit_line(["--model_name_or_path", str(tmp_path / "no_model"), "--dataset_name", str(data)], capsys)
+    assert "row 5: field 'image': no image file at 'images/missing.png'" in line, line
+
+
+def test_prompt_limits_count_image_tokens_before_any_forward(tmp_path, capsys, vlm_dir):
+    data = _data(tmp_path / "data")  # a 32x32 image is 16 image tokens here; the template adds ~20 more
+    line = _exit_line(["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--reward_funcs",
+                       "math_accuracy", "--max_prompt_length", "24"], capsys)
+    assert "rows are too long (row 0: prompt has" in line and "--max_prompt_length" in line, line
+
+
+def test_geometry3k_preset_fails_fast_offline(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = _exit_line(["--preset", "qwen2.5-vl-3b-geometry3k"], capsys)
+    assert "hiyouga/geometry3k" in line
