@@ -72,7 +72,7 @@ def test_algos_import_only_torch_stdlib_and_algos():
     assert not bad, "algos must import torch / stdlib / unialign.algos / unialign.types only:\n" + "\n".join(bad)
 
 
-FORBIDDEN_IN_TRAINERS = ("transformers", "diffusers", "open_clip", "unialign.text", "unialign.image")
+FORBIDDEN_IN_TRAINERS = ("transformers", "diffusers", "open_clip", "unialign.text", "unialign.image", "unialign.vision")
 ALLOWED_IN_TRAINERS = ("transformers.optimization",)  # learning-rate schedules (get_scheduler): no model code
 
 

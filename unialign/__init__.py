@@ -25,6 +25,8 @@ _LAZY = {  # name -> module that defines it
     "CausalLMPolicy": "unialign.text.policy",
     "RewardModel": "unialign.text.reward_model",
     "DiffusionPolicy": "unialign.image.policy",
+    "VisionLanguagePolicy": "unialign.vision.policy",
+    "vision_rows": "unialign.vision.media",
     "OnlineConfig": "unialign.trainers.online",
     "OnlineTrainer": "unialign.trainers.online",
     "PreferenceConfig": "unialign.trainers.preference",
