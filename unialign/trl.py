@@ -170,9 +170,10 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
 
     if isinstance(model, CausalLMPolicy):
         return model
-    if isinstance(model, (str, os.PathLike)):
-        return CausalLMPolicy.from_pretrained(str(model), torch_dtype=args.torch_dtype,
-                                              **_lora(args, peft_config), **kwargs)
+    if isinstance(model, (str, os.PathLike)):  # a vision-language checkpoint gets a VisionLanguagePolicy
+        from unialign.vision.recipe import load_policy
+
+        return load_policy(str(model), torch_dtype=args.torch_dtype, **_lora(args, peft_config), **kwargs)
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -193,7 +194,21 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
         model = get_peft_model(model, LoraConfig(r=lora["lora_rank"], lora_alpha=lora.get("lora_alpha") or
                                                  2 * lora["lora_rank"], task_type="CAUSAL_LM",
                                                  target_modules=lora.get("lora_target_modules") or "all-linear"))
+    if hasattr(tokenizer, "image_processor"):  # a processor (TRL's processing_class for a VLM)
+        from unialign.vision.policy import VisionLanguagePolicy
+
+        return VisionLanguagePolicy(model, tokenizer, **kwargs)
     return CausalLMPolicy(model, tokenizer, **kwargs)
+
+
+def _with_images(*splits: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], ...]:
+    """TRL's vision rows (``image`` / ``images`` columns) with their images moved into their prompts."""
+    from unialign.vision.media import vision_rows
+    from unialign.vision.recipe import has_images
+
+    if not has_images([r for rows in splits for r in rows]):
+        return splits
+    return tuple(vision_rows(rows, name) for rows, name in zip(splits, ("train_dataset", "eval_dataset")))
 
 
 def _steps_from_epochs(args: Any, rows: int, per_step: int) -> None:
@@ -281,6 +296,7 @@ class GRPOTrainer(_Wrapper):
         validate(args)
         train = prompt_rows(_rows(train_dataset, "train_dataset") or [], "train_dataset")
         held = prompt_rows(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset is not None else []
+        train, held = _with_images(train, held)
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         columns = {k for r in train[:1] for k in r if k != "prompt"}
         for f in funcs:
@@ -344,6 +360,7 @@ class DPOTrainer(_Wrapper):
             held = normalize_pairs(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset else []
         except ValueError as err:
             raise UserError(str(err)) from None
+        train, held = _with_images(train, held)
         self.policy = _policy(model, processing_class, args, peft_config, chat_template=args.chat_template)
         self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
         train, held = fit_pairs(self.policy.tokenizer, prompt_token_counter(self.policy), train, held, args,

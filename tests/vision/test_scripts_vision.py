@@ -111,3 +111,33 @@ def test_geometry3k_preset_fails_fast_offline(monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     line = _exit_line(["--preset", "qwen2.5-vl-3b-geometry3k"], capsys)
     assert "hiyouga/geometry3k" in line
+
+
+def test_trl_signature_with_a_processor_and_an_image_column(tmp_path):
+    """TRL's VLM call: a loaded model, ``processing_class=processor``, a ``datasets.Dataset`` with ``prompt``
+    messages and a decoded ``image`` column; and DPO on RLAIF-V-style pairs."""
+    from datasets import Dataset, Features, Image, Value
+
+    from unialign import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, VisionLanguagePolicy
+
+    rng = random.Random(0)
+    images = [random_image(rng) for _ in range(8)]
+    features = Features({"prompt": [{"role": Value("string"), "content": Value("string")}], "image": Image(),
+                         "solution": Value("string")})
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Colour?"}]] * 8, "image": images,
+                              "solution": ["a"] * 8}, features=features)
+    model, processor = build("qwen2_vl")
+    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=1, learning_rate=1e-3, report_to="none")
+    trainer = GRPOTrainer(model=model, processing_class=processor, args=args, train_dataset=data,
+                          reward_funcs=lambda completions, solution, **kw: [float(len(c)) for c in completions])
+    assert isinstance(trainer.policy, VisionLanguagePolicy)
+    assert trainer.train().global_step == 1
+    pairs = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Colour?"}]] * 4, "image": images[:4],
+                               "chosen": ["a"] * 4, "rejected": ["b"] * 4},
+                              features=Features({**{k: features[k] for k in ("prompt", "image")},
+                                                 "chosen": Value("string"), "rejected": Value("string")}))
+    dpo = DPOTrainer(model=model, processing_class=processor, train_dataset=pairs,
+                     args=DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=2, max_steps=1,
+                                    report_to="none"))
+    assert isinstance(dpo.policy, VisionLanguagePolicy) and dpo.train().global_step == 1
