@@ -1,5 +1,6 @@
 """Tiny random-weight vision-language models of three real families, built in code (no download), with
-their processors: the Qwen2-VL line (flattened patches + ``image_grid_thw``, M-RoPE, ``mm_token_type_ids``),
+their processors: the Qwen2-VL line (Qwen2-VL and Qwen2.5-VL: flattened patches + ``image_grid_thw``, M-RoPE, ``mm_token_type_ids``;
+Qwen2.5-VL's windowed vision attention),
 Idefics3 / SmolVLM (``pixel_values`` [B, N, C, H, W] + ``pixel_attention_mask``, 1-D positions) and Gemma 3
 (``token_type_ids``: bidirectional attention over image tokens). TRL's tests use the same kind of models
 (``trl-internal-testing/tiny-*``); these are written here so the suite stays offline.
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-FAMILIES = ("qwen2_vl", "idefics3", "gemma3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3")
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
 
 
@@ -78,6 +79,28 @@ def build_qwen2_vl(seed: int = 0):
     return Qwen2VLForConditionalGeneration(cfg).eval(), proc
 
 
+def build_qwen2_5_vl(seed: int = 0):
+    """TRL's tiny Qwen2.5-VL recipe's shape (windowed vision blocks, one full-attention block, ``out_hidden_size``),
+    on the Qwen2-VL tokenizer and image processor (the two share them)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    base, proc = build_qwen2_vl(seed)
+    tok = proc.tokenizer
+    ids = tok.convert_tokens_to_ids
+    cfg = Qwen2_5_VLConfig(
+        text_config=_text(tok, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
+                           window_size=8, fullatt_block_indexes=[1]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True)
+    processor = Qwen2_5_VLProcessor(image_processor=proc.image_processor, tokenizer=tok,
+                                    video_processor=proc.video_processor, chat_template=proc.chat_template)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(cfg).eval(), processor
+
+
 def build_idefics3(seed: int = 0):
     from transformers import (
         Idefics3Config,
@@ -133,7 +156,8 @@ def build_gemma3(seed: int = 0):
 
 
 def build(family: str, seed: int = 0):
-    return {"qwen2_vl": build_qwen2_vl, "idefics3": build_idefics3, "gemma3": build_gemma3}[family](seed)
+    return {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "idefics3": build_idefics3,
+            "gemma3": build_gemma3}[family](seed)
 
 
 def random_image(rng: random.Random, size: tuple[int, int] | None = None) -> Image.Image:
