@@ -116,7 +116,9 @@ class VisionLanguagePolicy(CausalLMPolicy):
     def _encode_prompts(self, prompts: list[Any]) -> dict[str, Any]:
         """Left-padded ``input_ids`` / ``attention_mask`` [B, W], the token-aligned extras [B, W], ``media``
         (list[B] of the row's image tensors) and ``media_key`` [B] (a digest of them, for the prefix pass)."""
-        rows = [self._encode_row(i, p) for i, p in enumerate(prompts)]
+        seen: dict[int, dict[str, torch.Tensor]] = {}  # a GRPO group repeats one prompt object: process it once
+        rows = [seen[id(p)] if id(p) in seen else seen.setdefault(id(p), self._encode_row(i, p))
+                for i, p in enumerate(prompts)]
         W = max(r["input_ids"].shape[1] for r in rows)
         out: dict[str, Any] = {}
         token_keys = [k for k in ("input_ids", "attention_mask", *families.TOKEN_KEYS) if k in rows[0]]
@@ -124,8 +126,10 @@ class VisionLanguagePolicy(CausalLMPolicy):
             fill = self.tokenizer.pad_token_id if key == "input_ids" else 0
             out[key] = torch.stack([torch.nn.functional.pad(r[key][0], (W - r[key].shape[1], 0), value=fill)
                                     for r in rows]).to(self.device)
-        out["media"] = [{k: v for k, v in r.items() if k not in token_keys} for r in rows]
-        out["media_key"] = torch.tensor([_digest(m) for m in out["media"]], dtype=torch.long, device=self.device)
+        media = {id(r): {k: v for k, v in r.items() if k not in token_keys} for r in rows}  # one per distinct row
+        keys = {i: _digest(m) for i, m in media.items()}
+        out["media"] = [media[id(r)] for r in rows]
+        out["media_key"] = torch.tensor([keys[id(r)] for r in rows], dtype=torch.long, device=self.device)
         return out
 
     def _encode_row(self, i: int, prompt: Any) -> dict[str, torch.Tensor]:
