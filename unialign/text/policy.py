@@ -20,30 +20,13 @@ import torch
 
 from unialign.dist import fsdp2_root as _fsdp2_root
 from unialign.dist import gathered_fsdp2_root as _gathered_fsdp2_root
-from unialign.dist import gathered_state_dict, is_main_rank
-from unialign.hub import require_hub
+from unialign.dist import gathered_state_dict, is_main_rank, unwrap
+from unialign.hub import hub_error, require_hub
 from unialign.policy import ReferencePolicy
 from unialign.text.head import install_fused_head
 from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch, Trajectory
 from unialign.weights import check_finite
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP-style wrappers (anything exposing ``.module``), keeping PEFT wrappers."""
-    while isinstance(module, torch.nn.parallel.DistributedDataParallel) or type(module).__name__ in (
-        "DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel"):
-        module = module.module
-    return module
-
-
-def hub_error(name: str, err: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"could not load {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
-        "Weights and datasets cannot be downloaded on this machine (offline). Pass a local directory "
-        "(e.g. one written by save_pretrained), or run where the Hugging Face Hub is reachable."
-    )
-
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 
