@@ -6,47 +6,57 @@ log-probs of the sampled tokens; ``log_prob`` recomputes them differentiably thr
 head (no [B, T, V] logits). Sampling-time log-probs are computed by the same module and kernel
 as training log-probs, so the first on-policy ratio is 1 up to batching noise (TRL #4159 is
 what happens otherwise).
+
+The policy is the contract; its parts are
+``prompts.PromptEncoder`` (chat template, system prompt, left-padded ids),
+``critic`` (PPO's value model) and ``prefix`` (each distinct prompt run once).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from unialign.dist import fsdp2_root as _fsdp2_root
-from unialign.dist import gathered_fsdp2_root as _gathered_fsdp2_root
-from unialign.dist import gathered_state_dict, is_main_rank, unwrap
+from unialign.dist import fsdp2_root, gathered_fsdp2_root, gathered_state_dict, is_main_rank, unwrap
 from unialign.hub import hub_error, require_hub
 from unialign.policy import ReferencePolicy
+from unialign.text import prefix
+from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, detached_critics
 from unialign.text.head import install_fused_head
-from unialign.text.tokens import encode_prompts
+from unialign.text.prompts import CHAT_TEMPLATE_MODES, PromptEncoder, messages_text, templated
 from unialign.types import PreferenceBatch, Trajectory
 from unialign.weights import check_finite
 
-CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+# Names other modules import from here, from before the parts had modules of their own.
+__all__ = ["CHAT_TEMPLATE_MODES", "CRITIC_MODULES", "CausalLMPolicy", "ValueModel", "hub_error",
+           "messages_text", "templated", "unwrap"]
+_right_align, _cache_kwarg, _detached_critics = prefix.right_align, prefix.cache_kwarg, detached_critics
 
 
-def templated(mode: str, prompt: Any) -> bool:
-    """TRL's rule for ``mode`` "auto" (a conversation through the chat template, a string raw), or always / never."""
-    return mode == "always" or (mode == "auto" and not isinstance(prompt, str))
+class _PromptSetting:
+    """A policy attribute kept on its ``PromptEncoder`` (read and written there), so that a change made on the
+    policy (``policy.chat_template = "never"``) is the one prompts are encoded with."""
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-def messages_text(messages: list[dict[str, Any]]) -> str:
-    """A conversation without a template: its messages' text contents joined by blank lines."""
-    def text(content: Any) -> str:
-        if isinstance(content, str):
-            return content
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return "\n\n".join(text(m["content"]) for m in messages)
+    def __get__(self, policy: Any, owner: type | None = None) -> Any:
+        return self if policy is None else getattr(policy.prompt_encoder, self.name)
+
+    def __set__(self, policy: Any, value: Any) -> None:
+        setattr(policy.prompt_encoder, self.name, value)
 
 
 class CausalLMPolicy:
     """Policy over token sequences. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
+
+    tokenizer = _PromptSetting()
+    chat_template = _PromptSetting()
+    system_prompt = _PromptSetting()
+    max_prompt_length = _PromptSetting()
 
     def __init__(
         self,
@@ -117,31 +127,13 @@ class CausalLMPolicy:
         self.share_prompt_prefix = share_prompt_prefix
         self.generation_cache = generation_cache
         self._held_static_caches: dict[tuple, tuple[int, Any]] = {}  # (batch, dtype) -> (length, cache), newest last
-        self.head = install_fused_head(unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model")
-                                       else unwrap(model), chunk_size)
+        base = _base_model(model)
+        self.head = install_fused_head(base, chunk_size)
         self.model = model
-        self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "left"
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
-        self.max_prompt_length = max_prompt_length
-        if chat_template not in CHAT_TEMPLATE_MODES:
-            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {chat_template!r}")
-        self.chat_template = chat_template
-        self.system_prompt = system_prompt
-        self.value_head: torch.nn.Module | None = None  # shared critic: a head on the policy's last hidden state
-        self.value_model: ValueModel | None = None       # separate critic: its own backbone and head
-        if value_head:
-            base = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
-            if value_head in (True, "shared"):
-                if not hasattr(base, "value_head"):
-                    base.value_head = _zero_linear(base.config.hidden_size, self.head.weight.device)
-                self.value_head = base.value_head
-            else:  # attached to the policy's module, so the trainer's optimizer and wrapper see it
-                if not hasattr(base, "value_model"):
-                    base.value_model = ValueModel.build(base, value_head)
-                self.value_model = base.value_model
+        self.prompt_encoder = PromptEncoder(tokenizer, chat_template, system_prompt, max_prompt_length)
+        # shared critic: a head on the policy's last hidden state; separate critic: its own backbone and head
+        self.value_head, self.value_model = attach_critic(base, value_head, self.head.weight.device)
         self._frozen_copy: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- loading
@@ -174,33 +166,20 @@ class CausalLMPolicy:
                 target_modules=lora_target_modules or "all-linear"))
         return cls(model, tokenizer, **kwargs)
 
-    # ---------------------------------------------------------------- prompts
+    # ---------------------------------------------------------------- prompts (``prompt_encoder``)
     def is_templated(self, prompt: Any) -> bool:
-        """Whether ``format_prompt`` renders ``prompt`` through the chat template (which carries the BOS
-        the model wants) rather than as raw text (which gets the tokenizer's own, ``unialign.text.tokens``)."""
-        return templated(self.chat_template, prompt)
+        """Whether ``prompt`` goes through the chat template (``PromptEncoder.is_templated``)."""
+        return self.prompt_encoder.is_templated(prompt)
 
     def format_prompt(self, prompt: Any) -> str:
         """A string prompt, or a list of chat messages, as the text the model is conditioned on."""
-        if not self.is_templated(prompt):
-            return prompt if isinstance(prompt, str) else messages_text(prompt)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("a conversational prompt (a list of messages) needs a chat template, and the model's "
-                             "tokenizer has none: pass --chat_template never to use the messages' text raw")
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if self.system_prompt and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.prompt_encoder.format_prompt(prompt)
 
     def _encode_prompts(self, prompts: list[Any]) -> dict[str, torch.Tensor]:
-        """Left-padded prompt ids and mask [B, W], special tokens as the model expects them
-        (``unialign.text.tokens.encode_prompts``: BOS on raw text where the tokenizer adds one, none
-        added to a chat template's output). Sampling, the training forward (the ids are kept in the
-        trajectory), evaluation and the pair losses all go through here."""
-        enc = encode_prompts(self.tokenizer, [self.format_prompt(p) for p in prompts],
-                             [self.is_templated(p) for p in prompts], max_length=self.max_prompt_length,
-                             padding_side="left")
-        return {k: v.to(self.device) for k, v in enc.items()}
+        """Left-padded prompt ids and mask [B, W] on the policy's device (``PromptEncoder.encode``). Sampling,
+        the training forward (the ids are kept in the trajectory), evaluation and the pair losses all go
+        through here."""
+        return self.prompt_encoder.encode(prompts, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -225,8 +204,8 @@ class CausalLMPolicy:
             width = self.max_prompt_length or -(-enc["input_ids"].shape[1] // 128) * 128
             gen_kwargs.update(self._static_cache(model, enc["input_ids"].shape[0], width + gen_kwargs["max_new_tokens"]))
         elif self.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
-            gen_kwargs.update(self._prompt_cache(model, *_right_align(enc["input_ids"], enc["attention_mask"])) or {})
-        with _gathered_fsdp2_root(model):  # peft's generate skips the root forward that would unshard it
+            gen_kwargs.update(self._prompt_cache(model, *prefix.right_align(enc["input_ids"], enc["attention_mask"])) or {})
+        with gathered_fsdp2_root(model):  # peft's generate skips the root forward that would unshard it
             out = model.generate(**enc, **gen_kwargs)
         model.train(was_training)
         prompt_width = enc["input_ids"].shape[1]
@@ -264,7 +243,7 @@ class CausalLMPolicy:
         self._held_static_caches[key] = held  # newest last
         while len(self._held_static_caches) > 2:
             self._held_static_caches.pop(next(iter(self._held_static_caches)))
-        return {_cache_kwarg(lm): held[1]}
+        return {prefix.cache_kwarg(lm): held[1]}
 
     @torch.no_grad()
     def rollout_model(self) -> torch.nn.Module | None:
@@ -356,7 +335,7 @@ class CausalLMPolicy:
         by ``Trajectory.cat`` get the prompt right-padded too, so prompts are re-aligned to the right
         edge here; position ids follow the attention mask, as in ``generate``.
         """
-        prompt_ids, prompt_mask = _right_align(payload["prompt_ids"], payload["prompt_mask"])
+        prompt_ids, prompt_mask = prefix.right_align(payload["prompt_ids"], payload["prompt_mask"])
         completion = payload["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion], dim=1)
         attention_mask = torch.cat([prompt_mask, payload["completion_mask"]], dim=1)
@@ -368,15 +347,15 @@ class CausalLMPolicy:
         if with_values and self.value_head is None and self.value_model is None:
             raise ValueError("this policy has no critic: build it with value_head=True / 'separate' (PPO)")
         shared = with_values and self.value_head is not None
-        prefix = self._prompt_cache(model, prompt_ids, prompt_mask) if self.share_prompt_prefix else None
+        prompt_cache = self._prompt_cache(model, prompt_ids, prompt_mask) if self.share_prompt_prefix else None
         with head.targets(targets, self.temperature):
-            if prefix is None:
+            if prompt_cache is None:
                 out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             logits_to_keep=T + 1, output_hidden_states=shared, use_cache=False)
             else:  # only the last prompt token and the completion run per sample, over the shared prompt cache
                 out = model(input_ids=input_ids[:, -T - 1:], attention_mask=attention_mask,
                             position_ids=position_ids[:, -T - 1:], output_hidden_states=shared, use_cache=True,
-                            **prefix)
+                            **prompt_cache)
         stats = out.logits[:, :-1].float()
         logp, entropy = stats[..., 0], stats[..., 1]
         values = None
@@ -388,40 +367,9 @@ class CausalLMPolicy:
         return logp, entropy, values
 
     def _prompt_cache(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-        """Shared-prefix pass: run each *distinct* prompt (all but its last token) once and return its KV
-        cache gathered back to one row per sample, or None when that cannot help or is not safe.
-
-        A GRPO batch holds each prompt G times; the standard pass recomputes the prompt for every
-        sample in the forward and the backward. Here the prompt's keys / values are computed for the U
-        distinct prompts and indexed out to the B samples (``index_select``, differentiable: gradients
-        of all G samples flow back into one prompt pass), so the per-sample pass costs T + 1 tokens
-        instead of W + T. Same numbers as the standard pass up to float rounding (tested). Not used
-        under a distributed wrapper (two forwards per backward), with gradient checkpointing (no
-        cache in training), when no prompt repeats, or when a prompt has fewer than two tokens.
-        """
-        if model is not unwrap(model) or _fsdp2_root(model) is not None or prompt_ids.shape[1] < 2:
-            return None  # FSDP2: the gathered cache's storage is freed on reshard before the backward needs it
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        checkpointing = "is_activation_checkpointing" if hasattr(type(lm), "is_activation_checkpointing") \
-            else "is_gradient_checkpointing"  # transformers < 5 name
-        if getattr(lm, checkpointing, False):
-            return None
-        rows = torch.cat([prompt_ids, prompt_mask], dim=1)
-        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-        if distinct.shape[0] == rows.shape[0]:
-            return None
-        W = prompt_ids.shape[1]
-        ids, mask = distinct[:, :W - 1], distinct[:, W:2 * W - 1]
-        if bool((mask.sum(-1) < 1).any()):  # an empty prefix would be a fully masked attention row
-            return None
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    logits_to_keep=1, use_cache=True)
-        key = _cache_kwarg(lm)
-        cache = out.get(key)
-        if cache is None:
-            return None
-        cache.reorder_cache(inverse)
-        return {key: cache}
+        """Each distinct prompt (all but its last token) run once, its KV cache gathered back to one row per
+        sample, or None when that cannot help or is not safe (``prefix.shared_prompt_cache``)."""
+        return prefix.shared_prompt_cache(model, prompt_ids, prompt_mask)
 
     def log_prob(self, trajectory: Trajectory) -> torch.Tensor:
         """Differentiable per-token log-probs of the sampled completion, ``logp_B_T`` (0 where masked)."""
@@ -474,7 +422,7 @@ class CausalLMPolicy:
         if hasattr(base, "disable_adapter"):
             return ReferencePolicy(self, base, base.disable_adapter)
         if self._frozen_copy is None:
-            with _detached_critics(base):  # the reference never needs the critic: do not copy it
+            with detached_critics(base):  # the reference never needs the critic: do not copy it
                 self._frozen_copy = copy.deepcopy(base).eval().requires_grad_(False)
         return ReferencePolicy(self, self._frozen_copy)
 
@@ -499,92 +447,23 @@ class CausalLMPolicy:
         from safetensors.torch import save_file
 
         model = unwrap(self.model)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        with _detached_critics(base) as critics:
-            state = gathered_state_dict(model) if _fsdp2_root(model) is not None else None
+        base = _base_model(model)
+        with detached_critics(base) as critics:
+            state = gathered_state_dict(model) if fsdp2_root(model) is not None else None
         critic_states = {name: gathered_state_dict(m) for name, m in critics.items()}
         if not is_main_rank():
             return
-        with _detached_critics(base):
+        with detached_critics(base):
             model.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
         self.tokenizer.save_pretrained(path)
         for name, sd in critic_states.items():
             save_file({k: v.contiguous() for k, v in sd.items()}, f"{path}/{name}.safetensors")
 
 
-CRITIC_MODULES = ("value_head", "value_model")
-
-
-def _cache_kwarg(lm: torch.nn.Module) -> str:
-    """The KV-cache argument / output name: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
-
-
-@contextlib.contextmanager
-def _detached_critics(base: torch.nn.Module):
-    """Temporarily remove the critic submodules from ``base`` (yields them by name)."""
-    critics = {name: base._modules.pop(name) for name in CRITIC_MODULES if name in base._modules}
-    try:
-        yield critics
-    finally:
-        for name, module in critics.items():
-            setattr(base, name, module)
-
-
-def _zero_linear(hidden: int, device) -> torch.nn.Linear:
-    head = torch.nn.Linear(hidden, 1, device=device)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.zeros_(head.bias)
-    return head
-
-
-class ValueModel(torch.nn.Module):
-    """A separate PPO critic: a transformer backbone and a scalar head, V [B, L] per position."""
-
-    def __init__(self, body: torch.nn.Module, head: torch.nn.Module):
-        super().__init__()
-        self.body, self.head = body, head
-
-    @classmethod
-    def build(cls, policy_base: torch.nn.Module, source: str) -> ValueModel:
-        """``"separate"``: a copy of the policy's backbone with a zero head; else load ``source`` as a
-        one-label sequence-classification checkpoint and take its backbone and score head."""
-        if source == "separate":  # the decoder holds no critic: those sit on the causal-LM wrapper
-            body = copy.deepcopy(policy_base.get_decoder())
-            device = next(body.parameters()).device
-            return cls(body.requires_grad_(True), _zero_linear(policy_base.config.hidden_size, device))
-        from transformers import AutoModelForSequenceClassification
-
-        require_hub(source, "model")
-        param = next(policy_base.parameters())
-        try:
-            seq = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=param.dtype)
-        except (OSError, ValueError) as err:
-            raise hub_error(source, err) from None
-        check_finite(seq, source, "value head")
-        if seq.config.vocab_size != policy_base.config.vocab_size:
-            raise ValueError(f"value_head={source!r}: its vocabulary ({seq.config.vocab_size}) is not the policy's "
-                             f"({policy_base.config.vocab_size}); the critic must read the policy's token ids")
-        head = next((getattr(seq, n) for n in ("score", "classifier") if getattr(seq, n, None) is not None), None)
-        if head is None:
-            raise ValueError(f"value_head={source!r}: no 'score' / 'classifier' head on {type(seq).__name__}")
-        return cls(getattr(seq, seq.base_model_prefix), head).to(param.device)
-
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1)
-
-
-def _right_align(ids_B_W: torch.Tensor, mask_B_W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Roll each row right so that its last attended token sits in the last column."""
-    W = mask_B_W.shape[1]
-    last = (mask_B_W * torch.arange(1, W + 1, device=mask_B_W.device)).argmax(-1)  # index of last attended
-    shift = (W - 1 - last).unsqueeze(-1)
-    if not bool(shift.any()):
-        return ids_B_W, mask_B_W
-    idx = (torch.arange(W, device=ids_B_W.device) - shift) % W
-    return ids_B_W.gather(1, idx), mask_B_W.gather(1, idx)
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal-LM module inside any DDP-style wrapper and PEFT wrapper."""
+    model = unwrap(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, length_normalize: bool):
