@@ -2,10 +2,10 @@
 
 ``True`` / ``"shared"``: a zero-initialised scalar head on the policy's backbone (its last hidden state);
 ``"separate"``: a critic with its own copy of the backbone (``ValueModel``); any other string: a
-sequence-classification checkpoint (e.g. the reward model, as InstructGPT initialises its value model) whose
-backbone and score head become the critic. Either is attached to the policy's module (``CRITIC_MODULES``), so the
-trainer's optimizer and wrapper see it; the reference, the saved model and the vLLM engine leave it out
-(``detached_critics``).
+sequence-classification checkpoint (e.g. the reward model, as InstructGPT initialises its value model)
+whose backbone and score head become the critic. Either is attached to the policy's module
+(``CRITIC_MODULES``), so the trainer's optimizer and wrapper see it; the reference, the saved model and the
+vLLM engine leave it out (``detached_critics``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ CRITIC_MODULES = ("value_head", "value_model")
 
 def attach_critic(base: torch.nn.Module, value_head: bool | str,
                   device: torch.device) -> tuple[torch.nn.Module | None, ValueModel | None]:
-    """``(value_head, value_model)`` for the policy's ``value_head`` setting, one of them or neither (``False``),
-    hung on ``base`` (the causal-LM module, without wrappers) unless it already carries one; a shared head is made
-    on ``device``."""
+    """``(value_head, value_model)`` for the policy's ``value_head`` setting, one of them or neither
+    (``False``), hung on ``base`` (the causal-LM module, without wrappers) unless it already carries one; a
+    shared head is made on ``device``."""
     if not value_head:
         return None, None
     if value_head in (True, "shared"):
@@ -80,9 +80,11 @@ class ValueModel(torch.nn.Module):
             raise hub_error(source, err) from None
         check_finite(seq, source, "value head")
         if seq.config.vocab_size != policy_base.config.vocab_size:
-            raise ValueError(f"value_head={source!r}: its vocabulary ({seq.config.vocab_size}) is not the policy's "
-                             f"({policy_base.config.vocab_size}); the critic must read the policy's token ids")
-        head = next((getattr(seq, n) for n in ("score", "classifier") if getattr(seq, n, None) is not None), None)
+            raise ValueError(f"value_head={source!r}: its vocabulary ({seq.config.vocab_size}) is not the "
+                             f"policy's ({policy_base.config.vocab_size}); the critic must read the policy's "
+                             "token ids")
+        head = next((getattr(seq, n) for n in ("score", "classifier") if getattr(seq, n, None) is not None),
+                    None)
         if head is None:
             raise ValueError(f"value_head={source!r}: no 'score' / 'classifier' head on {type(seq).__name__}")
         return cls(getattr(seq, seq.base_model_prefix), head).to(param.device)

@@ -9,6 +9,7 @@ what happens otherwise).
 
 The policy is the contract; its parts are
 ``prompts.PromptEncoder`` (chat template, system prompt, left-padded ids),
+``rollout`` (where samples come from: transformers ``generate``, a low-precision copy, or vLLM),
 ``critic`` (PPO's value model) and ``prefix`` (each distinct prompt run once).
 """
 
@@ -20,13 +21,14 @@ from typing import Any
 
 import torch
 
-from unialign.dist import fsdp2_root, gathered_fsdp2_root, gathered_state_dict, is_main_rank, unwrap
+from unialign.dist import fsdp2_root, gathered_state_dict, is_main_rank, unwrap
 from unialign.hub import hub_error, require_hub
 from unialign.policy import ReferencePolicy
 from unialign.text import prefix
 from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, detached_critics
 from unialign.text.head import install_fused_head
 from unialign.text.prompts import CHAT_TEMPLATE_MODES, PromptEncoder, messages_text, templated
+from unialign.text.rollout import HFRollout, LowPrecisionRollout, RolloutEngine, build_rollout
 from unialign.types import PreferenceBatch, Trajectory
 from unialign.weights import check_finite
 
@@ -77,60 +79,37 @@ class CausalLMPolicy:
         generation_backend: str = "hf",
         vllm_options: dict[str, Any] | None = None,
     ):
-        """``value_head`` (PPO's critic): ``False``; ``True`` / ``"shared"``: a zero-initialised scalar
-        head on the policy's backbone; ``"separate"``: a critic with its own copy of the backbone;
-        any other string: a sequence-classification checkpoint (e.g. the reward model, as InstructGPT
-        initialises its value model) whose backbone and score head become the critic.
-        ``chat_template`` (TRL's rule): ``"auto"``: a string prompt (TRL's standard format) is used raw, a list
-        of messages (conversational) goes through the tokenizer's chat template; ``"always"``: a string is sent
-        as one user message through the template too (after ``system_prompt``); ``"never"``: no template, a
-        conversation's message contents joined by blank lines. A conversation with a tokenizer that has no chat
-        template is a ``ValueError`` naming ``chat_template``.
+        """``value_head`` (PPO's critic, ``unialign.text.critic``): ``False``; ``True`` / ``"shared"``: a
+        zero-initialised scalar head on the policy's backbone; ``"separate"``: a critic with its own copy of
+        the backbone; any other string: a sequence-classification checkpoint (e.g. the reward model) whose
+        backbone and score head become the critic.
+        ``chat_template`` (TRL's rule, ``unialign.text.prompts``): ``"auto"``: a string prompt is used raw, a
+        list of messages goes through the tokenizer's chat template; ``"always"``: a string too (after
+        ``system_prompt``); ``"never"``: no template.
         ``share_prompt_prefix``: compute each distinct prompt once per forward (``_prompt_cache``).
-        ``generation_cache``: ``"dynamic"`` (transformers' default KV cache; repeated prompts are prefilled
-        once) or ``"static"``: a fixed-size KV cache, for which transformers compiles the decoding forward
-        on CUDA (CUDA graphs: the per-token kernel launches of a small model cost more than its maths; the
-        measured speed-up is in docs/scaling.md). ``"auto"`` (default): static when the model is
-        on CUDA, dynamic elsewhere (on CPU nothing is compiled and the shared prompt prefill wins).
-        Its size is ``max_prompt_length + max_new_tokens`` when a prompt limit is set, else the prompt
-        width rounded up to 128 (it only grows, so recompilations stay rare); one is kept per batch size
-        (the two most recent: training and held-out batches), which costs their memory during training.
-        Same tokens either way.
-        ``rollout_dtype`` (``"bfloat16"`` / ``"float16"``): sample from a copy of the policy in that dtype,
-        refreshed from the trained weights before every sampling call, and record its log-probs of the
-        sampled tokens in ``Trajectory.rollout_logp_B_T`` -- a real rollout/trainer mismatch, like an
-        inference engine's, for the trainer's importance-sampling correction (``algos.rollout_correction``);
-        ``old_logp_B_T`` stays the trainer's own. Held-out greedy evaluation uses the trained model.
-        ``generation_backend``: ``"hf"`` (transformers ``generate``) or ``"vllm"``: rollouts from a vLLM engine
-        colocated in this process (``unialign.text.vllm_engine.VLLMEngine``, options ``vllm_options`` such as
-        ``gpu_memory_utilization``), built on the first ``sample``; each distinct prompt of a group is sent
-        once with ``n`` = the group size; the trained weights are pushed before every sampling call and the
-        engine sleeps (frees its GPU memory) after it, through the update. Its log-probs go to
-        ``rollout_logp_B_T``. Needs CUDA and vllm: checked here, before anything is built."""
-        if generation_backend not in ("hf", "vllm"):
-            raise ValueError(f"generation_backend must be 'hf' or 'vllm', got {generation_backend!r}")
-        if generation_backend == "vllm":
-            if rollout_dtype is not None:
-                raise ValueError("rollout_dtype applies to the hf backend; vLLM samples in its own dtype")
-            from unialign.text.vllm_engine import check_vllm_available
-
-            check_vllm_available()
+        ``generation_cache`` (``rollout.HFRollout``): ``"dynamic"`` (repeated prompts are prefilled once),
+        ``"static"`` (a fixed-size KV cache: CUDA graphs on CUDA) or ``"auto"`` (default): static when the
+        model is on CUDA, dynamic elsewhere. Same tokens either way.
+        ``rollout_dtype`` (``"bfloat16"`` / ``"float16"``, ``rollout.LowPrecisionRollout``): sample from a
+        copy of the policy in that dtype, refreshed before every sampling call, its log-probs of the sampled
+        tokens in ``Trajectory.rollout_logp_B_T`` (for ``algos.rollout_correction``). Held-out greedy
+        evaluation uses the trained model.
+        ``generation_backend``: ``"hf"`` (transformers ``generate``) or ``"vllm"`` (``rollout.VLLMRollout``):
+        rollouts from a vLLM engine colocated in this process, options ``vllm_options`` such as
+        ``gpu_memory_utilization``, built on the first ``sample``; its log-probs go to ``rollout_logp_B_T``.
+        Needs CUDA and vllm: checked here, before anything is built."""
         self.generation_backend, self.vllm_options = generation_backend, dict(vllm_options or {})
-        self._engine: Any = None
-        self._engine_fresh = False  # the engine holds the current weights (just built)
-        if rollout_dtype is not None and rollout_dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"rollout_dtype must be bfloat16, float16 or float32, got {rollout_dtype!r}")
-        self.rollout_dtype = rollout_dtype
-        self._rollout_copy: torch.nn.Module | None = None
-        if generation_cache not in ("auto", "dynamic", "static"):
-            raise ValueError(f"generation_cache must be 'auto', 'dynamic' or 'static', got {generation_cache!r}")
+        self.rollout_dtype, self.generation_cache = rollout_dtype, generation_cache
         self.share_prompt_prefix = share_prompt_prefix
-        self.generation_cache = generation_cache
-        self._held_static_caches: dict[tuple, tuple[int, Any]] = {}  # (batch, dtype) -> (length, cache), newest last
+        self.hf_rollout = HFRollout()  # ``generate``: held-out evaluation, and sampling on the hf backend
+        # what ``sample`` uses; the options are checked here, before anything is built
+        self.rollout: RolloutEngine = build_rollout(generation_backend, rollout_dtype, generation_cache,
+                                                    self.vllm_options, self.hf_rollout)
         base = _base_model(model)
         self.head = install_fused_head(base, chunk_size)
         self.model = model
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.top_p, self.top_k = top_p, top_k
         self.prompt_encoder = PromptEncoder(tokenizer, chat_template, system_prompt, max_prompt_length)
         # shared critic: a head on the policy's last hidden state; separate critic: its own backbone and head
         self.value_head, self.value_model = attach_critic(base, value_head, self.head.weight.device)
@@ -185,125 +164,28 @@ class CausalLMPolicy:
     def device(self) -> torch.device:
         return next(unwrap(self.model).parameters()).device
 
-    # ---------------------------------------------------------------- sampling
-    @torch.no_grad()
+    # ---------------------------------------------------------------- sampling (``rollout``)
     def generate(self, prompts: list[Any], greedy: bool = False, max_new_tokens: int | None = None,
                  model: torch.nn.Module | None = None) -> dict:
-        """Generate completions; returns ids, masks, truncation flags and decoded texts (no log-probs).
-        ``model``: another module with the same tokenizer to sample from (the rollout copy)."""
-        enc = self._encode_prompts(prompts)
-        model = unwrap(self.model) if model is None else model
-        was_training = model.training
-        model.eval()
-        eos = self.tokenizer.eos_token_id
-        gen_kwargs = dict(do_sample=not greedy, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                          pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
-        if not greedy:
-            gen_kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        if self._use_static_cache(model):
-            width = self.max_prompt_length or -(-enc["input_ids"].shape[1] // 128) * 128
-            gen_kwargs.update(self._static_cache(model, enc["input_ids"].shape[0], width + gen_kwargs["max_new_tokens"]))
-        elif self.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
-            gen_kwargs.update(self._prompt_cache(model, *prefix.right_align(enc["input_ids"], enc["attention_mask"])) or {})
-        with gathered_fsdp2_root(model):  # peft's generate skips the root forward that would unshard it
-            out = model.generate(**enc, **gen_kwargs)
-        model.train(was_training)
-        prompt_width = enc["input_ids"].shape[1]
-        completion = out[:, prompt_width:]
-        is_eos = completion == eos
-        # keep tokens up to and including the first EOS
-        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-        mask = (~after_eos).long()
-        truncated = ~is_eos.any(-1)
-        completion = completion.masked_fill(after_eos, self.tokenizer.pad_token_id)
-        texts = self.tokenizer.batch_decode(completion.masked_fill(is_eos, self.tokenizer.pad_token_id),
-                                            skip_special_tokens=True)
-        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion,
-                "completion_mask": mask, "truncated": truncated, "texts": texts}
+        """Generate completions with transformers; returns ids, masks, truncation flags and decoded texts (no
+        log-probs; ``RolloutEngine.generate``). ``model``: another module with the same tokenizer to sample
+        from (the rollout copy)."""
+        return self.hf_rollout.generate(self, prompts, greedy, max_new_tokens, model=model)
 
-    def _static_cache(self, model: torch.nn.Module, batch: int, length: int) -> dict:
-        """The ``generate`` kwarg holding a fixed-size KV cache for ``batch`` rows of up to ``length`` tokens.
-
-        One cache object is kept and ``reset()`` (zeroed in place) between calls, so its tensors keep their
-        addresses: transformers marks them static for the compiled decoding step, and CUDA graphs replay
-        only while those addresses stay put (a fresh cache per call, transformers' own
-        ``cache_implementation="static"``, re-records the graphs every batch). One cache per batch size
-        (and model dtype), the two most recently used kept (so held-out batches do not evict the training one); a longer
-        length replaces that batch size's cache (the longest length seen is kept)."""
-        from transformers import StaticCache
-
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        key = (batch, next(model.parameters()).dtype)  # a rollout copy in another dtype gets its own
-        held = self._held_static_caches.pop(key, None)
-        if held is not None and held[0] >= length:
-            held[1].reset()
-        else:
-            length = max(length, held[0]) if held is not None else length
-            held = (length, StaticCache(config=lm.config.get_text_config(decoder=True), max_cache_len=length))
-        self._held_static_caches[key] = held  # newest last
-        while len(self._held_static_caches) > 2:
-            self._held_static_caches.pop(next(iter(self._held_static_caches)))
-        return {prefix.cache_kwarg(lm): held[1]}
-
-    @torch.no_grad()
     def rollout_model(self) -> torch.nn.Module | None:
         """The module sampling runs on when it is not the trained one (``rollout_dtype``), with the trained
         weights pushed into it (one in-place copy per call; built on first use); None otherwise."""
-        if self.rollout_dtype is None:
+        if not isinstance(self.rollout, LowPrecisionRollout):
             return None
-        source = unwrap(self.model)
-        if self._rollout_copy is None:
-            self._rollout_copy = copy.deepcopy(source).to(getattr(torch, self.rollout_dtype)).eval()
-            self._rollout_copy.requires_grad_(False)
-        else:
-            for dst, src in zip(self._rollout_copy.parameters(), source.parameters()):
-                dst.copy_(src)
-        return self._rollout_copy
-
-    def _engine_generate(self, prompts: list[Any]) -> dict:
-        """``generate``'s dict (plus ``rollout_logp``) from the vLLM engine: runs of identical prompts (a
-        GRPO group) go once with ``n`` = the run length when all runs are equally long, else one by one."""
-        from unialign.text.vllm_engine import VLLMEngine
-
-        enc = self._encode_prompts(prompts)
-        ids = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"], enc["attention_mask"])]
-        starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
-        runs = {b - a for a, b in zip(starts, [*starts[1:], len(ids)])}
-        n = runs.pop() if len(runs) == 1 else 1
-        distinct = [ids[i] for i in starts] if n > 1 else ids
-        if self._engine is None:
-            self._engine = VLLMEngine(unwrap(self.model), self.tokenizer, **self.vllm_options)
-        elif not self._engine_fresh:
-            self._engine.push_weights(unwrap(self.model))
-        self._engine_fresh = False
-        out = self._engine.generate(distinct, n, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                    top_p=self.top_p, top_k=self.top_k, eos_token_id=self.tokenizer.eos_token_id,
-                                    pad_token_id=self.tokenizer.pad_token_id)
-        self._engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
-        device = enc["input_ids"].device
-        completion, mask = out["completion_ids"].to(device), out["completion_mask"].long().to(device)
-        shown = completion.masked_fill((completion == self.tokenizer.eos_token_id) | (mask == 0),
-                                       self.tokenizer.pad_token_id)
-        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion,
-                "completion_mask": mask, "truncated": out["truncated"].to(device), "rollout_logp": out["logp"].to(device),
-                "texts": self.tokenizer.batch_decode(shown, skip_special_tokens=True)}
-
-    def _use_static_cache(self, model: torch.nn.Module) -> bool:
-        if self.generation_cache == "auto":
-            return next(model.parameters()).device.type == "cuda"
-        return self.generation_cache == "static"
+        return self.rollout.refresh(unwrap(self.model))
 
     def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
                record_logp: bool = True) -> Trajectory:
         """One sampled completion per prompt (repeat prompts for groups). ``generator`` is unused:
-        ``generate`` draws from torch's global RNG, which the trainer seeds and checkpoints.
-        ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None). With a rollout copy
-        (``rollout_dtype``) the samples come from it and its log-probs go to ``rollout_logp_B_T``."""
-        rollout = self.rollout_model()
-        if self.generation_backend == "vllm":
-            g = self._engine_generate(prompts)
-        else:
-            g = self.generate(prompts, model=rollout)
+        generation draws from torch's global RNG, which the trainer seeds and checkpoints.
+        ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None). From a rollout copy
+        (``rollout_dtype``) or vLLM, the engine's log-probs go to ``rollout_logp_B_T``."""
+        g = self.rollout.generate(self, prompts)
         traj = Trajectory(
             prompts=list(prompts),
             completions=g["texts"],
@@ -313,11 +195,7 @@ class CausalLMPolicy:
             payload={"prompt_ids": g["prompt_ids"], "prompt_mask": g["prompt_mask"],
                      "completion_ids": g["completion_ids"], "completion_mask": g["completion_mask"]},
         )
-        if rollout is not None:
-            with torch.no_grad():
-                rollout_logp, _, _ = self._forward(rollout, traj.payload, False)
-            traj.rollout_logp_B_T = rollout_logp.float() * traj.mask_B_T
-        elif "rollout_logp" in g:
+        if "rollout_logp" in g:
             traj.rollout_logp_B_T = g["rollout_logp"].float() * traj.mask_B_T
         if not record_logp:
             traj.old_logp_B_T = None
@@ -347,15 +225,17 @@ class CausalLMPolicy:
         if with_values and self.value_head is None and self.value_model is None:
             raise ValueError("this policy has no critic: build it with value_head=True / 'separate' (PPO)")
         shared = with_values and self.value_head is not None
-        prompt_cache = self._prompt_cache(model, prompt_ids, prompt_mask) if self.share_prompt_prefix else None
+        prompt_cache = None
+        if self.share_prompt_prefix:
+            prompt_cache = self._prompt_cache(model, prompt_ids, prompt_mask)
         with head.targets(targets, self.temperature):
             if prompt_cache is None:
                 out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             logits_to_keep=T + 1, output_hidden_states=shared, use_cache=False)
-            else:  # only the last prompt token and the completion run per sample, over the shared prompt cache
+            else:  # only the last prompt token and the completion run per sample, over the shared cache
                 out = model(input_ids=input_ids[:, -T - 1:], attention_mask=attention_mask,
-                            position_ids=position_ids[:, -T - 1:], output_hidden_states=shared, use_cache=True,
-                            **prompt_cache)
+                            position_ids=position_ids[:, -T - 1:], output_hidden_states=shared,
+                            use_cache=True, **prompt_cache)
         stats = out.logits[:, :-1].float()
         logp, entropy = stats[..., 0], stats[..., 1]
         values = None
@@ -381,7 +261,8 @@ class CausalLMPolicy:
 
     @property
     def has_critic(self) -> bool:
-        """Whether this policy carries a value model (``value_head``): the critic protocol of ``unialign.policy``."""
+        """Whether this policy carries a value model (``value_head``): the critic protocol of
+        ``unialign.policy``."""
         return self.value_head is not None or self.value_model is not None
 
     def log_prob_and_values(self, trajectory: Trajectory):
@@ -477,7 +358,8 @@ def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, le
         return torch.nn.functional.pad(x, (0, T - x.shape[1]))
 
     joint = {key: torch.cat([side[key] for side in sides]) for key in ("prompt_ids", "prompt_mask")}
-    joint.update({key: torch.cat([padded(side, key) for side in sides]) for key in ("completion_ids", "completion_mask")})
+    joint.update({key: torch.cat([padded(side, key) for side in sides])
+                  for key in ("completion_ids", "completion_mask")})
     logp, _, _ = policy._forward(model, joint, False)
     mask = joint["completion_mask"].to(logp.dtype)
     total = (logp * mask).sum(-1)

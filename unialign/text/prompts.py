@@ -1,11 +1,11 @@
-"""Prompt encoding for ``CausalLMPolicy``: a prompt (a string or a list of chat messages) as the text the model
-is conditioned on, and a batch of them as left-padded ids and mask.
+"""Prompt encoding for ``CausalLMPolicy``: a prompt (a string or a list of chat messages) as the text the
+model is conditioned on, and a batch of them as left-padded ids and mask.
 
-``chat_template`` follows TRL's rule: ``"auto"``: a string prompt (TRL's standard format) is used raw, a list of
-messages (conversational) goes through the tokenizer's chat template; ``"always"``: a string is sent as one user
-message through the template too (after the system prompt); ``"never"``: no template, a conversation's message
-contents joined by blank lines. A conversation with a tokenizer that has no chat template is a ``ValueError``
-naming ``chat_template``.
+``chat_template`` follows TRL's rule: ``"auto"``: a string prompt (TRL's standard format) is used raw, a
+list of messages (conversational) goes through the tokenizer's chat template; ``"always"``: a string is sent
+as one user message through the template too (after the system prompt); ``"never"``: no template, a
+conversation's message contents joined by blank lines. A conversation with a tokenizer that has no chat
+template is a ``ValueError`` naming ``chat_template``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 
 
 def templated(mode: str, prompt: Any) -> bool:
-    """TRL's rule for ``mode`` "auto" (a conversation through the chat template, a string raw), or always / never."""
+    """TRL's rule for ``mode`` "auto" (a conversation through the chat template, a string raw), or always /
+    never."""
     return mode == "always" or (mode == "auto" and not isinstance(prompt, str))
 
 
@@ -43,13 +44,15 @@ class PromptEncoder:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
         if chat_template not in CHAT_TEMPLATE_MODES:
-            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {chat_template!r}")
+            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, "
+                             f"got {chat_template!r}")
         self.tokenizer, self.chat_template, self.system_prompt = tokenizer, chat_template, system_prompt
         self.max_prompt_length = max_prompt_length
 
     def is_templated(self, prompt: Any) -> bool:
         """Whether ``format_prompt`` renders ``prompt`` through the chat template (which carries the BOS
-        the model wants) rather than as raw text (which gets the tokenizer's own, ``unialign.text.tokens``)."""
+        the model wants) rather than as raw text (which gets the tokenizer's own,
+        ``unialign.text.tokens``)."""
         return templated(self.chat_template, prompt)
 
     def format_prompt(self, prompt: Any) -> str:
@@ -57,8 +60,9 @@ class PromptEncoder:
         if not self.is_templated(prompt):
             return prompt if isinstance(prompt, str) else messages_text(prompt)
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("a conversational prompt (a list of messages) needs a chat template, and the model's "
-                             "tokenizer has none: pass --chat_template never to use the messages' text raw")
+            raise ValueError("a conversational prompt (a list of messages) needs a chat template, and the "
+                             "model's tokenizer has none: pass --chat_template never to use the messages' "
+                             "text raw")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if self.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
