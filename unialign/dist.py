@@ -1,11 +1,20 @@
-"""What a policy needs to know about the processes it runs in: which one writes files, and FSDP2's sharded
-parameters (gathered for saving, held unsharded around calls that skip the root module's forward)."""
+"""What a policy needs to know about the processes it runs in: the wrappers around its module, which process
+writes files, and FSDP2's sharded parameters (gathered for saving, held unsharded around calls that skip the
+root module's forward)."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP-style wrappers (anything exposing ``.module``), keeping PEFT wrappers."""
+    while isinstance(module, torch.nn.parallel.DistributedDataParallel) or type(module).__name__ in (
+        "DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel"):
+        module = module.module
+    return module
 
 
 def is_main_rank() -> bool:

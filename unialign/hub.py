@@ -67,3 +67,13 @@ def require_hub(name: str, kind: str = "model", timeout: float = 3.0, use_cache:
             f"Pass a local directory or file instead, or run where the Hugging Face Hub is reachable "
             f"(the scripts' offline defaults need no download: run the script without --preset)."
         )
+
+
+def hub_error(name: str, err: Exception) -> RuntimeError:
+    """The one-line error for a ``from_pretrained`` of ``name`` that failed with ``err`` (offline, or no such
+    folder)."""
+    return RuntimeError(
+        f"could not load {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
+        "Weights and datasets cannot be downloaded on this machine (offline). Pass a local directory "
+        "(e.g. one written by save_pretrained), or run where the Hugging Face Hub is reachable."
+    )

@@ -228,16 +228,17 @@ def test_static_generation_cache_samples_the_same_tokens_in_one_reused_fixed_siz
             policy.generate(["what is 33+4? be quick"] * 9, greedy=True)  # another prompt width, same batch size
             assert {(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in caches[0].layers} == ptrs
             f32 = torch.float32
-            first = policy._held_static_caches[(9, f32)][1]
+            held = policy.hf_rollout.static_caches
+            first = held[(9, f32)][1]
             policy.generate(prompts[:4], greedy=True)  # another batch size: a cache of its own
-            assert policy._held_static_caches[(4, f32)][1] is not first and policy._held_static_caches[(9, f32)][1] is first
+            assert held[(4, f32)][1] is not first and held[(9, f32)][1] is first
             policy.generate(prompts[:2], greedy=True)  # a third: the least recently used (9) goes
-            assert list(policy._held_static_caches) == [(4, f32), (2, f32)]
+            assert list(held) == [(4, f32), (2, f32)]
     for a, b in zip(outs["dynamic"], outs["static"]):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="generation_cache"):
         CausalLMPolicy(model, tok, generation_cache="paged")
     auto = CausalLMPolicy(model, tok, max_new_tokens=4)  # "auto" on CPU: the dynamic path
-    assert auto.generation_cache == "auto" and not auto._use_static_cache(model)
+    assert auto.generation_cache == "auto" and not auto.hf_rollout.uses_static_cache(auto, model)
     auto.generate(["1+2?"] * 2)
-    assert auto._held_static_caches == {}
+    assert auto.hf_rollout.static_caches == {}

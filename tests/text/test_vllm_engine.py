@@ -339,6 +339,7 @@ def test_policy_samples_through_the_engine_pushes_weights_and_records_rollout_lo
     engine's tokens and log-probs, old log-probs are the trainer's, weights are pushed before each later
     call and the engine sleeps after each."""
     from unialign.text.policy import CausalLMPolicy
+    from unialign.text.rollout import VLLMRollout
 
     model, tok = make_tiny_lm()
     digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
@@ -348,9 +349,9 @@ def test_policy_samples_through_the_engine_pushes_weights_and_records_rollout_lo
         return [digits[k], digits[(k + 3) % 10], eos], [-0.5 - k / 10, -0.25, -0.125]
 
     policy = CausalLMPolicy(model, tok, max_new_tokens=6)
-    policy.generation_backend = "vllm"  # the constructor refuses vllm on this CPU machine
-    policy._engine, llm = build_engine(model, tok, script=script_digits)
-    policy._engine_fresh = True
+    policy.rollout = VLLMRollout({})  # the constructor refuses vllm on this CPU machine
+    policy.rollout.engine, llm = build_engine(model, tok, script=script_digits)
+    policy.rollout.fresh = True
     prompts = ["1+2?"] * 3 + ["what is 33+4?"] * 3
     traj = policy.sample(prompts)
     generate_calls = [c for c in llm.calls if c[0] == "generate"]

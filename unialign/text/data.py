@@ -147,7 +147,7 @@ def prompt_token_counter(policy) -> Counter:
 def _templated(policy, prompt: Any) -> bool:
     if hasattr(policy, "is_templated"):
         return policy.is_templated(prompt)
-    from unialign.text.policy import templated
+    from unialign.text.prompts import templated
 
     return templated(getattr(policy, "chat_template", "auto"), prompt)
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from unialign.hub import require_hub
-from unialign.text.policy import CHAT_TEMPLATE_MODES, hub_error, messages_text, templated, unwrap
+from unialign.dist import unwrap
+from unialign.hub import hub_error, require_hub
 from unialign.text.preference import completion_text
+from unialign.text.prompts import CHAT_TEMPLATE_MODES, messages_text, templated
 from unialign.text.tokens import encode_prompts
 from unialign.types import PreferenceBatch
 from unialign.weights import check_finite

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 # Modules the policy hangs on its base model that the inference engine knows nothing about
-# (``unialign.text.policy.CRITIC_MODULES``; not imported from there: policy.py imports this module).
+# (``unialign.text.critic.CRITIC_MODULES``; the same names, a test checks).
 NOT_IN_ENGINE = ("value_head", "value_model")
 
 # Wrapper segments that distributed / checkpointing wrappers insert into parameter names.

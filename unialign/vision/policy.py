@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from unialign.dist import unwrap
 from unialign.errors import UserError
-from unialign.hub import require_hub
+from unialign.hub import hub_error, require_hub
 from unialign.text.head import install_fused_head
-from unialign.text.policy import CausalLMPolicy, _cache_kwarg, hub_error, unwrap
+from unialign.text.policy import CausalLMPolicy
+from unialign.text.prefix import cache_kwarg
 from unialign.types import PreferenceBatch
 from unialign.vision import families
 from unialign.vision.media import count_image_blocks, prompt_images, strip_images
@@ -57,6 +59,7 @@ class VisionLanguagePolicy(CausalLMPolicy):
                              "a separate critic backbone would not see the images")
         if kwargs.get("generation_cache", "auto") == "static":
             raise ValueError("generation_cache='static' is for text policies; a VLM samples with the dynamic cache")
+        kwargs["generation_cache"] = "dynamic"
         self.processor = processor
         super().__init__(model, processor.tokenizer, **kwargs)
         self.family = families.model_type(self._core())
@@ -179,30 +182,21 @@ class VisionLanguagePolicy(CausalLMPolicy):
         kw["position_ids"] = families.positions(unwrap(self.model), ids, mask, kw)
         return kw
 
-    # ---------------------------------------------------------------- sampling
-    @torch.no_grad()
-    def generate(self, prompts: list[Any], greedy: bool = False, max_new_tokens: int | None = None,
-                 model: torch.nn.Module | None = None) -> dict:
-        enc = self._encode_prompts(prompts)
-        model = unwrap(self.model) if model is None else model
-        was_training = model.training
-        model.eval()
-        eos = self.tokenizer.eos_token_id
+    # ---------------------------------------------------------------- sampling (the text policy's HFRollout)
+    def _generate_inputs(self, enc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``generate``'s inputs: ids, mask, the rows' collated images and token types (positions are
+        ``generate``'s own: it adds the rope deltas of the new tokens), image tokens suppressed; the payload
+        keeps ``media`` (per row), ``media_key`` and the token-aligned extras."""
         kw = self._model_inputs(enc["input_ids"], enc["attention_mask"], enc)
-        kw.pop("position_ids")  # generate derives its own (rope deltas for the new tokens)
-        gen_kwargs = dict(do_sample=not greedy, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                          pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos,
-                          suppress_tokens=self.image_ids or None)
-        if not greedy:
-            gen_kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **kw, **gen_kwargs)
-        model.train(was_training)
-        g = _completion_fields(out, enc["input_ids"].shape[1], eos, self.tokenizer)
-        extras = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], **g, "payload": extras}
+        kw.pop("position_ids")
+        inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], **kw,
+                  "suppress_tokens": self.image_ids or None}
+        return inputs, {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
 
-    def _use_static_cache(self, model: torch.nn.Module) -> bool:
-        return False
+    def _prompt_cache(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """No shared prompt prefill in ``generate``: a VLM's prefill holds its images and rope deltas (the
+        training forward's prefix pass is ``_vision_prefix``)."""
+        return None
 
     # ---------------------------------------------------------------- log-probs
     def _forward(self, model: torch.nn.Module, payload: dict, with_entropy: bool, with_values: bool = False):
@@ -263,7 +257,7 @@ class VisionLanguagePolicy(CausalLMPolicy):
         head_kw = {k: v[first][..., : W - 1] if k != "position_ids" or v.dim() == 2 else v[:, first, : W - 1]
                    for k, v in kw.items() if k in ("position_ids", *families.TOKEN_KEYS)}
         out = model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=True, **media, **head_kw)
-        key = _cache_kwarg(core)
+        key = cache_kwarg(core)
         cache = out.get(key)
         if cache is None:
             return None
@@ -333,15 +327,3 @@ def _right_align_index(mask_B_W: torch.Tensor) -> torch.Tensor:
     last = (mask_B_W * torch.arange(1, W + 1, device=mask_B_W.device)).argmax(-1)
     shift = (W - 1 - last).unsqueeze(-1)
     return (torch.arange(W, device=mask_B_W.device) - shift) % W
-
-
-def _completion_fields(out: torch.Tensor, prompt_width: int, eos: int, tokenizer: Any) -> dict[str, Any]:
-    """``generate``'s output -> completion ids (padding after the first EOS), mask, truncation flags, texts
-    (as ``CausalLMPolicy.generate``)."""
-    completion = out[:, prompt_width:]
-    is_eos = completion == eos
-    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-    completion = completion.masked_fill(after_eos, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(completion.masked_fill(is_eos, tokenizer.pad_token_id), skip_special_tokens=True)
-    return {"completion_ids": completion, "completion_mask": (~after_eos).long(), "truncated": ~is_eos.any(-1),
-            "texts": texts}
