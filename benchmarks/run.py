@@ -14,7 +14,8 @@ in its own cached environment; P10 the SD3 family (``FlowMatchingPolicy``): P10a
 SDE log-prob recording vs the stock ``StableDiffusion3Pipeline``, P10b a GRPO step's time and working memory
 with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says); P11 forward-process
 image RL (AWM, DiffusionNFT) against Flow-GRPO and the grpo_image default, seconds to held-out fidelity 0.85 on the
-embedded SD3 world over 3 seeds (about an hour: only with ``--long`` or ``--only P11``; ``--quick`` runs it small).
+embedded SD3 world over 3 seeds (about an hour: only with ``--long`` or ``--only P11``; ``--quick`` runs it small);
+P12 GRPO on a vision-language model (``VisionLanguagePolicy``) vs TRL GRPOTrainer with a processor.
 Each group runs in a fresh child process (``python -m benchmarks.run --only KEY --in-process``; ``--in-process``: all
 in this one). JSON: {"machine": {...}, "date", "command", "mode", "rows": [{"id", "measure", "ours", "baseline",
 "unit", "ratio", "target_ratio", "better", "met", "notes", ...}], "timings_s", "seconds"}; without ``--output`` it goes
@@ -47,7 +48,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
-           "P10": "p10_flow", "P11": "p11_forward"}
+           "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo"}
 LONG = ("P11",)  # about an hour: the default suite leaves it out (``--long`` or ``--only P11``); --quick runs it
 
 

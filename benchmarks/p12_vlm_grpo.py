@@ -1,0 +1,350 @@
+"""Benchmark P12: GRPO on a vision-language model, ``OnlineTrainer`` + ``VisionLanguagePolicy`` vs TRL's ``GRPOTrainer``.
+
+P2's harness (``benchmarks.p2_grpo``: one process, steps interleaved through a TRL callback, tokens/s median
+after the warm-up step, peak memory of each side alone in a fresh subprocess) on image-in text-out GRPO.
+
+Identical on both sides: the model (the same initial weights, deep-copied ``Qwen2VLForConditionalGeneration``, an
+``AutoModelForImageTextToText``) and its processor; the data (TRL's vision rows ``{"prompt": [user turn with an
+image block and the question], "image": PIL, "solution", ...}``: ``unialign.embedded.vlm.vlm_dataset("train")``, or
+the tiny model's random images; read by ours through ``unialign.vision.vision_rows``, by TRL as a
+``datasets.Dataset`` with ``prompt`` and ``image`` columns, so both render the same chat template with the same image
+placeholders); the reward (``unialign.embedded.vlm.accuracy_reward`` / ``length_reward``, TRL's signature, the
+``solution`` column); and the knobs of the embedded run, ``scripts/grpo_vision.py``'s defaults: P = 16 prompts x G = 8 generations per step, at most 8 new tokens,
+temperature 1 / top-p 1 / top-k 0 (image tokens suppressed in sampling on both sides), beta = 0, the GRPO preset's
+aggregation (sequence mean of token means, TRL ``loss_type="grpo"``), epsilon 0.2, group-std reward scaling,
+lr 1e-3, one micro-batch of all P x G completions, AdamW (torch, unfused; betas 0.9/0.999, eps 1e-8, wd 0),
+grad clip 1.0, fp32, no gradient checkpointing, one optimizer step per generation batch (num_iterations 1), one
+torch thread (the script's ``num_threads`` default). Changed from the script: a constant learning rate with no
+warm-up (the script warms up 5 steps, then cosine; a constant rate keeps a short comparison's steps alike).
+
+TRL keeps its documented defaults otherwise; the settings we change and why:
+  per_device_train_batch_size=P*G, gradient_accumulation_steps=1, num_generations=G (the batch above),
+  max_completion_length=8 (TRL: 512; the task's answers are one word + EOS), learning_rate=1e-3 (TRL: 1e-6),
+  loss_type="grpo" (TRL: "dapo"; the GRPO preset's aggregation), gradient_checkpointing=False (TRL: True; ours does
+  not checkpoint), lr_scheduler_type="constant" (TRL: linear decay), optim="adamw_torch" (TRL: the fused variant;
+  ours uses torch.optim.AdamW), bf16=False (CPU, fp32 both), report_to=[], save_strategy="no", logging_steps=1,
+  use_cpu on CPU, use_vllm=False, dataloader_num_workers=0; beta 0, epsilon 0.2, temperature 1, top-p 1, top-k 0,
+  scale_rewards "group", num_iterations 1 and max_grad_norm 1 are TRL's defaults, set explicitly.
+
+A step = sample P*G completions, score, advantages, one optimizer step; tokens = completion tokens generated (up
+to and including EOS). Reported: median over steps after the first of tokens / step time.
+
+Models: ``tiny`` (always; rows ``P12-*``): the random-weight Qwen2-VL of ``tests/vision/tiny.py`` (text 32 x 2
+layers, character vocabulary, vision 32 x 2) on ``TINY_ROWS`` random 32-48 px images (16-36 image tokens each) with a
+length reward (``length_reward``; random weights answer nothing); ``embedded`` (when
+``unialign/embedded/assets/vlm/config.json`` exists; rows ``P12-embedded-*``): the shipped warm start
+(``vlm.load_embedded_vlm``) on the task above, seeds ``SEEDS`` (tokens/s pooled), plus held-out greedy accuracy
+(``vlm.accuracy_reward`` on the test split, both trained models decoded by the same ``vlm.generate_answers``) after
+the same number of steps, its mean over the seeds within ``ACC_TOLERANCE``. Processors are left-padded on both
+sides (TRL re-runs the processor for its training forward and pads its ids on the left; a right-padded processor
+misaligns ``mm_token_type_ids`` with them).
+
+    .venv/bin/python -m benchmarks.p12_vlm_grpo [--quick] [--seeds=0,1,2]   # rows as JSON
+    .venv/bin/python -m benchmarks.run P12                     # through the suite
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (
+    error_row,
+    median,
+    peak_rss_bytes,
+    reset_peak_rss,
+    row,
+    rss_bytes,
+    rss_tracks_tensors,
+    run_child,
+)
+from benchmarks.p2_grpo import _interleave_callback, ours_step
+
+LR = 1e-3  # scripts/grpo_vision.py's default
+P_G_L = (16, 8, 8)  # prompts per step, generations per prompt, max new tokens: scripts/grpo_vision.py's defaults
+THREADS = 1  # scripts/grpo_vision.py's num_threads default (tiny models: one thread is fastest)
+SOLUTION = "solution"
+TINY_ROWS = 256  # the tiny model's training rows (random images)
+TINY_STEPS = 8  # the tiny model: throughput only
+EMBEDDED_STEPS = 40  # the embedded model: throughput and held-out accuracy after these steps, per seed
+SEEDS = (0, 1, 2)  # the embedded model's runs (one throughput + accuracy run each); the tiny model runs seed 0
+ACC_TOLERANCE = 0.02  # |ours - TRL| of the mean held-out accuracy
+
+
+def _imports():
+    import datasets  # noqa: F401
+    import trl  # noqa: F401
+    from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+
+    from unialign.trainers.online import OnlineConfig, OnlineTrainer  # noqa: F401
+    from unialign.vision import VisionLanguagePolicy, vision_rows  # noqa: F401
+
+
+def embedded_available() -> bool:
+    try:
+        from unialign.embedded.vlm import VLM_DIR
+    except ImportError:  # the embedded VLM task is not in this checkout
+        return False
+    return (Path(VLM_DIR) / "config.json").exists()
+
+
+def build_model(kind: str, seed: int = 0):
+    """(model, processor): the shipped embedded VLM, or the tiny random-weight Qwen2-VL of ``tests/vision/tiny.py``."""
+    if kind == "embedded":
+        from unialign.embedded import vlm
+
+        model, processor = vlm.load_embedded_vlm()
+    else:
+        from tests.vision.tiny import build
+
+        model, processor = build("qwen2_vl", seed=seed)
+        # TRL pads its prompt ids on the left and re-runs the processor for the training forward: its token-aligned
+        # outputs (mm_token_type_ids) must be left-padded too, as TRL's own processor loading sets (vlm's loader does)
+        processor.tokenizer.padding_side = "left"
+    model.train()
+    return model, processor
+
+
+def train_rows(kind: str, n: int | None = None) -> list[dict]:
+    """TRL's vision rows (the prompt's image block empty, ``image`` beside it): the embedded task's training split,
+    or ``TINY_ROWS`` random images (32-48 px a side, so 16-36 image tokens) under a few questions."""
+    if kind == "embedded":
+        from unialign.embedded.vlm import vlm_dataset
+
+        return vlm_dataset("train", n=n)
+    from tests.vision.tiny import random_image
+
+    rng = random.Random(0)
+    questions = ("What colour is the shape?", "What shape is it?", "Describe the image.", "Is there a circle?")
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": questions[i % 4]}]}],
+             "image": random_image(rng), SOLUTION: "abc"} for i in range(n or TINY_ROWS)]
+
+
+def _text(completion) -> str:
+    """A string as is; TRL's conversational completion ``[{"role": "assistant", "content": ...}]``: its text."""
+    if isinstance(completion, str):
+        return completion
+    content = completion[-1]["content"]
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def length_reward(completions, solution, **kw) -> list[float]:
+    """The tiny model's reward (its random weights answer nothing): minus the distance of the completion's length in
+    characters (= tokens of the character tokenizer) from the solution's; a signal that varies within a group."""
+    return [-abs(len(_text(c)) - len(s)) / 8.0 for c, s in zip(completions, solution)]
+
+
+def reward_fn(kind: str):
+    if kind == "embedded":
+        from unialign.embedded.vlm import accuracy_reward
+
+        return accuracy_reward
+    return length_reward
+
+
+class _TokenCountingReward:
+    """The kind's reward (TRL's signature) that records how many completion tokens TRL handed it (ids up to EOS)."""
+
+    def __init__(self, fn):
+        self.fn, self.last_tokens, self.__name__ = fn, 0, fn.__name__
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, solution=None, **kw):
+        self.last_tokens = sum(len(c) for c in completion_ids) if completion_ids is not None else 0
+        return self.fn(completions, solution)
+
+
+# ----------------------------------------------------------------------------- builders
+def make_ours(model, processor, rows, P, G, L, steps, out_dir, seed=0, reward=None):
+    """Ours as ``scripts/grpo_vision.py`` builds it: ``VisionLanguagePolicy`` on the model and processor,
+    ``vision_rows`` (the images into the prompts), ``OnlineTrainer`` with the GRPO preset and the settings of the
+    module docstring."""
+    from unialign.trainers.online import OnlineConfig, OnlineTrainer
+    from unialign.vision import VisionLanguagePolicy, vision_rows
+
+    policy = VisionLanguagePolicy(model, processor, max_new_tokens=L, temperature=1.0, top_p=1.0, top_k=0)
+    cfg = OnlineConfig(algorithm="grpo", beta=0.0, num_generations=G, prompts_per_step=P, micro_batch_size=P * G,
+                       num_mini_batches=1, max_steps=steps, learning_rate=LR, warmup_steps=0,
+                       lr_scheduler_type="constant", max_completion_length=L, max_grad_norm=1.0, report_to="none",
+                       output_dir=out_dir, seed=seed)
+    return OnlineTrainer(policy, reward or reward_fn("embedded"), vision_rows(rows, "vlm train"), cfg)
+
+
+def make_trl(model, processor, rows, P, G, L, steps, out_dir, callbacks=(), seed=0, reward=None, **trl_args):
+    """TRL's GRPOTrainer on the same model / processor with the settings of the module docstring; ``trl_args``
+    override GRPOConfig fields."""
+    trl_args.setdefault("use_vllm", False)
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "image": r["image"], SOLUTION: r[SOLUTION]}
+                                     for r in rows])
+    cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+        max_completion_length=L, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, beta=0.0,
+        loss_type="grpo", epsilon=0.2, scale_rewards="group", num_iterations=1, report_to=[],
+        bf16=False, fp16=False, gradient_checkpointing=False, lr_scheduler_type="constant", optim="adamw_torch",
+        weight_decay=0.0, max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=seed, use_cpu=not cuda, dataloader_num_workers=0, **trl_args)
+    reward = _TokenCountingReward(reward or reward_fn("embedded"))
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds,
+                          processing_class=processor, callbacks=list(callbacks))
+    return trainer, reward
+
+
+def held_out_accuracy(model, processor, rows) -> float:
+    """Greedy accuracy of ``model`` on ``rows`` (``vlm.accuracy_reward``), decoded by ``vlm.generate_answers``: the
+    same evaluation for both trained models, independent of either trainer."""
+    from unialign.embedded.vlm import accuracy_reward, generate_answers
+
+    texts = [t[0] for t in generate_answers(model, processor, rows, greedy=True)]
+    return sum(accuracy_reward(texts, [r[SOLUTION] for r in rows])) / len(rows)
+
+
+# ----------------------------------------------------------------------------- measurements
+def throughput(kind: str, P: int, G: int, L: int, steps: int, evaluate: bool = False, eval_rows: int | None = None,
+               seed: int = 0, threads: int = THREADS) -> dict:
+    """Both trainers in this process, steps interleaved; with ``evaluate``, held-out greedy accuracy before and after
+    (the first ``eval_rows`` test rows; None: all)."""
+    torch.set_num_threads(threads)
+    base, processor = build_model(kind, seed)
+    rows, reward_kind = train_rows(kind), reward_fn(kind)
+    res: dict = {"kind": kind, "P": P, "G": G, "L": L, "steps": steps, "threads": threads, "seed": seed,
+                 "params": sum(p.numel() for p in base.parameters())}
+    test = []
+    if evaluate:
+        from unialign.embedded.vlm import vlm_dataset
+
+        test = vlm_dataset("test", n=eval_rows)
+    if test:
+        res["acc_before"] = held_out_accuracy(copy.deepcopy(base), processor, test)
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(seed)
+        ours = make_ours(copy.deepcopy(base), copy.deepcopy(processor), rows, P, G, L, steps,
+                         os.path.join(d, "ours"), seed, reward=reward_kind)
+        trl_times, trl_tokens, ours_times, ours_tokens = [], [], [], []
+        trainer, reward = make_trl(copy.deepcopy(base), copy.deepcopy(processor), rows, P, G, L, steps,
+                                   os.path.join(d, "trl"), seed=seed, reward=reward_kind)
+        trainer.add_callback(_interleave_callback(trl_times, trl_tokens, ours_times, ours_tokens, reward, ours))
+        trainer.train()
+        if test:
+            res["acc_ours"] = held_out_accuracy(ours.policy.model, processor, test)
+            res["acc_trl"] = held_out_accuracy(trainer.model, processor, test)
+            res["eval_rows"] = len(test)
+    res.update(trl_times=trl_times, trl_tokens=trl_tokens, ours_times=ours_times, ours_tokens=ours_tokens)
+    res["ours_tok_s"] = median(_tok_s(ours_times, ours_tokens))
+    res["trl_tok_s"] = median(_tok_s(trl_times, trl_tokens))
+    res["ours_step_s"] = median(ours_times[1:])
+    res["trl_step_s"] = median(trl_times[1:])
+    return res
+
+
+def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed: int = 0,
+                 threads: int = THREADS) -> dict:
+    """One trainer alone (run in a fresh process): peak RSS over ``steps`` steps minus RSS after imports and the
+    training rows (the same images on both sides)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    _imports()
+    rows = train_rows(kind)
+    rss_tracks_tensors()
+    gc.collect()
+    rss0 = rss_bytes()
+    reset_peak_rss()
+    base, processor = build_model(kind, seed)
+    with tempfile.TemporaryDirectory() as d:
+        {"ours": train_ours, "trl": train_trl}[impl](base, processor, rows, P, G, L, steps, d, seed, reward_fn(kind))
+    peak = peak_rss_bytes()
+    return {"impl": impl, "peak_rss_bytes": peak, "rss_after_imports": rss0, "peak_delta_bytes": peak - rss0}
+
+
+def train_ours(model, processor, rows, P, G, L, steps, out_dir, seed=0, reward=None) -> None:
+    """Ours alone: ``steps`` GRPO steps of ``OnlineTrainer``."""
+    tr = make_ours(model, processor, rows, P, G, L, steps, out_dir, seed, reward=reward)
+    for _ in range(steps):
+        ours_step(tr)
+
+
+def train_trl(model, processor, rows, P, G, L, steps, out_dir, seed=0, reward=None) -> None:
+    """TRL alone: ``GRPOTrainer.train()`` for ``steps`` steps."""
+    tr, _ = make_trl(model, processor, rows, P, G, L, steps, out_dir, seed=seed, reward=reward)
+    tr.train()
+
+
+def _tok_s(times, tokens) -> list[float]:
+    return [n / t for t, n in zip(times[1:], tokens[1:]) if t > 0]  # drop the warm-up step
+
+
+def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]:
+    # quick: a smoke run (2 prompts x 4, 4 tokens, 2 steps, one seed, 1-step memory children, 16 held-out rows)
+    P, G, L = (2, 4, 4) if quick else P_G_L
+    seeds = seeds or ((0,) if quick else SEEDS)
+    kinds = ["tiny"] + (["embedded"] if embedded_available() else [])
+    rows = []
+    for kind in kinds:
+        tag = "P12" if kind == "tiny" else "P12-embedded"
+        model_desc = (f"tiny random-init Qwen2-VL (tests/vision/tiny.py), {TINY_ROWS} random 32-48 px images, "
+                      "length reward" if kind == "tiny" else "embedded VLM (unialign/embedded/assets/vlm), accuracy_reward")
+        st = 2 if quick else (TINY_STEPS if kind == "tiny" else EMBEDDED_STEPS)
+        kind_seeds = seeds if kind == "embedded" else seeds[:1]
+        common = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, grpo/seq-mean-token-mean, "
+                  f"lr {LR} constant, {st} steps (median of steps 2..{st}"
+                  + (f", pooled over seeds {'/'.join(map(str, kind_seeds))}" if len(kind_seeds) > 1 else "")
+                  + f"; interleaved in one process); CPU fp32, {THREADS} torch thread")
+        try:
+            runs = [throughput(kind, P, G, L, st, evaluate=kind == "embedded", eval_rows=16 if quick else None,
+                               seed=seed) for seed in kind_seeds]
+            ours_tps = [x for r in runs for x in _tok_s(r["ours_times"], r["ours_tokens"])]
+            trl_tps = [x for r in runs for x in _tok_s(r["trl_times"], r["trl_tokens"])]
+            per_seed = [r["ours_tok_s"] / r["trl_tok_s"] for r in runs]
+            notes = common + ("; per-seed ratios " + ", ".join(f"{x:.3f}" for x in per_seed) if len(runs) > 1 else "")
+            rows.append(row(f"{tag}-tput", "VLM GRPO completion tokens/s (sample+score+update)", median(ours_tps),
+                            median(trl_tps), "tok/s", "higher", 1.3, notes,
+                            ours_step_s=median([t for r in runs for t in r["ours_times"][1:]]),
+                            baseline_step_s=median([t for r in runs for t in r["trl_times"][1:]]),
+                            per_seed_ratios=per_seed, raw=runs))
+            if kind == "embedded":
+                ours_acc = sum(r["acc_ours"] for r in runs) / len(runs)
+                trl_acc = sum(r["acc_trl"] for r in runs) / len(runs)
+                pairs = ", ".join(f"seed {r['seed']}: {r['acc_ours']:.3f} vs {r['acc_trl']:.3f}" for r in runs)
+                acc = row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({runs[0]['eval_rows']} rows"
+                          + (f", mean of {len(runs)} seeds)" if len(runs) > 1 else ")"), ours_acc, trl_acc, "frac",
+                          "higher", None,
+                          f"before training: {runs[0]['acc_before']:.3f}; {pairs}; target |ours - TRL| <= "
+                          f"{ACC_TOLERANCE} (the mean's difference; 'met' says so); test split, vlm.accuracy_reward, "
+                          "both models decoded by vlm.generate_answers (data order differs: TRL shuffles its own way)",
+                          diff=ours_acc - trl_acc, acc_tolerance=ACC_TOLERANCE,
+                          per_seed=[{"seed": r["seed"], "ours": r["acc_ours"], "trl": r["acc_trl"]} for r in runs])
+                acc["met"] = abs(ours_acc - trl_acc) <= ACC_TOLERANCE
+                rows.append(acc)
+        except Exception as e:  # noqa: BLE001
+            rows.append(error_row(f"{tag}-tput", "VLM GRPO completion tokens/s", e))
+        mem_steps = 1 if quick else 3
+        m = {impl: run_child("p12_vlm_grpo", "memory_child",
+                             dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps)) for impl in ("ours", "trl")}
+        if any("error" in v for v in m.values()):
+            rows.append(error_row(f"{tag}-mem", "VLM GRPO peak RSS",
+                                  "; ".join(v.get("error", "") for v in m.values())))
+        else:
+            rows.append(row(f"{tag}-mem", "VLM GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
+                            m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
+                            f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM "
+                            "minus RSS after importing both libraries and reading the rows; informative (no target)",
+                            ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    seeds = next((tuple(int(x) for x in a.split("=", 1)[1].split(",")) for a in sys.argv if a.startswith("--seeds=")),
+                 None)
+    print(json.dumps(run(quick="--quick" in sys.argv, seeds=seeds), indent=1, default=str))
