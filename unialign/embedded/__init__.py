@@ -25,11 +25,16 @@ from typing import Any
 
 NAME = "embedded"
 ARITH_LM_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"  # = arith.DEFAULT_ASSET_DIR
+VLM_NAME = "embedded-vlm"  # the vision-language task (vlm.py): data set, pair data set and model path by this name
+VLM_DIR = Path(__file__).resolve().parent / "assets" / "vlm"  # = vlm.VLM_DIR
 
 # What ``register()`` adds, registry by registry (each a name -> "module:attribute" or a loader).
 REWARD_PATHS = {  # image, verifiable (shape_verifier.py): the shapes world's prompt checker, 0 / 1 and graded
     "shape_verifier": "unialign.embedded.shape_verifier:ShapeVerifierReward",
     "shape_verifier_partial": "unialign.embedded.shape_verifier:PartialShapeVerifierReward",
+}
+TEXT_REWARD_PATHS = {  # text, verifiable (vlm.py): the VLM task's one-word answers against the solution column
+    "vlm_accuracy": "unialign.embedded.vlm:accuracy_reward",
 }
 GENEVAL_BACKEND_PATHS = {  # GenEval's rules on this world (geneval_shapes.py): get_reward("geneval", backend="shapes")
     "shapes": "unialign.embedded.geneval_shapes:ShapesDetector",
@@ -55,12 +60,27 @@ def _arithmetic_pairs(split: str, n: int | None = None, seed: int = 0) -> list[d
     return [{**r, "prompt": _user(r["prompt"])} for r in preference_pairs(split, n=n, seed=seed)]
 
 
+def _vlm_rows(split: str, n: int | None = None) -> list[dict[str, Any]]:
+    from unialign.embedded.vlm import vlm_dataset
+
+    return vlm_dataset(split, n=n)
+
+
+def _vlm_pairs(split: str, n: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    from unialign.embedded.vlm import preference_pairs
+
+    return preference_pairs(split, n=n, seed=seed)
+
+
 def register() -> None:
     """Add the demo worlds to the core registries (module docstring): ``NAME`` as a prompt data set and a
-    pair data set, ``REWARD_PATHS`` as image rewards, ``GENEVAL_BACKEND_PATHS`` as GenEval backends. Idempotent;
+    pair data set, ``REWARD_PATHS`` as image rewards, ``GENEVAL_BACKEND_PATHS`` as GenEval backends; the VLM task
+    (``vlm.py``) as ``VLM_NAME`` (prompt and pair data set, and a ``vlm_judge`` model name) and ``TEXT_REWARD_PATHS``
+    as text rewards. Idempotent;
     an entry someone registered under the same name first is kept (``setdefault``). Imports nothing heavy."""
     from unialign.rewards.geneval import GENEVAL_BACKENDS
     from unialign.rewards.registry import REWARD_INPUTS, REWARDS
+    from unialign.rewards.vlm_judge import JUDGE_MODELS
     from unialign.text.data import NAMED_DATASETS, NAMED_PAIR_DATASETS
 
     for name, path in REWARD_PATHS.items():
@@ -70,11 +90,18 @@ def register() -> None:
         GENEVAL_BACKENDS.setdefault(name, path)
     NAMED_DATASETS.setdefault(NAME, _arithmetic_rows)
     NAMED_PAIR_DATASETS.setdefault(NAME, _arithmetic_pairs)
+    for name, path in TEXT_REWARD_PATHS.items():
+        REWARDS.setdefault(name, path)
+        REWARD_INPUTS.setdefault(name, "text")
+    NAMED_DATASETS.setdefault(VLM_NAME, _vlm_rows)
+    NAMED_PAIR_DATASETS.setdefault(VLM_NAME, _vlm_pairs)
+    JUDGE_MODELS.setdefault(VLM_NAME, {"model_name_or_path": str(VLM_DIR)})  # UNIALIGN_VLM_JUDGE=embedded-vlm
 
 
 def model_path(name_or_path: str) -> str:
-    """``"embedded"`` -> the shipped arithmetic model's folder; anything else unchanged."""
-    return str(ARITH_LM_DIR) if name_or_path == NAME else name_or_path
+    """``"embedded"`` -> the shipped arithmetic model's folder, ``"embedded-vlm"`` -> the shipped tiny VLM's;
+    anything else unchanged."""
+    return {NAME: str(ARITH_LM_DIR), VLM_NAME: str(VLM_DIR)}.get(name_or_path, name_or_path)
 
 
 def load_arith_policy(**kwargs: Any):
