@@ -15,7 +15,9 @@ aggregation (sequence mean of token means, TRL ``loss_type="grpo"``), epsilon 0.
 lr 1e-3, one micro-batch of all P x G completions, AdamW (torch, unfused; betas 0.9/0.999, eps 1e-8, wd 0),
 grad clip 1.0, fp32, no gradient checkpointing, one optimizer step per generation batch (num_iterations 1), one
 torch thread (the script's ``num_threads`` default). Changed from the script: a constant learning rate with no
-warm-up (the script warms up 5 steps, then cosine; a constant rate keeps a short comparison's steps alike).
+warm-up (the script warms up 5 steps, then cosine; a constant rate keeps a short comparison's steps alike). The
+vision tower is frozen on both sides (the script's ``--freeze_vision`` default; TRL's optimizer, as ours, takes
+only the parameters that require gradients).
 
 TRL keeps its documented defaults otherwise; the settings we change and why:
   per_device_train_batch_size=P*G, gradient_accumulation_steps=1, num_generations=G (the batch above),
@@ -108,6 +110,9 @@ def build_model(kind: str, seed: int = 0):
         # TRL pads its prompt ids on the left and re-runs the processor for the training forward: its token-aligned
         # outputs (mm_token_type_ids) must be left-padded too, as TRL's own processor loading sets (vlm's loader does)
         processor.tokenizer.padding_side = "left"
+    for name, p in model.named_parameters():  # scripts/grpo_vision.py's default --freeze_vision true, both sides
+        if "visual" in name:
+            p.requires_grad_(False)
     model.train()
     return model, processor
 
