@@ -29,7 +29,7 @@ from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, deta
 from unialign.text.head import install_fused_head
 from unialign.text.prompts import CHAT_TEMPLATE_MODES, PromptEncoder, messages_text, templated
 from unialign.text.rollout import HFRollout, LowPrecisionRollout, RolloutEngine, build_rollout
-from unialign.types import PreferenceBatch, Trajectory
+from unialign.types import PreferenceBatch, Trajectory, _concat
 from unialign.weights import check_finite
 
 # Names other modules import from here, from before the parts had modules of their own.
@@ -356,17 +356,15 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, length_normalize: bool):
     """Chosen and rejected run as one 2B batch (one forward, one backward: the prompt encoding is
-    shared and the fused head sees twice the rows), completions right-padded to a common length."""
+    shared and the fused head sees twice the rows), completions right-padded to a common length. Every other
+    entry of the sides (the prompt's ids and mask, a VLM's media and token-aligned processor outputs) is joined
+    by ``unialign.types._concat``."""
     sides = (batch.chosen, batch.rejected)
     T = max(side["completion_ids"].shape[1] for side in sides)
-
-    def padded(side: dict, key: str) -> torch.Tensor:
-        x = side[key]
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]))
-
-    joint = {key: torch.cat([side[key] for side in sides]) for key in ("prompt_ids", "prompt_mask")}
-    joint.update({key: torch.cat([padded(side, key) for side in sides])
-                  for key in ("completion_ids", "completion_mask")})
+    completion = ("completion_ids", "completion_mask")
+    joint = {key: _concat([side[key] for side in sides]) for key in sides[0] if key not in completion}
+    joint.update({key: torch.cat([torch.nn.functional.pad(side[key], (0, T - side[key].shape[1])) for side in sides])
+                  for key in completion})
     logp, _, _ = policy._forward(model, joint, False)
     mask = joint["completion_mask"].to(logp.dtype)
     total = (logp * mask).sum(-1)

@@ -38,12 +38,7 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     under a distributed wrapper (two forwards per backward), with gradient checkpointing (no
     cache in training), when no prompt repeats, or when a prompt has fewer than two tokens.
     """
-    if model is not unwrap(model) or fsdp2_root(model) is not None or prompt_ids.shape[1] < 2:
-        return None  # FSDP2: the gathered cache's storage is freed on reshard before the backward needs it
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    checkpointing = "is_activation_checkpointing" if hasattr(type(lm), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"  # transformers < 5 name
-    if getattr(lm, checkpointing, False):
+    if prompt_ids.shape[1] < 2 or not prefix_sharing_safe(model):
         return None
     rows = torch.cat([prompt_ids, prompt_mask], dim=1)
     distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
@@ -53,11 +48,31 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     ids, mask = distinct[:, :W - 1], distinct[:, W:2 * W - 1]
     if bool((mask.sum(-1) < 1).any()):  # an empty prefix would be a fully masked attention row
         return None
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                logits_to_keep=1, use_cache=True)
+    return cached_prefix(model, inverse, input_ids=ids, attention_mask=mask,
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+
+
+def prefix_sharing_safe(model: torch.nn.Module) -> bool:
+    """Whether a prefix pass may run on ``model``: not under a distributed wrapper (two forwards per backward),
+    not under FSDP2 (the gathered cache's storage is freed on reshard before the backward needs it), not with
+    gradient checkpointing (no cache in training)."""
+    if model is not unwrap(model) or fsdp2_root(model) is not None:
+        return False
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    checkpointing = "is_activation_checkpointing" if hasattr(type(lm), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # transformers < 5 name
+    return not getattr(lm, checkpointing, False)
+
+
+def cached_prefix(model: torch.nn.Module, inverse_B: torch.Tensor, **inputs) -> dict | None:
+    """Run the U distinct prefixes (``inputs``: ``input_ids`` [U, W'] and the rest of the model's inputs) once and
+    return ``{cache kwarg: cache}`` gathered back to one row per sample (``inverse_B`` [B]: each sample's prefix),
+    or None when the model returns no cache."""
+    out = model(logits_to_keep=1, use_cache=True, **inputs)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     key = cache_kwarg(lm)
     cache = out.get(key)
     if cache is None:
         return None
-    cache.reorder_cache(inverse)
+    cache.reorder_cache(inverse_B)
     return {key: cache}

@@ -32,7 +32,7 @@ from unialign.errors import UserError
 from unialign.hub import hub_error, require_hub
 from unialign.text.head import install_fused_head
 from unialign.text.policy import CausalLMPolicy
-from unialign.text.prefix import cache_kwarg
+from unialign.text.prefix import cached_prefix, prefix_sharing_safe
 from unialign.types import PreferenceBatch
 from unialign.vision import families
 from unialign.vision.media import count_image_blocks, prompt_images, strip_images
@@ -233,13 +233,8 @@ class VisionLanguagePolicy(CausalLMPolicy):
     def _vision_prefix(self, model, payload, input_ids, attention_mask, kw, W: int, T: int):
         """The prompt-prefix pass of ``CausalLMPolicy._prompt_cache`` for image prompts: distinct prompts (by
         ids, mask AND images) run once, their cache gathered to the samples; None when it cannot help or is not
-        safe (no repeats, a wrapper, checkpointing, an image token in the per-sample tail)."""
-        if model is not unwrap(model) or W < 2:
-            return None
-        core = self._core()
-        flag = "is_activation_checkpointing" if hasattr(type(core), "is_activation_checkpointing") \
-            else "is_gradient_checkpointing"  # transformers < 5 name
-        if getattr(core, flag, False):
+        safe (no repeats, ``prefix_sharing_safe``, an image token in the per-sample tail)."""
+        if W < 2 or not prefix_sharing_safe(model):
             return None
         tail = input_ids[:, -T - 1:]
         if self.image_ids and bool(torch.isin(tail, torch.tensor(self.image_ids, device=tail.device)).any()):
@@ -256,13 +251,7 @@ class VisionLanguagePolicy(CausalLMPolicy):
         media = families.collate_media([payload["media"][r] for r in first.tolist()], self.family, ids.device)
         head_kw = {k: v[first][..., : W - 1] if k != "position_ids" or v.dim() == 2 else v[:, first, : W - 1]
                    for k, v in kw.items() if k in ("position_ids", *families.TOKEN_KEYS)}
-        out = model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=True, **media, **head_kw)
-        key = cache_kwarg(core)
-        cache = out.get(key)
-        if cache is None:
-            return None
-        cache.reorder_cache(inverse)
-        return {key: cache}
+        return cached_prefix(model, inverse, input_ids=ids, attention_mask=mask, **media, **head_kw)
 
     # ---------------------------------------------------------------- pairs
     def preference_batch(self, rows: list[dict[str, Any]], max_length: int | None = None) -> PreferenceBatch:
@@ -275,25 +264,6 @@ class VisionLanguagePolicy(CausalLMPolicy):
             side.update(extras)
         return batch
 
-    def _sequence_log_prob(self, model: torch.nn.Module, batch: PreferenceBatch, length_normalize: bool):
-        from unialign.types import _concat
-
-        sides = (batch.chosen, batch.rejected)
-        T = max(side["completion_ids"].shape[1] for side in sides)
-        joint = {k: _concat([side[k] for side in sides]) for k in sides[0]
-                 if k not in ("completion_ids", "completion_mask")}
-        for key in ("completion_ids", "completion_mask"):
-            joint[key] = torch.cat([torch.nn.functional.pad(s[key], (0, T - s[key].shape[1])) for s in sides])
-        logp, _, _ = self._forward(model, joint, False)
-        mask = joint["completion_mask"].to(logp.dtype)
-        total = (logp * mask).sum(-1)
-        if length_normalize:
-            total = total / mask.sum(-1).clamp(min=1)
-        chosen, rejected = total.chunk(2)
-        return chosen, rejected
-
-    def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):
-        return self._sequence_log_prob(self.model, batch, length_normalize)
 
     # ---------------------------------------------------------------- io
     def save(self, path: str) -> None:
