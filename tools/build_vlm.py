@@ -9,7 +9,9 @@ CLI (from the repository root)::
     python -m tools.build_vlm check [--keep DIR]  # build into a temp folder, compare with the shipped one
 
 Stage 1 (``pretrain_vision``): the vision tower alone as a classifier of the three attributes. Stage 2: the tower
-frozen (``vision_lr_scale`` 0), the language model on the training stream. Training stream: every step draws ``batch_size`` fresh examples from the training captions only (a random layout
+frozen (``vision_lr_scale`` 0: its parameter group's learning rate is 0, so its weights do not move, though its
+gradients are still computed and count in the clipping norm; the shipped build was made this way), the language
+model on the training stream. Training stream: every step draws ``batch_size`` fresh examples from the training captions only (a random layout
 per image, ``vlm.random_layout``), each a QA question (colour / shape / background, equally likely) or, with
 probability ``judge_share``, the judge question on the image's own caption (yes) or on a caption differing in one
 attribute (no), half and half. With probability ``augment`` the image is degraded first (``shapes_world.degrade``

@@ -265,6 +265,7 @@ def test_every_registered_reward_resolves_to_a_callable(tmp_path):
     from transformers import LlamaForSequenceClassification
 
     from tests.conftest import make_tiny_lm
+    from unialign.embedded import VLM_DIR
     from unialign.text.reward_model import RewardModel
 
     lm, tok = make_tiny_lm()
@@ -274,7 +275,8 @@ def test_every_registered_reward_resolves_to_a_callable(tmp_path):
 
     kwargs = {**model_reward_kwargs(), "reward_model": {"path": str(tmp_path / "rm")},
               "pairwise": {"score": "math_format"},
-              "pickscore": tiny_pickscore(tmp_path / "pickscore"), "hps": tiny_hps(tmp_path / "hps")}
+              "pickscore": tiny_pickscore(tmp_path / "pickscore"), "hps": tiny_hps(tmp_path / "hps"),
+              "vlm_judge": {"model_name_or_path": str(VLM_DIR)}}  # the shipped tiny VLM as the judge
     import importlib.util
 
     for name, path in REWARDS.items():
