@@ -7,11 +7,12 @@ their ELBO surrogate (``preference_batch``, ``sequence_log_prob``), the referenc
 copy), LoRA set-up and saving in diffusers' ``load_lora_weights`` format, chunked sampling, step-chunked
 training and classifier-free guidance with or without a gradient through the unconditional branch.
 
-It is composed of the pipeline family (the subclass: ``DiffusionPolicy`` for SD1.x / SDXL UNets,
-``FlowMatchingPolicy`` / ``FluxPolicy`` for SD3 / FLUX transformers) and one step kernel, ``self.kernel``
-(``unialign.image.kernels``: how trajectories are sampled and scored, e.g. the DDIM step or Flow-GRPO's SDE
-step), which reads the family only through ``_sampling_cond``, ``_initial_latents``, ``_denoise``, ``decode``,
-``scheduler``, ``num_steps``, ``_cfg`` and ``cond_keys``. The family's hooks (all tensors batch-first):
+It is composed of the pipeline family (the subclass and the family adapter it holds: ``DiffusionPolicy`` with
+``SD1Family`` / ``SDXLFamily`` for SD1.x / SDXL UNets, ``FlowPolicyBase`` with ``SD3Family`` / ``FluxFamily`` for
+SD3 / FLUX transformers) and one step kernel, ``self.kernel`` (``unialign.image.kernels``: how trajectories are
+sampled and scored, e.g. the DDIM step or Flow-GRPO's SDE step), which reads the family only through
+``_sampling_cond``, ``_initial_latents``, ``_denoise``, ``decode``, ``scheduler``, ``num_steps``, ``_cfg`` and
+``cond_keys``. The family's hooks (all tensors batch-first):
 
     sampling    _sampling_cond(prompts)                   the payload's conditioning for B prompts
                 _initial_latents(batch, generator)         x_T [B, C, H, W]

@@ -2,8 +2,10 @@
 the auto-detection of a folder or hub id (``resolve``), the policy a model loads into (``load_denoiser``) and the
 sampler knobs it is given and checked for (``policy_kwargs``, ``check_sampling_knobs``) are derived.
 
-Adding a family is one adapter (a policy class with ``from_pretrained``), one row of ``FAMILIES`` and its tests;
-nothing else tests a family's name. Light: imports no torch or diffusers (the policy class is imported when a
+Adding a family is one adapter file (a flow family: its ``FlowFamily`` adapter and the policy class pinned to
+it, ``FlowPolicyBase`` with ``family_class`` set, as ``unialign.image.flux_policy``), one row of ``FAMILIES`` naming
+that policy, and its tests; nothing else tests a family's name (the flow policies find their adapters through the
+rows: ``unialign.image.flow_policy.flow_families``). Light: imports no torch or diffusers (the policy class is imported when a
 model loads).
 """
 

@@ -1,6 +1,8 @@
-"""Flow-matching policies behind the ``Policy`` protocol: ``FlowPolicyBase`` (what every
-flow-matching family shares) and ``FlowMatchingPolicy`` (the SD3 family, Stable Diffusion 3 / 3.5).
-``unialign.image.flux_policy.FluxPolicy`` (FLUX.1) is the other family on the same base.
+"""Flow-matching policies behind the ``Policy`` protocol: ``FlowPolicyBase`` (the flow-matching step every family
+shares, and the one constructor) with one small family adapter chosen at construction, ``SD3Family`` (here) or
+``FluxFamily`` (``unialign.image.flux_policy``), both on one ``FlowFamily`` interface -- as ``DiffusionPolicy``
+holds ``SD1Family`` / ``SDXLFamily`` (``unialign.image.policy``). ``FlowMatchingPolicy`` (SD3 / SD3.5) and
+``unialign.image.flux_policy.FluxPolicy`` (FLUX.1) are ``FlowPolicyBase`` pinned to their family's adapter.
 
 A trajectory is the N steps x_1 -> ... -> x_0 of diffusers' ``FlowMatchEulerDiscreteScheduler`` made
 stochastic by Flow-GRPO's SDE step (``unialign.image.flow.sde_step_with_logprob``, "sde" or "cps"); the
@@ -12,10 +14,13 @@ The transformer (``self.model``) is the only trainable module; VAE and text enco
 
 ``FlowPolicyBase`` is the flow-matching step on the shared denoiser part (``unialign.image.denoiser``:
 sampling, the step log-probs, the KL to the reference, the Diffusion-DPO surrogate, the reference and saving
-are written once there). A family is a small adapter over it: ``encode_prompts`` (the conditioning dict),
-``_denoise`` (the velocity: one transformer call with CFG, packing, guidance embedding), ``_latent_shape``,
-``_set_timesteps`` (the sampling sigmas), ``_pipeline_class`` (the stock pipeline whose
-``save_lora_weights`` writes the LoRA) and ``from_pretrained``.
+are written once there). What differs per family is its adapter's (``self.family``, a ``FlowFamily``): prompt
+encoding (``encode_prompts``), the velocity of one transformer call (``velocity``: CFG, packing, the guidance
+embedding), the latent shape, the pixel multiple and the image-token count, the sampling sigmas
+(``set_timesteps``), the stock pipeline class, the LoRA target modules, the defaults of the guidance scale, the
+T5 length and the image size, and the text parts ``from_pretrained`` loads. The adapter is chosen once from the
+transformer's class (``choose_flow_family``, over the flow rows of ``unialign.image.families.FAMILIES``) or
+given; the shared code never asks which family it runs.
 
 SD3 prompt encoding restates ``StableDiffusion3Pipeline.encode_prompt``: the penultimate hidden states of
 CLIP-L and CLIP-G concatenated on features and zero-padded to the T5 width, then concatenated on tokens
@@ -44,7 +49,7 @@ from typing import Any
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
-from unialign.image.families import SamplerKnobs
+from unialign.image.families import FAMILIES, Family, SamplerKnobs
 from unialign.image.kernels import FlowSDEKernel
 from unialign.types import Trajectory
 
@@ -56,25 +61,239 @@ SD3_LORA_TARGET_MODULES = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
+class FlowFamily:
+    """What ``FlowPolicyBase``'s shared flow-matching code asks of a transformer family (``SD3Family``,
+    ``FluxFamily``): the frozen text encoders and how to encode prompts, the velocity of one transformer call, the
+    latent geometry and the sampling sigmas, the stock diffusers pipeline class, the LoRA targets, the family's
+    defaults and the text parts ``from_pretrained`` loads. The geometry hooks read the transformer's config
+    (``self.config``, held from construction) and are told the sizes; ``velocity`` is given the policy (its
+    ``dtype``, ``guidance_scale`` and the CFG helpers ``_cfg``, ``_uncond``, ``_guided`` of ``DenoiserPolicy``).
+
+    Class attributes:
+        name, title: the family (its ``FAMILIES`` row's name, for callers; the shared code does not read it) and
+            how messages name it ("SD3").
+        transformer_class: the diffusers transformer class the family runs (``describes``, ``from_pretrained``).
+        text_keys: what ``encode_prompts`` returns (``prompt_embeds`` [B, L, D], ``pooled_prompt_embeds`` [B, P]).
+        cond_keys: the conditioning a trajectory payload carries (here: ``text_keys``).
+        lora_target_modules: the transformer modules a LoRA adapts (diffusers' LoRA training script's default).
+        guidance_scale, max_sequence_length: the defaults of the policy keywords of those names (the stock
+            pipeline's), used when they are left None.
+        t5_optional: whether ``from_pretrained(load_t5=False)`` may leave T5 out.
+        layout: the pipeline folder ``from_pretrained`` reads (for its error message).
+    """
+
+    name: str = "flow"
+    title: str = "flow matching"
+    transformer_class: str = ""
+    text_keys: tuple[str, ...] = COND_KEYS
+    cond_keys: tuple[str, ...] = COND_KEYS
+    lora_target_modules: list[str] = []
+    guidance_scale: float
+    max_sequence_length: int
+    t5_optional: bool = False
+    layout: str = ""
+
+    def __init__(self, transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
+                 tokenizer_3=None) -> None:
+        self.config = transformer.config
+        self.text_encoder, self.tokenizer = text_encoder, tokenizer
+        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
+        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
+
+    @property
+    def text_encoders(self) -> tuple:
+        """The text encoders the family uses (frozen by the policy)."""
+        return tuple(e for e in (self.text_encoder, self.text_encoder_2, self.text_encoder_3) if e is not None)
+
+    @classmethod
+    def describes(cls, transformer) -> bool:
+        """Whether ``transformer`` is the family's: an instance of ``transformer_class`` or of a subclass of it
+        (compared by name: deciding imports no diffusers)."""
+        return any(c.__name__ == cls.transformer_class for c in type(transformer).__mro__)
+
+    def defaults(self, knobs: SamplerKnobs, vae_scale_factor: int) -> SamplerKnobs:
+        """``knobs`` with the family's defaults where they are unset: ``guidance_scale`` and
+        ``max_sequence_length`` when None, ``height`` / ``width`` = ``default_size`` when None or 0."""
+        size = self.default_size(vae_scale_factor)
+        return replace(knobs, height=knobs.height or size, width=knobs.width or size,
+                       guidance_scale=self.guidance_scale if knobs.guidance_scale is None else knobs.guidance_scale,
+                       max_sequence_length=(self.max_sequence_length if knobs.max_sequence_length is None
+                                            else knobs.max_sequence_length))
+
+    def check_vae(self, vae) -> None:
+        """ValueError when ``vae`` lacks what the family needs (nothing here)."""
+
+    # ------------------------------------------------------------------ hooks
+    def default_size(self, vae_scale_factor: int) -> int:
+        """The image side in pixels when height / width are unset (the stock pipeline's default)."""
+        raise NotImplementedError
+
+    def pixel_multiple(self, vae_scale_factor: int) -> int:
+        """Image sides must be multiples of this: the VAE factor x the transformer's patch (x2 where the latents
+        are packed 2x2)."""
+        raise NotImplementedError
+
+    def latent_shape(self, batch: int, height: int, width: int, vae_scale_factor: int) -> tuple[int, int, int, int]:
+        """(B, C, H, W) of the unpacked latents of ``height`` x ``width`` images."""
+        raise NotImplementedError
+
+    def image_tokens(self, height: int, width: int, vae_scale_factor: int) -> int:
+        """The image tokens the transformer sees for ``height`` x ``width`` images (the sequence length of the
+        dynamic timestep shift)."""
+        raise NotImplementedError
+
+    def set_timesteps(self, scheduler, num_steps: int, image_tokens: int) -> None:
+        """``scheduler.set_timesteps`` for ``num_steps`` sampling steps as the stock pipeline does for an image of
+        ``image_tokens`` tokens."""
+        raise NotImplementedError
+
+    def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype,
+                       max_sequence_length: int) -> dict[str, Tensor]:
+        """``text_keys`` tensors for ``prompts``, each with leading B, in ``dtype`` on ``device``
+        (``max_sequence_length``: the T5 tokens)."""
+        raise NotImplementedError
+
+    def velocity(self, policy: FlowPolicyBase, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor],
+                 cfg: bool) -> Tensor:
+        """The velocity v [B, C, H, W] (unpacked) of ``model`` (the policy's or the reference's transformer) at
+        latents [B, C, H, W] and scheduler timesteps t_B [B] (sigma x 1000) under ``cond`` (``cond_keys``, B rows);
+        ``cfg=False`` turns classifier-free guidance off (the DPO surrogate)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def pipeline_class():
+        """The stock diffusers pipeline of the family (``save_lora_weights``, a full fine-tune's folder)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any],
+                        load_t5: bool) -> dict[str, Any]:
+        """The text encoders and tokenizers of a pipeline folder, by constructor name (``from_pretrained``)."""
+        raise NotImplementedError
+
+
+def flow_families() -> dict[type[FlowFamily], Family]:
+    """The adapter of each flow row of ``FAMILIES`` (its policy's ``family_class``; the policy classes are imported
+    now), with the row, in table order."""
+    adapters = {}
+    for row in FAMILIES.values():
+        adapter = row.policy_class().family_class if row.flow else None
+        if adapter is not None:
+            adapters[adapter] = row
+    return adapters
+
+
+def choose_flow_family(transformer) -> type[FlowFamily]:
+    """The adapter of the family whose ``transformer_class`` ``transformer`` is (``FlowFamily.describes``, over
+    ``flow_families``); ValueError naming the transformer's class and the classes the families run."""
+    families = flow_families()
+    for family in families:
+        if family.describes(transformer):
+            return family
+    runs = ", ".join(f"{f.transformer_class} ({f.title}: {row.policy})" for f, row in families.items())
+    raise ValueError(f"no flow-matching family runs {type(transformer).__name__}; the families run {runs}")
+
+
+def _family_part(name: str) -> property:
+    """A read-only property: the family adapter's ``name`` (its text parts and keys, as ``DiffusionPolicy``'s)."""
+    return property(lambda self: getattr(self.family, name), doc=f"The family adapter's ``{name}``.")
+
+
 class FlowPolicyBase(DenoiserPolicy):
-    """The flow-matching step on the shared denoiser part (``DenoiserPolicy``: module docstring); a family
-    implements ``encode_prompts``, ``_denoise`` (the velocity), ``_latent_shape``, ``_set_timesteps``,
-    ``_pipeline_class`` and ``from_pretrained``, and calls ``_setup_flow`` from its constructor."""
+    """A flow-matching policy: the flow-matching step on the shared denoiser part (``DenoiserPolicy``: module
+    docstring) and one family adapter, ``self.family`` (``FlowFamily``), chosen here once. ``family_class``
+    (a class attribute) pins the adapter: ``FlowMatchingPolicy`` (SD3) and ``FluxPolicy`` (FLUX.1) are this class
+    pinned to theirs; unpinned (None, this class) the transformer decides.
 
-    family = "flow"
+    Args:
+        transformer: the family's diffusers transformer (``SD3Transformer2DModel``, ``FluxTransformer2DModel``).
+        vae: ``AutoencoderKL`` (decoded in fp32).
+        text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3, tokenizer_3: the family's text parts
+            (``FlowMatchingPolicy`` / ``FluxPolicy`` say which; a family without a third encoder refuses one).
+        scheduler: a ``FlowMatchEulerDiscreteScheduler`` (any other is converted with the same config).
+        num_steps: N sampling steps.
+        guidance_scale: the guidance weight w; None: the family's default (``FlowFamily.guidance_scale``: SD3 4.5,
+            FLUX.1 3.5). SD3: CFG (> 1 turns it on, in sampling and in the recomputed log-prob, one doubled batch;
+            never in the DPO surrogate). FLUX.1: the distilled guidance embedding, never CFG.
+        noise_level: eta of the SDE step (Flow-GRPO: 0.7 for "sde", 0.8 for "cps").
+        sde_type: "sde" or "cps" (``unialign.image.flow``).
+        sde_window_size: 0 (default): every step is stochastic and trained. k > 0: per ``sample`` call one
+            window of k consecutive steps, starting at a step drawn uniformly (from the sampling generator)
+            in [lo, hi - k] with (lo, hi) = ``sde_window_range`` (default (0, N)); only these steps are
+            stochastic and trained (Flow-GRPO-Fast).
+        height, width: image size in pixels, multiples of the family's ``pixel_multiple``; None (or 0): the
+            family's ``default_size`` (the stock pipeline's).
+        max_sequence_length: T5 tokens (SD3: also the zero block's length when T5 is None); None: the family's
+            default (``FlowFamily.max_sequence_length``: SD3 256, FLUX.1 512).
+        lora_rank: > 0 adds a peft LoRA (alpha = ``lora_alpha`` or rank) on the family's
+            ``lora_target_modules`` and freezes the base; 0 trains the full transformer. ``save``
+            (``DenoiserPolicy.save``): the LoRA in ``load_lora_weights`` form, or a whole stock pipeline folder
+            (the family's ``pipeline_class``; SD3 without T5 when the policy has none).
+        gradient_checkpointing: transformer gradient checkpointing.
+        sample_batch_size: ``sample`` denoises this many prompts at a time (0: all at once); each chunk
+            draws its own SDE window.
+        train_chunk_size: (sample, step) pairs per forward / backward in training (``step_chunks``, shared with
+            ``DiffusionPolicy`` in ``DenoiserPolicy``); 0: all trained steps of a micro-batch in one call.
+        seed: seeds the policy's own generator (``self.generator``), used by ``preference_batch`` and by
+            ``sequence_log_prob`` when a batch carries no timesteps / noise (``DiffusionPolicy``'s name).
+        caption_dropout: probability of training a preference pair on the empty caption (Diffusion-DPO
+            uses 0.2), so classifier-free guidance keeps working (``DiffusionPolicy``'s name).
+        cfg_uncond_grad: with CFG in training, the gradient also flows through the unconditional branch;
+            default False: Flow-GRPO's training step computes it under no_grad (``DenoiserPolicy._guided``).
+            FLUX.1 has no CFG: accepted for the image scripts' one interface.
+        knobs: the sampler knobs as one frozen value (``unialign.image.families.SamplerKnobs``); its set fields
+            replace the keywords of the same name (``self.knobs``: the values used, the family's defaults filled in).
+        family: the adapter class (a ``FlowFamily`` subclass); None: the one the transformer is
+            (``choose_flow_family``). A pinned class refuses an adapter that is not its ``family_class``.
+    """
+
     denoiser_subfolder = "transformer"
-    cond_keys = text_keys = COND_KEYS
+    #: the adapter this class is pinned to (None: chosen from the transformer)
+    family_class: type[FlowFamily] | None = None
 
-    def _setup_flow(self, transformer, vae, scheduler, frozen: tuple, knobs: SamplerKnobs, *, lora_rank: int,
-                    lora_alpha: float | None, target_modules: list[str], gradient_checkpointing: bool,
-                    sample_batch_size: int, train_chunk_size: int, seed: int, caption_dropout: float) -> None:
-        """The shared set-up; ``knobs``: the sampler knobs, every flow one set (height and width resolved)."""
+    def __init__(
+        self,
+        transformer,
+        vae,
+        text_encoder,
+        tokenizer,
+        text_encoder_2,
+        tokenizer_2,
+        scheduler,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        *,
+        num_steps: int = 10,
+        guidance_scale: float | None = None,
+        noise_level: float = 0.7,
+        sde_type: str = "sde",
+        sde_window_size: int = 0,
+        sde_window_range: tuple[int, int] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        max_sequence_length: int | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
+        gradient_checkpointing: bool = False,
+        sample_batch_size: int = 0,
+        train_chunk_size: int = 0,
+        seed: int = 0,
+        caption_dropout: float = 0.0,
+        cfg_uncond_grad: bool = False,
+        knobs: SamplerKnobs | None = None,
+        family: type[FlowFamily] | None = None,
+    ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        self.knobs = knobs
-        num_steps, height, width = knobs.num_steps, knobs.height, knobs.width
-        kernel = FlowSDEKernel(num_steps, knobs.noise_level, knobs.sde_type, knobs.sde_window_size,
-                               knobs.sde_window_range)
+        self.family = self._choose_family(transformer, family)(transformer, text_encoder, tokenizer, text_encoder_2,
+                                                               tokenizer_2, text_encoder_3, tokenizer_3)
+        self.family.check_vae(vae)
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        k = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
+                              sde_type=sde_type, sde_window_size=sde_window_size, sde_window_range=sde_window_range,
+                              height=height, width=width, max_sequence_length=max_sequence_length)
+        self.knobs = k = self.family.defaults(k, self.vae_scale_factor)
+        self.kernel = FlowSDEKernel(k.num_steps, k.noise_level, k.sde_type, k.sde_window_size, k.sde_window_range)
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.transformer = transformer
@@ -86,46 +305,104 @@ class FlowPolicyBase(DenoiserPolicy):
         train = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
         self.train_timesteps = train.timesteps.detach().float().cpu()
         self.train_sigmas = train.sigmas.detach().float().cpu()[: len(self.train_timesteps)]
-        self.num_steps, self.guidance_scale = num_steps, knobs.guidance_scale
-        self.kernel = kernel
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.height, self.width = height, width
-        multiple = self._pixel_multiple()
-        if height % multiple or width % multiple:
-            raise ValueError(f"height and width (--resolution) must be multiples of {multiple} for {type(self).__name__} "
-                             f"(the VAE factor {self.vae_scale_factor} x the transformer's "
-                             f"{multiple // self.vae_scale_factor}x{multiple // self.vae_scale_factor} patches), "
-                             f"got {height} x {width}")
-        self.max_sequence_length = knobs.max_sequence_length
+        self.num_steps, self.guidance_scale = k.num_steps, k.guidance_scale
+        self.height, self.width = k.height, k.width
+        self._check_size()
+        self.max_sequence_length = k.max_sequence_length
         self.generator = torch.Generator().manual_seed(seed)
         self.caption_dropout = caption_dropout
+        self.cfg_uncond_grad = cfg_uncond_grad
         self._set_timesteps()
-        self._setup_denoiser(transformer, (self.vae, *frozen), lora_rank=lora_rank, lora_alpha=lora_alpha,
-                             target_modules=target_modules, gradient_checkpointing=gradient_checkpointing,
-                             sample_batch_size=sample_batch_size, train_chunk_size=train_chunk_size)
+        self._setup_denoiser(transformer, (self.vae, *self.family.text_encoders), lora_rank=lora_rank,
+                             lora_alpha=lora_alpha, target_modules=self.family.lora_target_modules,
+                             gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
+                             train_chunk_size=train_chunk_size)
 
-    # ------------------------------------------------------------------ family hooks
+    def _choose_family(self, transformer, family: type[FlowFamily] | None) -> type[FlowFamily]:
+        """``family``, else the adapter the transformer is (``choose_flow_family``); ValueError when this class is
+        pinned (``family_class``) to another."""
+        chosen = family or choose_flow_family(transformer)
+        pin = self.family_class
+        if pin is not None and not issubclass(chosen, pin):
+            policy = flow_families().get(chosen)
+            raise ValueError(f"{type(self).__name__} runs the {pin.title} family ({pin.transformer_class}), not "
+                             f"{type(transformer).__name__} (the {chosen.title} family's transformer)"
+                             + (f": build {policy.policy} for it" if policy else ""))
+        return chosen
+
+    def _check_size(self) -> None:
+        multiple = self._pixel_multiple()
+        if self.height % multiple or self.width % multiple:
+            scale = self.vae_scale_factor
+            raise ValueError(f"height and width (--resolution) must be multiples of {multiple} for {type(self).__name__} "
+                             f"(the VAE factor {scale} x the transformer's {multiple // scale}x{multiple // scale} "
+                             f"patches), got {self.height} x {self.width}")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str, lora_rank: int = 0, torch_dtype: torch.dtype | str | None = None,
+                        device: str | torch.device | None = None, *, load_t5: bool = True, variant: str | None = None,
+                        **kwargs: Any) -> FlowPolicyBase:
+        """Load the parts of the family's stock pipeline folder or hub id (a pinned class: ``FlowMatchingPolicy``
+        a ``StableDiffusion3Pipeline``, ``FluxPolicy`` a ``FluxPipeline``): the transformer (the family's
+        ``transformer_class``), the VAE, the scheduler and the family's text parts (``load_text_parts``).
+        ``load_t5=False`` (or an SD3 folder without ``text_encoder_3``) leaves an optional T5 out (SD3: zeros, as
+        the stock pipeline allows). ``kwargs`` go to the constructor. Fails at once with a RuntimeError when the
+        weights are neither local nor downloadable (offline, unknown id, no network)."""
+        family = cls.family_class
+        if family is None:
+            names = ", ".join(row.policy for row in flow_families().values())
+            raise TypeError(f"{cls.__name__}.from_pretrained: load a folder with its family's policy ({names})")
+        if not load_t5 and not family.t5_optional:
+            raise ValueError(f"load_t5=False: {family.title} cannot leave T5 out (its prompt embeddings are T5's)")
+
+        def build(opts: dict, model_kw: dict) -> dict[str, Any]:
+            import diffusers
+
+            transformer = getattr(diffusers, family.transformer_class)
+            return {
+                "transformer": transformer.from_pretrained(path_or_hub_id, subfolder="transformer", **model_kw),
+                "vae": diffusers.AutoencoderKL.from_pretrained(path_or_hub_id, subfolder="vae", **opts),
+                **family.load_text_parts(path_or_hub_id, opts, model_kw, load_t5),
+                "scheduler": diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id,
+                                                                                       subfolder="scheduler", **opts),
+            }
+
+        parts = cls._load_parts(path_or_hub_id, build, family.title, family.layout, torch_dtype, variant, device)
+        return cls(**parts, lora_rank=lora_rank, **kwargs)
+
+    # ------------------------------------------------------------------ family
+    cond_keys, text_keys = _family_part("cond_keys"), _family_part("text_keys")
+    text_encoder, tokenizer = _family_part("text_encoder"), _family_part("tokenizer")
+    text_encoder_2, tokenizer_2 = _family_part("text_encoder_2"), _family_part("tokenizer_2")
+    text_encoder_3, tokenizer_3 = _family_part("text_encoder_3"), _family_part("tokenizer_3")  # None: no T5 / FLUX.1
+
+    @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
-        """``prompt_embeds`` [B, L, D] and ``pooled_prompt_embeds`` [B, P] (no grad)."""
-        raise NotImplementedError
+        """``prompt_embeds`` [B, L, D] and ``pooled_prompt_embeds`` [B, P] (no grad): the family's
+        ``encode_prompts`` with the policy's ``max_sequence_length``."""
+        return self.family.encode_prompts(prompts, self.device, self.dtype, self.max_sequence_length)
 
     def _denoise(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
         """The velocity v [B, C, H, W] (unpacked) of ``model`` at (latents [B, C, H, W], scheduler timesteps
-        t_B [B]); ``cfg=False`` turns classifier-free guidance off (the DPO surrogate)."""
-        raise NotImplementedError
+        t_B [B]): the family's ``velocity``; ``cfg=False`` turns classifier-free guidance off (the DPO surrogate)."""
+        return self.family.velocity(self, model, latents, t_B, cond, cfg)
 
     def _latent_shape(self, batch: int) -> tuple[int, int, int, int]:
-        """(B, C, H, W) of the unpacked latents of ``height`` x ``width`` images."""
-        raise NotImplementedError
+        """(B, C, H, W) of the unpacked latents of ``height`` x ``width`` images (the family's)."""
+        return self.family.latent_shape(batch, self.height, self.width, self.vae_scale_factor)
+
+    def _pixel_multiple(self) -> int:
+        return self.family.pixel_multiple(self.vae_scale_factor)
 
     def _set_timesteps(self) -> None:
         """``self.scheduler.set_timesteps`` for ``num_steps`` as the family's stock pipeline does."""
-        raise NotImplementedError
+        tokens = self.family.image_tokens(self.height, self.width, self.vae_scale_factor)
+        self.family.set_timesteps(self.scheduler, self.num_steps, tokens)
 
-    @classmethod
-    def _pipeline_class(cls):
-        """The stock diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights``)."""
-        raise NotImplementedError
+    def _pipeline_class(self):
+        """The stock diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights``): the family's."""
+        return self.family.pipeline_class()
 
     # ------------------------------------------------------------------ the SDE step kernel's knobs
     @property
@@ -210,200 +487,147 @@ class FlowPolicyBase(DenoiserPolicy):
         return (1 - sigma) * x0 + sigma * eps, torch.cat([t_B, t_B]), eps.float() - x0.float()
 
 
-class FlowMatchingPolicy(FlowPolicyBase):
-    """SD3-family policy sampling with a stochastic flow-matching step that records per-step log-probs.
+class SD3Family(FlowFamily):
+    """Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``; Esser et al. 2024): an ``SD3Transformer2DModel`` with
+    CLIP-L and CLIP-G (``CLIPTextModelWithProjection``) and an optional T5 (None: zeros, as the stock pipeline).
+    ``prompt_embeds`` [B, 77 + T5 tokens, joint_attention_dim] and ``pooled_prompt_embeds`` [B, P_L + P_G] (module
+    docstring); the transformer takes the latents [B, C, H, W] in p x p patches and the timestep sigma x 1000;
+    classifier-free guidance is one doubled batch [uncond; cond] and u + w (c - u)."""
 
-    Args:
-        transformer: ``SD3Transformer2DModel``.  vae: ``AutoencoderKL`` (decoded in fp32).
-        text_encoder, tokenizer / text_encoder_2, tokenizer_2: CLIP-L / CLIP-G
-            (``CLIPTextModelWithProjection``).  text_encoder_3, tokenizer_3: T5 encoder, or None (zeros).
-        scheduler: a ``FlowMatchEulerDiscreteScheduler`` (any other is converted with the same config).
-        num_steps: N sampling steps.  guidance_scale: CFG weight w (> 1 turns CFG on, in sampling and in the
-            recomputed log-prob, one doubled batch; never in the DPO surrogate).  noise_level: eta of the SDE
-            step (Flow-GRPO: 0.7 for "sde", 0.8 for "cps").  sde_type: "sde" or "cps" (``unialign.image.flow``).
-        sde_window_size: 0 (default): every step is stochastic and trained. k > 0: per ``sample`` call one
-            window of k consecutive steps, starting at a step drawn uniformly (from the sampling generator)
-            in [lo, hi - k] with (lo, hi) = ``sde_window_range`` (default (0, N)); only these steps are
-            stochastic and trained (Flow-GRPO-Fast).
-        height, width: image size in pixels (default: transformer sample_size x VAE scale factor).
-        max_sequence_length: T5 tokens (also the zero block's length when T5 is None; stock default 256).
-        lora_rank: > 0 adds a peft LoRA (alpha = ``lora_alpha`` or rank) on the transformer's attention
-            projections (``SD3_LORA_TARGET_MODULES``) and freezes the base; 0 trains the full transformer.
-            ``save`` (``DenoiserPolicy.save``): the LoRA in ``load_lora_weights`` form, or a whole
-            ``StableDiffusion3Pipeline`` folder (without T5 when the policy has none).
-        gradient_checkpointing: transformer gradient checkpointing.
-        sample_batch_size: ``sample`` denoises this many prompts at a time (0: all at once); each chunk
-            draws its own SDE window.
-        train_chunk_size: (sample, step) pairs per forward / backward in training (``step_chunks``, shared with
-            ``DiffusionPolicy`` in ``DenoiserPolicy``); 0: all trained steps of a micro-batch in one call.
-        seed: seeds the policy's own generator (``self.generator``), used by ``preference_batch`` and by
-            ``sequence_log_prob`` when a batch carries no timesteps / noise (``DiffusionPolicy``'s name).
-        caption_dropout: probability of training a preference pair on the empty caption (Diffusion-DPO
-            uses 0.2), so classifier-free guidance keeps working (``DiffusionPolicy``'s name).
-        cfg_uncond_grad: with CFG in training, the gradient also flows through the unconditional branch;
-            default False: Flow-GRPO's training step computes it under no_grad (``DenoiserPolicy._guided``).
-        knobs: the sampler knobs as one frozen value (``unialign.image.families.SamplerKnobs``); its set fields
-            replace the keywords of the same name (``self.knobs``: the values used).
-    """
+    name, title = "sd3", "SD3"
+    transformer_class = "SD3Transformer2DModel"
+    lora_target_modules = SD3_LORA_TARGET_MODULES
+    guidance_scale, max_sequence_length = 4.5, 256  # StableDiffusion3Pipeline's defaults
+    t5_optional = True
+    layout = ("StableDiffusion3Pipeline (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, "
+              "text_encoder_2/, tokenizer_2/, scheduler/[, text_encoder_3/, tokenizer_3/])")
 
-    family = "sd3"
-
-    def __init__(
-        self,
-        transformer,
-        vae,
-        text_encoder,
-        tokenizer,
-        text_encoder_2,
-        tokenizer_2,
-        scheduler,
-        text_encoder_3=None,
-        tokenizer_3=None,
-        *,
-        num_steps: int = 10,
-        guidance_scale: float = 4.5,
-        noise_level: float = 0.7,
-        sde_type: str = "sde",
-        sde_window_size: int = 0,
-        sde_window_range: tuple[int, int] | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        max_sequence_length: int = 256,
-        lora_rank: int = 0,
-        lora_alpha: float | None = None,
-        gradient_checkpointing: bool = False,
-        sample_batch_size: int = 0,
-        train_chunk_size: int = 0,
-        seed: int = 0,
-        caption_dropout: float = 0.0,
-        cfg_uncond_grad: bool = False,
-        knobs: SamplerKnobs | None = None,
-    ) -> None:
+    def __init__(self, transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
+                 tokenizer_3=None) -> None:
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 and tokenizer_3 go together (both None: no T5, zeros as the stock pipeline)")
-        self.text_encoder, self.tokenizer = text_encoder, tokenizer
-        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
-        k = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
-                              sde_type=sde_type, sde_window_size=sde_window_size, sde_window_range=sde_window_range,
-                              height=height, width=width, max_sequence_length=max_sequence_length)
-        default = transformer.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
-        self._setup_flow(transformer, vae, scheduler, (text_encoder, text_encoder_2, text_encoder_3),
-                         replace(k, height=k.height or default, width=k.width or default), lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, target_modules=SD3_LORA_TARGET_MODULES,
-                         gradient_checkpointing=gradient_checkpointing, sample_batch_size=sample_batch_size,
-                         train_chunk_size=train_chunk_size, seed=seed, caption_dropout=caption_dropout)
-        self.cfg_uncond_grad = cfg_uncond_grad
+        super().__init__(transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3, tokenizer_3)
 
-    def _set_timesteps(self) -> None:
-        """``set_timesteps(N)`` with the stock pipeline's dynamic-shift ``mu`` when the config asks for it."""
+    def default_size(self, vae_scale_factor: int) -> int:
+        """The transformer's ``sample_size`` (latent pixels) x the VAE factor."""
+        return self.config.sample_size * vae_scale_factor
+
+    def pixel_multiple(self, vae_scale_factor: int) -> int:
+        return vae_scale_factor * self.config.patch_size
+
+    def latent_shape(self, batch: int, height: int, width: int, vae_scale_factor: int) -> tuple[int, int, int, int]:
+        """(B, in_channels, height / VAE factor, width / VAE factor)."""
+        return (batch, self.config.in_channels, height // vae_scale_factor, width // vae_scale_factor)
+
+    def image_tokens(self, height: int, width: int, vae_scale_factor: int) -> int:
+        """(H / p) (W / p) patches of the latents (p: the transformer's ``patch_size``)."""
+        patch = self.config.patch_size
+        return (height // vae_scale_factor // patch) * (width // vae_scale_factor // patch)
+
+    def set_timesteps(self, scheduler, num_steps: int, image_tokens: int) -> None:
+        """``set_timesteps(N)`` with the stock pipeline's dynamic-shift ``mu`` = ``calculate_shift(image_tokens)``
+        when the scheduler's config asks for it (``use_dynamic_shifting``)."""
         kwargs = {}
-        config = self.scheduler.config
+        config = scheduler.config
         if config.get("use_dynamic_shifting", False):
             from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-            patch = self.transformer.config.patch_size
-            seq = (self.height // self.vae_scale_factor // patch) * (self.width // self.vae_scale_factor // patch)
-            kwargs["mu"] = calculate_shift(seq, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                                           config.get("base_shift", 0.5), config.get("max_shift", 1.16))
-        self.scheduler.set_timesteps(self.num_steps, **kwargs)
+            kwargs["mu"] = calculate_shift(image_tokens, config.get("base_image_seq_len", 256),
+                                           config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                                           config.get("max_shift", 1.16))
+        scheduler.set_timesteps(num_steps, **kwargs)
 
-    def _latent_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.transformer.config.in_channels, self.height // self.vae_scale_factor,
-                self.width // self.vae_scale_factor)
-
-    def _pixel_multiple(self) -> int:
-        return self.vae_scale_factor * self.transformer.config.patch_size
-
-    @classmethod
-    def _pipeline_class(cls):
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, lora_rank: int = 0, torch_dtype: torch.dtype | str | None = None,
-                        device: str | torch.device | None = None, load_t5: bool = True, variant: str | None = None,
-                        **kwargs: Any) -> FlowMatchingPolicy:
-        """Load the parts of a diffusers ``StableDiffusion3Pipeline`` folder or hub id. ``load_t5=False``
-        (or a folder without ``text_encoder_3``) leaves T5 out (zeros, as the stock pipeline allows).
-        ``kwargs`` go to the constructor. Fails at once with a RuntimeError when the weights are neither
-        local nor downloadable (offline, unknown id, no network)."""
-
-        def build(opts: dict, model_kw: dict) -> dict[str, Any]:
-            from diffusers import (
-                AutoencoderKL,
-                DiffusionPipeline,
-                FlowMatchEulerDiscreteScheduler,
-                SD3Transformer2DModel,
-            )
-            from transformers import CLIPTextModelWithProjection, CLIPTokenizer
-
-            config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
-            clip = CLIPTextModelWithProjection
-            parts = {
-                "transformer": SD3Transformer2DModel.from_pretrained(path_or_hub_id, subfolder="transformer", **model_kw),
-                "vae": AutoencoderKL.from_pretrained(path_or_hub_id, subfolder="vae", **opts),
-                "text_encoder": clip.from_pretrained(path_or_hub_id, subfolder="text_encoder", **model_kw),
-                "tokenizer": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer", **opts),
-                "text_encoder_2": clip.from_pretrained(path_or_hub_id, subfolder="text_encoder_2", **model_kw),
-                "tokenizer_2": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_2", **opts),
-                "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler", **opts),
-            }
-            if load_t5 and (config.get("text_encoder_3") or [None])[0] is not None:
-                from transformers import AutoTokenizer, T5EncoderModel
-
-                parts["text_encoder_3"] = T5EncoderModel.from_pretrained(path_or_hub_id, subfolder="text_encoder_3",
-                                                                         **model_kw)
-                parts["tokenizer_3"] = AutoTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_3", **opts)
-            return parts
-
-        layout = ("StableDiffusion3Pipeline (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, "
-                  "text_encoder_2/, tokenizer_2/, scheduler/[, text_encoder_3/, tokenizer_3/])")
-        parts = cls._load_parts(path_or_hub_id, build, "SD3", layout, torch_dtype, variant, device)
-        return cls(**parts, lora_rank=lora_rank, **kwargs)
-
-    # ------------------------------------------------------------------ SD3 conditioning
-    def _clip(self, tokenizer, encoder, prompts: list[str]) -> tuple[Tensor, Tensor]:
+    def _clip(self, tokenizer, encoder, prompts: list[str], device: torch.device) -> tuple[Tensor, Tensor]:
+        """(penultimate hidden states [B, 77, D], projected pooled output [B, P]) of one CLIP encoder; both
+        tokenizers pad to the first one's ``model_max_length``, as the stock pipeline."""
         ids = tokenizer(list(prompts), padding="max_length", max_length=self.tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids.to(self.device)
+                        truncation=True, return_tensors="pt").input_ids.to(device)
         out = encoder(ids, output_hidden_states=True)
         return out.hidden_states[-2], out[0]
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
+    def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype,
+                       max_sequence_length: int) -> dict[str, Tensor]:
         """``StableDiffusion3Pipeline.encode_prompt`` (clip_skip None, one image per prompt):
         ``prompt_embeds`` [B, 77 + T5 tokens, joint_attention_dim] and ``pooled_prompt_embeds`` [B, P_L + P_G]."""
-        h1, p1 = self._clip(self.tokenizer, self.text_encoder, prompts)
-        h2, p2 = self._clip(self.tokenizer_2, self.text_encoder_2, prompts)
+        h1, p1 = self._clip(self.tokenizer, self.text_encoder, prompts, device)
+        h2, p2 = self._clip(self.tokenizer_2, self.text_encoder_2, prompts, device)
         clip = torch.cat([h1, h2], dim=-1)
         if self.text_encoder_3 is None:
-            t5 = torch.zeros(len(prompts), self.max_sequence_length, self.transformer.config.joint_attention_dim,
-                             device=self.device, dtype=clip.dtype)
+            t5 = torch.zeros(len(prompts), max_sequence_length, self.config.joint_attention_dim, device=device,
+                             dtype=clip.dtype)
         else:
-            ids = self.tokenizer_3(list(prompts), padding="max_length", max_length=self.max_sequence_length,
+            ids = self.tokenizer_3(list(prompts), padding="max_length", max_length=max_sequence_length,
                                    truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
-            t5 = self.text_encoder_3(ids.to(self.device))[0]
+            t5 = self.text_encoder_3(ids.to(device))[0]
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         embeds = torch.cat([clip.to(t5.dtype), t5], dim=-2)
-        return {"prompt_embeds": embeds.to(self.dtype), "pooled_prompt_embeds": torch.cat([p1, p2], dim=-1).to(self.dtype)}
+        return {"prompt_embeds": embeds.to(dtype), "pooled_prompt_embeds": torch.cat([p1, p2], dim=-1).to(dtype)}
 
-    def _denoise(self, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor], cfg: bool = True) -> Tensor:
+    def velocity(self, policy: FlowPolicyBase, model, latents: Tensor, t_B: Tensor, cond: dict[str, Tensor],
+                 cfg: bool) -> Tensor:
         """The (guided) velocity v [B, C, H, W] at (latents, t); with CFG (``cfg`` and guidance_scale > 1)
-        one doubled batch [uncond; cond] and u + w (c - u), as the stock pipeline."""
+        one doubled batch [uncond; cond] and u + w (c - u) (``policy._guided``), as the stock pipeline."""
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
-        x = latents.to(self.dtype)
+        x = latents.to(policy.dtype)
 
         def call(hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
                  pooled_projections: Tensor) -> Tensor:
             return model(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
                          pooled_projections=pooled_projections, return_dict=False)[0]
 
-        if not (cfg and self._cfg):
+        if not (cfg and policy._cfg):
             return call(x, t_B, embeds, pooled)
-        b, uncond = x.shape[0], self._uncond()
+        b, uncond = x.shape[0], policy._uncond()
         doubled = dict(hidden_states=torch.cat([x, x]), timestep=torch.cat([t_B, t_B]),
                        encoder_hidden_states=torch.cat([uncond["prompt_embeds"].expand(b, -1, -1), embeds]),
                        pooled_projections=torch.cat([uncond["pooled_prompt_embeds"].expand(b, -1), pooled]))
-        return self._guided(call, doubled, b)
+        return policy._guided(call, doubled, b)
+
+    @staticmethod
+    def pipeline_class():
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
+    @staticmethod
+    def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any],
+                        load_t5: bool) -> dict[str, Any]:
+        """CLIP-L and CLIP-G (``CLIPTextModelWithProjection``) with their tokenizers, and T5 (``T5EncoderModel``)
+        with ``tokenizer_3`` when ``load_t5`` and the folder's ``model_index.json`` names a ``text_encoder_3``."""
+        from diffusers import DiffusionPipeline
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
+        clip = CLIPTextModelWithProjection
+        parts = {
+            "text_encoder": clip.from_pretrained(path_or_hub_id, subfolder="text_encoder", **model_kw),
+            "tokenizer": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer", **opts),
+            "text_encoder_2": clip.from_pretrained(path_or_hub_id, subfolder="text_encoder_2", **model_kw),
+            "tokenizer_2": CLIPTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_2", **opts),
+        }
+        if load_t5 and (config.get("text_encoder_3") or [None])[0] is not None:
+            from transformers import AutoTokenizer, T5EncoderModel
+
+            parts["text_encoder_3"] = T5EncoderModel.from_pretrained(path_or_hub_id, subfolder="text_encoder_3",
+                                                                     **model_kw)
+            parts["tokenizer_3"] = AutoTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer_3", **opts)
+        return parts
+
+
+class FlowMatchingPolicy(FlowPolicyBase):
+    """The SD3-family policy (Stable Diffusion 3 / 3.5): ``FlowPolicyBase`` pinned to ``SD3Family``, sampling with
+    a stochastic flow-matching step that records per-step log-probs.
+
+    Args (the others: ``FlowPolicyBase``'s):
+        transformer: ``SD3Transformer2DModel``.  vae: ``AutoencoderKL`` (decoded in fp32).
+        text_encoder, tokenizer / text_encoder_2, tokenizer_2: CLIP-L / CLIP-G
+            (``CLIPTextModelWithProjection``).  text_encoder_3, tokenizer_3: T5 encoder, or None (zeros).
+        guidance_scale: the CFG weight, None: 4.5 (the stock default).  max_sequence_length: T5 tokens, also the
+            zero block's length when T5 is None; None: 256 (the stock default).  height, width: None: the
+            transformer's sample_size x the VAE factor.
+        lora_rank: > 0: a LoRA on ``SD3_LORA_TARGET_MODULES``; ``save`` writes it for
+            ``StableDiffusion3Pipeline.load_lora_weights``, a full fine-tune as a whole ``StableDiffusion3Pipeline``
+            folder (without T5 when the policy has none).
+    """
+
+    family_class = SD3Family
