@@ -8,7 +8,7 @@ fresh process, one torch thread; seeds 0, 1, 2. Time to the threshold = the summ
 update; held-out evaluations not counted) up to the first evaluation after step 0 at or above it. Rows: each
 forward-process method against flow_grpo (target <= 0.25) and against the default (target <= 0.5), medians over
 seeds with every seed in the notes; each method's final fidelity and gold (pixel quality) against the base model's.
-``--quick``: 3 steps on seed 0 and threshold 0 (every row runs; the numbers mean nothing).
+``--quick``: 1 step on seed 0 and threshold 0 (every row runs; the numbers mean nothing).
 
 A full run takes about an hour on 2 CPU cores (12 runs of 3-8 minutes), so ``python -m benchmarks.run`` runs it only
 when asked (``--only P11`` or ``--long``).
@@ -40,7 +40,7 @@ def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
     checkpoint's history."""
     args = ["--model_name_or_path", "embedded-sd3", "--seed", str(seed), "--report_to", "none", "--output_dir",
             str(out), *METHODS[method]]
-    args += ["--max_steps", "3", "--eval_steps", "1", "--num_eval", "8"] if quick else ["--eval_steps", "10"]
+    args += ["--max_steps", "1", "--eval_steps", "1", "--num_eval", "4"] if quick else ["--eval_steps", "10"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1")  # unialign: the installed (editable) package
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpo_image.py"), *args], cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=3600)
