@@ -77,7 +77,8 @@ class GRPOMathConfig(TextDataArgs, OnlineConfig):
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
     learning_rate: float = arg(3e-4, "peak learning rate")
     warmup_steps: int = arg(5, "linear warm-up steps")
-    # cosine over 100 steps: 0.531 -> 0.848 / 0.805 / 0.859 (seeds 0-2); constant lr: 0.707 / 0.680 / 0.688
+    # cosine over 100 steps: 0.508 -> 0.730 / 0.723 / 0.734 (seeds 0-2); on the previous build of the model (0.531):
+    # cosine 0.848 / 0.805 / 0.859, constant lr 0.707 / 0.680 / 0.688
     # at 80 steps, and at 100 steps seed 2 collapsed to 0.402
     lr_scheduler_type: str = arg("cosine", "learning-rate schedule after warm-up", choices=["constant", "linear", "cosine"])
     prompts_per_step: int = arg(16, "prompts per step (each sampled num_generations times)")

@@ -8,12 +8,11 @@ CLI (from the repository root)::
     python -m tools.build_arith_lm eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
     python -m tools.build_arith_lm check [--keep DIR]  # build into a temp folder, compare with the shipped one
 
-The build is deterministic on one machine (two rebuilds give the same bytes) but its 280 training steps amplify the
-last-bit differences of the CPU's kernels: on the machines this project runs on now (AVX-512), ``check`` finds the
-tokenizer and configs identical and the weights not (max |difference| 0.12; held-out greedy 0.508, not 0.531); forcing
-``ATEN_CPU_CAPABILITY=avx2`` / ``default`` (with ``MKL_CBWR``) gives two more weight sets, neither the shipped one. The
-shipped weights were built on another machine (2026-11-29); the image world's assets, built later, rebuild
-bit-identically here (``python -m tools.build_shapes_world check``).
+The build is deterministic on one kind of machine (two rebuilds give the same bytes), but its 280 training steps
+amplify the last-bit differences of the CPU's kernels: a CPU with other vector units (or another torch build) trains
+other weights. The shipped files were built on the machine type this project's CI runs on (2-core Xeon, AVX-512,
+torch 2.14.1), where ``check`` finds every file bit-identical; the weights shipped before them, trained on another
+machine, are not reproducible here (the asset's BUILD.md).
 """
 
 from __future__ import annotations

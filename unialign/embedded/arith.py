@@ -35,8 +35,8 @@ SFT reaches that state only in a narrow, steep window of steps (measured: held-o
 checkout, not installed) trains long enough to learn the digit steps well, with **noisy labels**: each time a training row that needs a carry is used, with
 probability ``carry_drop`` (default 0.4) its SFT target forgets the ``+1``
 (``"7+8=15,4+3=7\\n#### 75"``: a plausible, wrong answer). The model therefore learns P(carry) of about
-0.4 on carry problems: its greedy answer is usually wrong exactly when a carry is needed (about 45 %
-of problems), while the right answer keeps high probability (pass@8 at temperature 1: 79 %).
+0.4 on carry problems: its greedy answer is usually wrong exactly when a carry is needed (about 47 %
+of problems), while the right answer keeps a usable probability (pass@8 at temperature 1: 70 %).
 Reward-driven RL on the *true* answers (the dataset's answers are always correct; the noise exists
 only inside the build) then sharpens the carry decision, which is the held-out gain that
 ``scripts/grpo_math.py`` measures. The numbers for the shipped model are in
@@ -133,7 +133,7 @@ def _operands(answer: str) -> tuple[int, int]:
     return 10 * ta + ua, 10 * tb + ub
 
 
-CARRY_ERROR_SHARE = 0.6  # measured: 137 of the shipped model's 240 wrong greedy answers (512 held-out) drop the carry
+CARRY_ERROR_SHARE = 0.6  # close to the model's own: 139 of the shipped model's 246 wrong greedy answers (512 held-out) drop the carry
 
 
 def wrong_worked_answer(a: int, b: int, rng: random.Random, carry_error: float = CARRY_ERROR_SHARE) -> str:
