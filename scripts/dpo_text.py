@@ -27,7 +27,7 @@ from unialign.text import evaluate, load_rows
 from unialign.text.data import prompt_rows, prompt_token_counter
 from unialign.trainers import finish_run
 from unialign.trainers.preference import DPOObjective, PreferenceConfig, PreferenceTrainer, fingerprint
-from unialign.vision.recipe import has_images, load_policy, with_images
+from unialign.vision.recipe import VisionTowerArgs, has_images, load_policy, with_images
 
 TASKS = {NAME: "math_accuracy", "embedded-vlm": "vlm_accuracy"}  # built-in data sets with a verifiable task
 
@@ -46,7 +46,7 @@ def _defaults(key: str) -> str:
 
 
 @dataclass
-class DPOTextConfig(TextDataArgs, PreferenceConfig):
+class DPOTextConfig(TextDataArgs, VisionTowerArgs, PreferenceConfig):
     preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)", group="config")
     config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
@@ -113,8 +113,8 @@ def main(cfg: DPOTextConfig) -> dict:
     train, held_out, data_info = load_pair_data(cfg)
     if has_images(train + held_out):  # image + prompt + chosen / rejected (RLAIF-V): images read and checked now
         train, held_out = with_images(train, cfg, "train"), with_images(held_out, cfg, "eval")
-    policy = load_policy(model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
-                         max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
+    policy = load_policy(model_path(cfg.model_name_or_path), cfg.freeze_vision, lora_rank=cfg.lora_rank,
+                         torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
                              rpo_alpha=knobs["rpo_alpha"], loss_params=params)

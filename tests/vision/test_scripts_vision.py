@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from tests.test_scripts import load_script, run
 from tests.vision.tiny import build, random_image
@@ -69,12 +70,24 @@ def test_grpo_vision_on_a_folder_of_trl_rows(tmp_path, monkeypatch, vlm_dir, alg
         or "<image 48x" in json.dumps(first["prompt"])
 
 
-def test_dpo_text_trains_a_vlm_on_image_pairs(tmp_path, vlm_dir):
+@pytest.mark.parametrize("freeze", [None, "false"])
+def test_dpo_text_trains_a_vlm_on_image_pairs(tmp_path, vlm_dir, freeze):
+    """The language model trains; the vision tower stays as it was unless ``--freeze_vision false``."""
+    from safetensors.torch import load_file
+
     data = _data(tmp_path / "pairs", pairs=True)
+    out = tmp_path / "out"
     s = run("dpo_text", ["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--max_steps", "2",
-                         "--batch_size", "4", "--micro_batch_size", "2", "--output_dir", str(tmp_path / "out"),
-                         "--report_to", "none"])
+                         "--batch_size", "4", "--micro_batch_size", "2", "--learning_rate", "1e-2",
+                         "--output_dir", str(out), "--report_to", "none"]
+            + (["--freeze_vision", freeze] if freeze else []))
     assert s["metric"] == "implicit_accuracy" and s["steps"] == 2 and s["eval_rows"] == 4
+    assert s["config"]["freeze_vision"] is (freeze is None)
+    before, after = load_file(str(vlm_dir / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    tower = {k for k in before if "visual" in k}
+    assert tower and changed - tower  # the language model moved
+    assert bool(changed & tower) is (freeze == "false")  # the tower moved only when asked to train
 
 
 def _exit_line(argv, capsys) -> str:

@@ -9,6 +9,18 @@ from typing import Any
 
 from unialign.config import UserError, arg
 
+FREEZE_VISION_HELP = ("train the language model only, the vision tower frozen (as EasyR1 and TRL's VLM examples; on "
+                      "the embedded task, GRPO at lr 1e-3 with the tower trained too lost 10 points of held-out "
+                      "accuracy); false: train the tower as well")
+
+
+@dataclass
+class VisionTowerArgs:
+    """The vision-tower flag of scripts that train text LMs and vision-language models alike (DPO)."""
+
+    freeze_vision: bool = arg(True, "a vision-language checkpoint: " + FREEZE_VISION_HELP + " (a text LM has no "
+                              "tower: no effect)", group="model")
+
 
 @dataclass
 class VisionArgs:
@@ -18,9 +30,7 @@ class VisionArgs:
                                  "fewer image tokens); unset: the processor's own", group="model", min=1)
     min_pixels: int | None = arg(None, "processor: smallest image area in pixels (Qwen-VL's min_pixels)",
                                  group="model", min=1)
-    freeze_vision: bool = arg(True, "train the language model only, the vision tower frozen (as EasyR1 and TRL's VLM "
-                              "examples; on the embedded task, GRPO at lr 1e-3 with the tower trained too lost 10 points "
-                              "of held-out accuracy); false: train the tower as well", group="model")
+    freeze_vision: bool = arg(True, FREEZE_VISION_HELP, group="model")
     prompt_column: str = arg("prompt", "the column holding the prompt (e.g. 'problem' for geometry3k); it is read "
                              "as 'prompt'", group="data")
     prompt_template: str | None = arg(None, "a string prompt becomes this with {content} replaced by it (e.g. "
@@ -72,14 +82,14 @@ def has_images(rows: list[dict[str, Any]]) -> bool:
     return any(r.get("image") is not None or r.get("images") for r in rows)
 
 
-def load_policy(name_or_path: str, **kwargs: Any):
+def load_policy(name_or_path: str, freeze_vision: bool = False, **kwargs: Any):
     """A ``VisionLanguagePolicy`` for a vision-language checkpoint (a local folder whose config has a vision
-    tower), else a ``CausalLMPolicy``: the scripts that take both (DPO) load through here. ``kwargs`` as their
-    ``from_pretrained``."""
+    tower; ``freeze_vision`` freezes its tower), else a ``CausalLMPolicy`` (``freeze_vision`` has nothing to
+    freeze): the scripts that take both (DPO) load through here. ``kwargs`` as their ``from_pretrained``."""
     if is_vision_checkpoint(name_or_path):
         from unialign.vision.policy import VisionLanguagePolicy
 
-        return VisionLanguagePolicy.from_pretrained(name_or_path, **kwargs)
+        return VisionLanguagePolicy.from_pretrained(name_or_path, freeze_vision=freeze_vision, **kwargs)
     from unialign.text.policy import CausalLMPolicy
 
     return CausalLMPolicy.from_pretrained(name_or_path, **kwargs)
