@@ -3,12 +3,14 @@
 repeats; a record may therefore be compared through a ``view`` that sets those fields aside (verdict
 ``equal without timings``), never the weights, configs or tokenizers.
 
-Used by ``python -m tools.build_arith_lm check`` and ``python -m tools.build_shapes_world check``.
+Used by ``python -m tools.build_arith_lm check``, ``python -m tools.build_vlm check`` and
+``python -m tools.build_shapes_world check``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,3 +120,14 @@ def json_without(*keys: str) -> Callable[[bytes], Any]:
         return record
 
     return view
+
+
+def rebuild_and_compare(build: Callable[..., Any], build_kw: dict[str, Any], shipped: str | Path,
+                        built_files: Iterable[str], timing_fields: Iterable[str], keep: str | Path | None = None,
+                        prefix: str = "asset_") -> Comparison:
+    """``build(out, **build_kw)`` into a temp folder (``keep``: this folder instead, left in place), then ``compare``
+    the ``built_files`` with ``shipped``'s, ``build_metrics.json`` without its ``timing_fields``."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        out = Path(keep) if keep is not None else Path(tmp)
+        build(out, **build_kw)
+        return compare(out, shipped, built_files, views={"build_metrics.json": json_without(*timing_fields)})

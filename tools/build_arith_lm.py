@@ -22,14 +22,13 @@ import json
 import math
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tools.asset_check import Comparison, compare, json_without
+from tools.asset_check import Comparison, rebuild_and_compare
 from unialign.embedded.arith import (
     DEFAULT_ASSET_DIR,
     EOS,
@@ -180,10 +179,7 @@ def check(shipped: str | Path = DEFAULT_ASSET_DIR, keep: str | Path | None = Non
               warmup=record["warmup"], num_threads=record["num_threads"], carry_drop=record["carry_drop"],
               eval_rows=record.get("eval_rows", 0))
     kw.update(build_kw)
-    with tempfile.TemporaryDirectory(prefix="arith_lm_") as tmp:
-        out = Path(keep) if keep is not None else Path(tmp)
-        build(out, **kw)
-        return compare(out, shipped, BUILT_FILES, views={"build_metrics.json": json_without(*TIMING_FIELDS)})
+    return rebuild_and_compare(build, kw, shipped, BUILT_FILES, TIMING_FIELDS, keep, prefix="arith_lm_")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,14 +29,13 @@ import json
 import math
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tools.asset_check import Comparison, compare, json_without
+from tools.asset_check import Comparison, rebuild_and_compare
 from unialign.embedded import shapes_world, vlm
 
 DEFAULT_STEPS = 1000
@@ -273,10 +272,7 @@ def check(shipped: str | Path = vlm.VLM_DIR, keep: str | Path | None = None, **b
     kw.update(record["model"])
     kw["eval_rows"] = 0 if "eval" in record else None
     kw.update(build_kw)
-    with tempfile.TemporaryDirectory(prefix="vlm_") as tmp:
-        out = Path(keep) if keep is not None else Path(tmp)
-        build(out, **kw)
-        return compare(out, shipped, BUILT_FILES, views={"build_metrics.json": json_without(*TIMING_FIELDS)})
+    return rebuild_and_compare(build, kw, shipped, BUILT_FILES, TIMING_FIELDS, keep, prefix="vlm_")
 
 
 def main(argv: list[str] | None = None) -> int:
