@@ -89,7 +89,7 @@ def snapshot() -> dict[str, Any]:
     from tests.test_config import script_config
     from unialign.config import UserError, field_rules, parse_config
     from unialign.recipes import TextDataArgs
-    from unialign.trainers.common import TrainConfig
+    from unialign.trainers.train_config import TrainConfig
 
     out: dict[str, Any] = {"scripts": {}, "library": {}}
     with _environment() as root:

@@ -13,7 +13,8 @@ import torch
 
 from unialign.config import SCHEDULERS, UserError
 from unialign.data import load_dataset_rows, split_files
-from unialign.trainers.common import TRANSFORMERS_SCHEDULES, TrainConfig, lr_lambda, make_optimizer
+from unialign.trainers.schedule import TRANSFORMERS_SCHEDULES, lr_lambda, make_optimizer
+from unialign.trainers.train_config import TrainConfig
 
 
 # ------------------------------------------------------------------ learning-rate schedules

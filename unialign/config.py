@@ -51,8 +51,8 @@ GROUPS = {  # --help sections, in order
 
 # the values of the fields many configs share
 DTYPES = ("float32", "float16", "bfloat16")
-OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")  # unialign.trainers.common.make_optimizer
-SCHEDULERS = ("constant", "linear", "cosine")  # unialign.trainers.common.lr_lambda
+OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_8bit")  # unialign.trainers.schedule.make_optimizer
+SCHEDULERS = ("constant", "linear", "cosine")  # unialign.trainers.schedule.lr_lambda
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "comet_ml", "all", "none")
 
 

@@ -14,7 +14,7 @@ import torch
 from PIL import Image, ImageFile
 
 from unialign.image.data import EncodedImage, load_pickapic, normalize_pickapic, to_pixels
-from unialign.trainers.common import data_fingerprint
+from unialign.trainers.resume import data_fingerprint
 
 
 def png(array_or_colour, size=(16, 16)) -> bytes:

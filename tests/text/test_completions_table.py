@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from unialign.text import evaluate
-from unialign.trainers.loop import COMPLETIONS_FILE, TrainerLoop, markdown_table, read_jsonl
+from unialign.trainers.loop import COMPLETIONS_FILE, TrainerLoop
+from unialign.trainers.outputs import markdown_table, read_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

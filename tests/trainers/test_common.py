@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from unialign.trainers.common import TrainConfig, make_optimizer
+from unialign.trainers.schedule import make_optimizer
+from unialign.trainers.train_config import TrainConfig
 
 
 def _fit(optim: str) -> float:
@@ -48,7 +49,7 @@ def test_check_launch_refuses_unseen_processes_and_deepspeed(monkeypatch):
 
     import pytest
 
-    from unialign.trainers.common import check_launch
+    from unialign.trainers.launch import check_launch
 
     plain = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=None))
     monkeypatch.setenv("WORLD_SIZE", "1")

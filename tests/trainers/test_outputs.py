@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from tests.trainers.test_online import make
+from unialign.files import json_safe
 from unialign.registry import get_algorithm
 from unialign.rewards.base import RewardError
-from unialign.trainers.common import finish_run, json_safe, smoothed
+from unialign.trainers import finish_run
 from unialign.trainers.online import curve_keys, explained_variance
+from unialign.trainers.outputs import smoothed
 
 
 def strict_loads(text: str):

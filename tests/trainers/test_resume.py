@@ -13,14 +13,10 @@ from tests.trainers.test_online import ROWS, make
 from tests.trainers.test_preference import PAIRS, config
 from unialign.config import exit_on_user_error
 from unialign.text.policy import CausalLMPolicy
-from unialign.trainers.common import (
-    CHECKSUM_FILE,
-    data_fingerprint,
-    file_digests,
-    finish_run,
-    read_trainer_state,
-)
+from unialign.trainers import finish_run
+from unialign.trainers.checkpoint import CHECKSUM_FILE, file_digests, read_trainer_state
 from unialign.trainers.preference import DPOObjective, PreferenceTrainer
+from unialign.trainers.resume import data_fingerprint
 
 
 class Payload:
@@ -75,16 +71,25 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path, where):
     assert not marker.exists()
 
 
-def test_a_crafted_rng_state_is_not_unpickled_either(tmp_path):
-    """accelerate reads its RNG file with weights_only=True and, when that fails, goes on without it."""
+@pytest.mark.parametrize("content", ["payload", "garbage", "no torch state"])
+def test_an_unreadable_rng_state_is_refused_not_skipped(tmp_path, content):
+    """accelerate reads its RNG file with weights_only=True and, when that fails, goes on without it (the resume
+    would not be bit-identical): the resume refuses it instead, naming it, and runs no code."""
     trained(tmp_path)
     marker = tmp_path / "pwned"
-    with open(tmp_path / "checkpoint-2" / "random_states_0.pkl", "wb") as f:
-        pickle.dump({"random_state": Payload(marker)}, f)
+    path = tmp_path / "checkpoint-2" / "random_states_0.pkl"
+    if content == "payload":
+        with open(path, "wb") as f:
+            pickle.dump({"random_state": Payload(marker)}, f)
+    elif content == "garbage":
+        path.write_bytes(b"not a pickle")
+    else:
+        torch.save({"random_state": (3, tuple(range(625)), None)}, path)
     reseal(tmp_path / "checkpoint-2")
     resumed = make(tmp_path, max_steps=3, resume_from_checkpoint="latest")
-    resumed.train()
-    assert resumed.step == 3 and not marker.exists()
+    with pytest.raises(ValueError, match="random_states_0.pkl: (refusing to load it|holds no)"):
+        resumed.train()
+    assert not marker.exists()
 
 
 def test_latest_with_no_checkpoint_is_a_user_error(tmp_path, capsys):

@@ -17,11 +17,10 @@ import torch
 
 from tests.trainers.test_online import make, params
 from unialign.config import UserError, exit_on_user_error
-from unialign.trainers import rundir
-from unialign.trainers.common import (
-    DiskFullError,
+from unialign.files import DiskFullError
+from unialign.trainers import finish_run, rundir
+from unialign.trainers.checkpoint import (
     find_checkpoint,
-    finish_run,
     generator_states,
     list_checkpoints,
     set_generator_states,
@@ -110,16 +109,25 @@ def _lock(tmp_path, **fields):
     (tmp_path / rundir.LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "run_id": "x", **fields}))
 
 
+HOLD = """import sys, time
+from unialign.trainers import rundir
+rundir.claim(sys.argv[1], False, False)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
 def test_a_second_live_run_on_the_same_directory_is_refused(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
-        _lock(tmp_path, pid=holder.pid, start_time=rundir._process_start(holder.pid))
+        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(UserError, match=f"in use by another live run \\(pid {holder.pid} on host"):
             make(tmp_path)
     finally:
-        holder.kill()
+        holder.kill()  # kill -9: the kernel drops its lock; the file stays behind
         holder.wait()
-    trainer = make(tmp_path)  # the holder is gone: its lock is stale and replaced
+    assert json.loads((tmp_path / rundir.LOCK_FILE).read_text())["pid"] == holder.pid
+    trainer = make(tmp_path)  # the holder is gone: its lock is free
     assert json.loads((tmp_path / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
     trainer.train()
     finish_run(trainer.acc, trainer.cfg, {}, trainer.policy.save)

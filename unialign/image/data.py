@@ -35,7 +35,7 @@ WHITE = (255, 255, 255)
 class EncodedImage:
     """One image of a dataset row kept encoded: its file ``data`` (bytes) or ``path``; decoded by ``decode()``.
 
-    ``str(image)`` (what ``unialign.trainers.common.data_fingerprint`` hashes for objects it does not know)
+    ``str(image)`` (what ``unialign.trainers.resume.data_fingerprint`` hashes for objects it does not know)
     identifies the content without decoding it: the SHA-256 of the bytes, or for a file the path as the row
     gives it, its size and its modification time (``os.stat``, taken when the row was checked) -- so the
     fingerprint is stable from run to run, cheap (no file is read for it), and changes when a file is

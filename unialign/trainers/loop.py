@@ -12,10 +12,6 @@ evaluation bookkeeping, checkpoint and resume. ``OnlineTrainer`` (sample, score,
 
 from __future__ import annotations
 
-import html
-import json
-import numbers
-import os
 import signal
 import sys
 import time
@@ -29,26 +25,23 @@ from accelerate.utils import ProjectConfiguration, broadcast, set_seed
 from tqdm.auto import tqdm
 
 from unialign.config import validate
+from unialign.files import append_text, write_text, writing
 from unialign.trainers import rundir
-from unialign.trainers.common import (
+from unialign.trainers.checkpoint import (
     STATE_TENSORS_FILE,
-    StopSignals,
-    check_launch,
+    agreed,
     generator_states,
-    json_safe,
-    load_checkpoint,
-    log_images,
-    make_optimizer,
-    plan_resume,
     preserved_random_state,
     read_random_states,
-    resume_settings,
     save_checkpoint,
     set_generator_states,
     set_source_state_tensors,
     source_state_tensors,
-    writing,
 )
+from unialign.trainers.launch import StopSignals, check_launch, watch_launcher
+from unialign.trainers.outputs import json_line, json_safe, log_images, log_table, read_jsonl
+from unialign.trainers.resume import load_checkpoint, plan_resume, resume_settings
+from unialign.trainers.schedule import make_optimizer
 
 COMPLETIONS_FILE = "completions.jsonl"  # the held-out sample table of every evaluation, one JSON object per row
 COMPLETIONS_TAG = "eval/completions"  # its tracker name (TensorBoard: a text summary holding a markdown table)
@@ -77,9 +70,12 @@ class TrainerLoop:
             project_config=ProjectConfiguration(project_dir=str(out),
                                                 logging_dir=str(out / "logs" / (self.run.run_id or "run"))))
         check_launch(self.acc)
+        watch_launcher()  # under `accelerate launch`: the launcher exiting is a stop request, not an orphaned run
+        self.run_id = agreed(self.acc, self.run.run_id)  # every process names temporary folders alike
         # completions.jsonl: a resume keeps the rows of the steps its checkpoint covers (see _write_samples)
         self._samples_resume_step = self._resume.state["step"] if self._resume is not None else None
         self._samples_started = False
+        self._sample_steps: set[int] = set()  # the steps completions.jsonl holds rows of
 
     def _prepare(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> torch.nn.Module:
         """Seed, threads, optimizer and schedule, ``accelerate.prepare``; returns the prepared model."""
@@ -95,10 +91,29 @@ class TrainerLoop:
         return model
 
     # ------------------------------------------------------------------ logging
+    def _tracker_writes(self):
+        """Around a call that writes tracker logs: a full disk there is ``DiskFullError`` naming the log folder
+        (TensorBoard's writer raises its thread's error at the next call; its event files tolerate a cut last
+        record)."""
+        return writing(None, f"the tracker logs in {Path(self.cfg.output_dir) / 'logs'}")
+
     def _start_trackers(self) -> None:
         if self._trackers == "new":
-            self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
+            with self._tracker_writes():
+                self.acc.init_trackers("unialign", config={k: v for k, v in asdict(self.cfg).items() if v is not None})
             self._trackers = "open"
+
+    def _log(self, metrics: dict[str, Any], images: dict[str, Any] | None = None,
+             samples: list[dict[str, Any]] | None = None) -> None:
+        with self._tracker_writes():
+            self.acc.log(metrics, step=self.step)
+            log_images(self.acc, images or {}, self.step)
+            log_table(self.acc, COMPLETIONS_TAG, samples or [], self.step)
+
+    def _end_trackers(self) -> None:
+        with self._tracker_writes():
+            self.acc.end_training()
+        self._trackers = "closed"
 
     def _record_eval(self, metrics: dict[str, float], images: dict[str, Any] | None = None,
                      samples: list[dict[str, Any]] | None = None) -> None:
@@ -115,32 +130,33 @@ class TrainerLoop:
         self._write_samples(samples or [])
         self._start_trackers()
         if self._trackers == "open":
-            self.acc.log(metrics, step=self.step)
-            log_images(self.acc, images or {}, self.step)
-            log_table(self.acc, COMPLETIONS_TAG, samples or [], self.step)
+            self._log(metrics, images, samples)
 
     def _write_samples(self, samples: list[dict[str, Any]]) -> None:
         """Add this step's ``samples`` to ``<output_dir>/completions.jsonl`` (main process only), one JSON object
         per row: ``{"step", "prompt", "completion", <scorer>: <score or null>, ...}`` (strict JSON, NaN as null).
-        The first write of a process starts the file afresh through a temporary file renamed into place; a
-        resumed run starts it from the old file's rows of the steps its checkpoint covers (up to the checkpoint's
-        step, save the step now written: the steps it trains again are not doubled). Later writes append whole
-        lines; a line cut short by a crash is skipped when a resume reads the file."""
+        The first write of a process starts the file afresh (replaced atomically); a resumed run starts it from
+        the old file's rows of the steps its checkpoint covers (up to the checkpoint's step). Rows of a step the
+        file already holds (a resumed run evaluates its checkpoint's step again) replace that step's rows, so no
+        step is doubled; other writes append whole lines (a failed append leaves the file as it was; a line cut
+        short by a crash is skipped when a resume reads the file)."""
         if not samples or not self.acc.is_main_process:
             return
         path = Path(self.cfg.output_dir) / COMPLETIONS_FILE
+        what = f"the sample table {path}"
         rows = [{"step": self.step, **json_safe(s)} for s in samples]
-        if self._samples_started:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write("".join(_json_line(r) for r in rows))
+        if self._samples_started and self.step not in self._sample_steps:
+            append_text(path, "".join(json_line(r) for r in rows), what)
+            self._sample_steps.add(self.step)
             return
-        upto = self._samples_resume_step
-        kept = [] if upto is None else [r for r in read_jsonl(path) if r["step"] <= upto and r["step"] != self.step]
-        tmp = path.with_name(path.name + ".tmp")
-        with writing(tmp, str(path)):
-            tmp.write_text("".join(_json_line(r) for r in sorted(kept + rows, key=lambda r: r["step"])),
-                           encoding="utf-8")
-            os.replace(tmp, path)
+        if self._samples_started:
+            kept = read_jsonl(path)
+        else:
+            upto = self._samples_resume_step
+            kept = [] if upto is None else [r for r in read_jsonl(path) if r["step"] <= upto]
+        kept = [r for r in kept if r["step"] != self.step] + rows
+        write_text(path, "".join(json_line(r) for r in sorted(kept, key=lambda r: r["step"])), what)
+        self._sample_steps = {r["step"] for r in kept}
         self._samples_started = True
 
     def _cached_eval(self) -> dict[str, float] | None:
@@ -153,7 +169,7 @@ class TrainerLoop:
                  "settings": self.resume_settings, "config_changes": self.config_changes,
                  "config": asdict(self.cfg), **self._extra_state()}
         path = save_checkpoint(self.acc, self.cfg.output_dir, self.step, state, self.cfg.save_total_limit,
-                               self.run.run_id, random_states=generator_states(self._random_sources()),
+                               self.run_id, random_states=generator_states(self._random_sources()),
                                legacy=self.run.legacy, state_tensors=source_state_tensors(self._random_sources()))
         self._last_save = time.monotonic()
         return path
@@ -198,7 +214,9 @@ class TrainerLoop:
         self._start_trackers()
         self._last_save = time.monotonic()
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.progress_desc)
-        with StopSignals() as stop:
+        last = "the last checkpoint is whole" if cfg.save_steps or cfg.save_minutes else "no checkpoint is saved"
+        with StopSignals(second=f"no checkpoint of this step ({last}; --resume_from_checkpoint latest)",
+                         log_dir=cfg.output_dir) as stop:
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
                 stats = self.train_step()
@@ -207,7 +225,8 @@ class TrainerLoop:
                               "lr": self.scheduler.get_last_lr()[0], **self.counters})
                 self.history.append(stats)
                 if self.step % cfg.logging_steps == 0:
-                    acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+                    with self._tracker_writes():
+                        acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
                 if cfg.eval_steps and self.step % cfg.eval_steps == 0:
                     self._scheduled_eval()
                 bar.update(1)
@@ -227,8 +246,7 @@ class TrainerLoop:
                 self._stop_for_signal(signum, bar, path)
         if acc.is_main_process:
             self.save_curves()
-        acc.end_training()
-        self._trackers = "closed"
+        self._end_trackers()
         return self.history
 
     def _agree(self, value: int) -> int:
@@ -241,8 +259,7 @@ class TrainerLoop:
     def _stop_for_signal(self, signum: int, bar, path: Path | None = None) -> None:
         bar.close()
         path = path or self.save_checkpoint()
-        self.acc.end_training()
-        self._trackers = "closed"
+        self._end_trackers()
         name = signal.Signals(signum).name
         self.acc.print(f"stopped by {name} after step {self.step} of {self.cfg.max_steps}: saved {path}; continue with "
                        "--resume_from_checkpoint latest", file=sys.stderr)
@@ -264,75 +281,3 @@ class TrainerLoop:
 
     def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
         return {}
-
-
-# ------------------------------------------------------------------ the sample table
-def _json_line(row: dict[str, Any]) -> str:
-    return json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n"
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``completions.jsonl`` (objects with an integer ``step``); a missing file is no rows, and a
-    line that is not such an object (one cut short by a crash) is skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            out.append(row)
-    return out
-
-
-def cell_text(value: Any) -> str:
-    """A table cell as plain text: a string as it is, a number to 4 significant digits, ``None`` empty, a chat
-    prompt (a list of ``{"role", "content"}`` messages) one ``role: content`` line per message, anything else
-    as JSON."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return f"{float(value):.4g}"
-    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        return "\n".join(f"{m.get('role', '?')}: {cell_text(m['content'])}" for m in value)
-    return json.dumps(json_safe(value), ensure_ascii=False)
-
-
-_MARKDOWN_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]|"})
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """``rows`` (dicts; the columns are their keys, first-seen order) as a markdown table, the form TensorBoard's
-    text dashboard renders: each cell is ``cell_text``, HTML-escaped, with markdown's emphasis / code / link /
-    pipe characters escaped and line breaks as ``<br>``, so a completion shows as it was generated."""
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-
-    def cell(value: Any) -> str:
-        return html.escape(cell_text(value), quote=False).translate(_MARKDOWN_SPECIAL).replace("\n", "<br>")
-
-    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def log_table(acc, name: str, rows: list[dict[str, Any]], step: int) -> None:
-    """Log ``rows`` as one table named ``name`` to the run's trackers that show tables: TensorBoard gets a text
-    summary (``markdown_table``, through the tracker's ``log`` with a string: ``add_text``), a tracker with
-    ``log_table`` (wandb) a table of ``cell_text`` strings and numbers; other trackers are skipped, and no
-    tracker's numeric log sees the table."""
-    if not rows:
-        return
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    for tracker in acc.trackers:
-        if tracker.name == "tensorboard":
-            tracker.log({name: markdown_table(rows)}, step=step)
-        elif callable(getattr(tracker, "log_table", None)):
-            data = [[v if isinstance(v, numbers.Real) or v is None else cell_text(v)
-                     for v in (r.get(c) for c in columns)] for r in rows]
-            tracker.log_table(name, columns=columns, data=data, step=step)

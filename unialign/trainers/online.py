@@ -55,12 +55,10 @@ from unialign.registry import (
     get_algorithm,
 )
 from unialign.rewards.base import DEFAULT_REWARD_TIMEOUT_S, ON_ERROR, CombinedReward, RewardError
-from unialign.trainers.common import (
-    TrainConfig,
-    epoch_order,
-    save_curves,
-)
 from unialign.trainers.loop import TrainerLoop
+from unialign.trainers.outputs import save_curves
+from unialign.trainers.schedule import epoch_order
+from unialign.trainers.train_config import TrainConfig
 from unialign.types import Trajectory
 
 

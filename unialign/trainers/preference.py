@@ -34,13 +34,11 @@ from accelerate.utils import gather
 from unialign import algos
 from unialign.algos.pair_losses import check_pair_loss_params
 from unialign.config import arg
-from unialign.trainers.common import (
-    TrainConfig,
-    epoch_order,
-    preserved_random_state,
-    save_curves,
-)
+from unialign.trainers.checkpoint import preserved_random_state
 from unialign.trainers.loop import TrainerLoop
+from unialign.trainers.outputs import save_curves
+from unialign.trainers.schedule import epoch_order
+from unialign.trainers.train_config import TrainConfig
 from unialign.types import PreferenceBatch
 
 

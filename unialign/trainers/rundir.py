@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -36,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unialign.errors import UserError
+from unialign.files import DiskFullError, disk_full, full_message, is_partial, refuse_link, write_json
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".unialign.lock"
+RUN_ID = re.compile(r"[0-9a-f]{16}")  # a run id names folders (logs/<id>, replaced-<id>): nothing else is one
 
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -78,8 +82,8 @@ def list_checkpoints(output_dir: str | Path, run_id: str | None = None, legacy: 
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = sorted(((checkpoint_step(p), p) for p in out.iterdir() if p.is_dir() and checkpoint_step(p) is not None
-                    and state_file(p) is not None), key=lambda sp: sp[0])
+    found = sorted(((checkpoint_step(p), p) for p in out.iterdir() if p.is_dir() and not p.is_symlink()
+                    and checkpoint_step(p) is not None and state_file(p) is not None), key=lambda sp: sp[0])
     return [p for _, p in found if run_id is None or run_id_of(p) == run_id or (legacy and run_id_of(p) is None)]
 
 
@@ -113,7 +117,8 @@ def read_run_file(output_dir: str | Path) -> dict | None:
         data = json.loads((Path(output_dir) / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
+    ok = isinstance(data, dict) and isinstance(data.get("run_id"), str) and RUN_ID.fullmatch(data["run_id"])
+    return data if ok else None
 
 
 def run_outputs(output_dir: str | Path) -> list[str]:
@@ -132,6 +137,7 @@ def check(output_dir: str | Path, resuming: bool, overwrite: bool) -> None:
         raise UserError("--output_dir: empty; name a folder for this run's outputs (an empty name would write into "
                         "the current directory)")
     out = Path(output_dir)
+    check_links(out)
     mine = out.resolve() in _CLAIMS or not is_main_launch_rank()  # the other processes of a launch share rank 0's lock
     holder = None if mine else _live_holder(out / LOCK_FILE)
     if holder is not None:
@@ -169,6 +175,7 @@ def claim(output_dir: str | Path, resuming: bool, overwrite: bool, run_id: str |
     legacy = resuming and run_id is None  # resuming a checkpoint from before run ids: its folder-mates are this run's
     run_id = run_id or uuid.uuid4().hex[:16]
     _take_lock(out, run_id)
+    remove_debris(out, run_id)
     previous = read_run_file(out)
     if overwrite and not resuming:
         _set_aside(out, previous["run_id"] if previous else None)
@@ -177,7 +184,7 @@ def claim(output_dir: str | Path, resuming: bool, overwrite: bool, run_id: str |
                   "pid": os.getpid()}
         if previous is not None:
             record["replaces_run"] = previous["run_id"]
-        _write_json(out / RUN_FILE, record)
+        write_json(out / RUN_FILE, record, indent=1)
     _CLAIMS[key] = RunClaim(out, run_id, locked=True, legacy=legacy)
     return _CLAIMS[key]
 
@@ -214,9 +221,10 @@ def _entries(out: Path) -> list[Path]:
 
 def _set_aside(out: Path, previous_id: str | None) -> None:
     """``--overwrite_output_dir``: move the previous run's outputs (checkpoints, ``final/``, ``summary.json``, its
-    ``completions.jsonl`` and ``comparison.png``, temporary debris) into ``replaced-<its run id>/`` so nothing is
-    lost and nothing is mixed; say what moved."""
-    moving = run_outputs(out) + [p.name for p in _entries(out) if p.name.startswith(".tmp-")]
+    ``completions.jsonl`` and ``comparison.png``, the temporary files its writes left) into
+    ``replaced-<its run id>/`` so nothing is lost and nothing is mixed; say what moved. Nothing else moves: a
+    person's ``.tmp-final/`` or ``final.old/`` stays where it is."""
+    moving = run_outputs(out) + [p.name for p in _entries(out) if is_partial(p.name)]
     if moving:
         moving += [name for name in ("completions.jsonl", "comparison.png") if (out / name).exists()]
     if not moving:
@@ -233,25 +241,24 @@ def _set_aside(out: Path, previous_id: str | None) -> None:
 
 
 # ------------------------------------------------------------------ the lock
-def _process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat), or None where
-    /proc is unavailable: with the pid it tells a live run from a new process that reused a dead run's pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[19]
+# The lock is the kernel's: ``flock(LOCK_EX)`` on ``.unialign.lock``, held by an open descriptor for the life of
+# the run and dropped by the kernel when the process ends however it ends, so "stale" needs no guessing and two
+# contenders can never both hold it (the file's JSON only says who holds it). A descriptor whose file was replaced
+# between open and flock is dropped and the open retried.
+_HELD: dict[Path, int] = {}  # lock path -> the descriptor holding it
 
 
-def _alive(pid: int, start_time: str | None) -> bool:
+def _try_flock(fd: int, path: Path) -> bool:
+    import fcntl
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
-    except PermissionError:
-        pass  # a process of another user: it exists
-    now = _process_start(pid)
-    return start_time is None or now is None or now == start_time
+    except OSError as err:  # ENOLCK / EOPNOTSUPP: a file system without locks
+        raise UserError(f"--output_dir: {str(path.parent)!r}: the file system cannot lock {LOCK_FILE} "
+                        f"({err.strerror}); choose an --output_dir on a local disk or one with locking") from None
+    return True
 
 
 def _read_lock(path: Path) -> dict | None:
@@ -265,59 +272,156 @@ def _read_lock(path: Path) -> dict | None:
 
 
 def _live_holder(path: Path) -> dict | None:
-    """The lock's content when another live process holds it, else None (no lock, our own, or a stale one)."""
-    data = _read_lock(path)
-    if data is None:
+    """Who holds the lock at ``path`` when another process does (its JSON, or ``{"pid": "?"}`` while it is being
+    written), else None (no lock file, or nobody holds it)."""
+    if path in _HELD or path.is_symlink():
         return None
-    if data.get("damaged"):
-        age = time.time() - path.stat().st_mtime if path.exists() else 0.0
-        return None if age > 60 else {"pid": "?", "host": "?", "damaged": True}  # being written, or debris
-    if data.get("host") != socket.gethostname():
-        return data  # cannot see another machine's processes: held until someone removes it
-    pid = data.get("pid")
-    if not isinstance(pid, int) or pid == os.getpid():
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
         return None
-    return data if _alive(pid, data.get("start_time")) else None
+    try:
+        free = _try_flock(fd, path)
+    finally:
+        os.close(fd)  # closing drops a flock this descriptor took
+    data = _read_lock(path) or {}
+    if free and not _other_host(data):
+        return None
+    return {"pid": "?", "host": "?", **{k: v for k, v in data.items() if k != "damaged"}}
+
+
+def _other_host(data: dict) -> bool:
+    """A lock written on another machine: whether that run lives cannot be told from here (a file system whose
+    locks are local to each machine would let both take it), so it holds until someone removes it."""
+    return isinstance(data.get("host"), str) and data["host"] != socket.gethostname()
 
 
 def _held_message(out: Path, holder: dict) -> str:
     where = f"pid {holder.get('pid')} on host {holder.get('host')}"
     hint = ("; if that run is gone (another machine's process cannot be checked from here), delete "
-            f"{out / LOCK_FILE}" if holder.get("host") != socket.gethostname() else "")
+            f"{out / LOCK_FILE}" if _other_host(holder) else "")
     return f"--output_dir: {str(out)!r} is in use by another live run ({where}, lock {LOCK_FILE}){hint}"
 
 
 def _take_lock(out: Path, run_id: str) -> None:
     path = out / LOCK_FILE
+    refuse_link(path, LOCK_FILE)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": _process_start(os.getpid()),
           "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    tmp = out / f".unialign.lock.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(me))
-    try:
-        for _ in range(3):
-            try:
-                os.link(tmp, path)  # atomic: fails when a lock exists, and a reader never sees half a file
-                return
-            except FileExistsError:
-                holder = _live_holder(path)
-                if holder is not None:
-                    raise UserError(_held_message(out, holder)) from None
-                stale = out / f".unialign.lock.stale.{uuid.uuid4().hex[:8]}"
-                with contextlib.suppress(FileNotFoundError):  # another process moved it first: try again
-                    os.rename(path, stale)
-                    stale.unlink()
-        raise UserError(f"--output_dir: {str(out)!r}: could not take {LOCK_FILE} (another run keeps taking it)")
-    finally:
-        tmp.unlink(missing_ok=True)
+    for _ in range(100):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            kind = disk_full(err, path)
+            if kind:
+                raise DiskFullError(full_message(kind, f"the lock {path}", path)) from None
+            raise
+        if not _try_flock(fd, path):
+            os.close(fd)
+            raise UserError(_held_message(out, _live_holder(path) or {"pid": "?", "host": "?"}))
+        data = _read_lock(path) or {}
+        if _other_host(data):
+            os.close(fd)
+            raise UserError(_held_message(out, data))
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # the holder we waited on removed the file as it released it: take the new one
+            os.close(fd)
+            continue
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(me).encode())
+        except OSError as err:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            kind = disk_full(err, path)
+            if kind:
+                raise DiskFullError(full_message(kind, f"the lock {path}", path)) from None
+            raise
+        _HELD[path] = fd
+        return
+    raise UserError(f"--output_dir: {str(out)!r}: could not take {LOCK_FILE} (another run keeps taking it)")
 
 
 def _drop_lock(path: Path) -> None:
-    data = _read_lock(path)
-    if data is not None and data.get("pid") == os.getpid() and data.get("host") == socket.gethostname():
-        path.unlink(missing_ok=True)
+    fd = _HELD.pop(path, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+            path.unlink()  # while still holding it: a contender that opened it sees another file and retries
+    os.close(fd)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat), or None where
+    /proc is unavailable (recorded in the lock for people reading it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+# ------------------------------------------------------------------ links and debris
+# what a run writes directly under its output directory: none of these may be a symbolic link
+OWN_NAMES = (RUN_FILE, LOCK_FILE, "final", "summary.json", "completions.jsonl", "logs", "comparison.png",
+             "reward_curve.png", "loss_curve.png")
+
+
+def check_links(out: Path) -> None:
+    """Refuse, with one line, an output directory that is a dangling or looping link, and any link among the
+    files and folders a run replaces or deletes in it (``OWN_NAMES``, ``checkpoint-<N>``): a link is never
+    written through or deleted with what it points to. A link elsewhere on the path (``outputs -> /big/disk``)
+    is followed as usual: nothing there is replaced or deleted."""
+    if out.is_symlink() and not out.exists():
+        try:
+            target = os.readlink(out)
+        except OSError:
+            target = "?"
+        try:
+            out.stat()
+            why = "points to nothing"
+        except OSError as err:
+            why = "loops" if err.errno == errno.ELOOP else "points to nothing"
+        raise UserError(f"--output_dir: {str(out)!r} is a symbolic link that {why} (-> {target}); make its target "
+                        "a folder or choose another --output_dir")
+    for p in _entries(out):
+        if p.is_symlink() and (p.name in OWN_NAMES or checkpoint_step(p) is not None):
+            try:
+                target = os.readlink(p)
+            except OSError:
+                target = "?"
+            raise UserError(f"--output_dir: {p} is a symbolic link (-> {target}); a run replaces {p.name} "
+                            "atomically and never writes through a link or deletes what it points to: remove the "
+                            "link (its target is left alone), or point --output_dir at that storage instead")
+
+
+def remove_debris(out: Path, run_id: str | None) -> None:
+    """Remove the temporary files and folders (``unialign.files.partial_name``) that a killed process of this
+    run (``run_id``), or a process no longer alive, left in ``out``: names no person picks and no run reads.
+    Called with the lock held."""
+    from unialign.files import PARTIAL_RE
+
+    for p in _entries(out):
+        m = PARTIAL_RE.fullmatch(p.name)
+        if m is None or p.is_symlink():
+            continue
+        token = m.group("token")
+        mine = token == run_id if "-" not in token else not _pid_alive(int(token.split("-")[0]))
+        if mine:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -1,0 +1,252 @@
+"""What a run writes at the end and along the way, beside its checkpoints: ``final/`` and ``summary.json``
+(``finish_run``), the PNG curves, images and tables for the trackers. Every file goes through
+``unialign.files``' write policy."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import numbers
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from unialign.errors import UserError
+from unialign.files import (
+    fsync_tree,
+    json_safe,
+    refuse_link,
+    replace_dir,
+    temp_dir,
+    write_json,
+    write_with,
+    writing,
+)
+from unialign.trainers.checkpoint import RUN_ID_RE, agreed, find_checkpoint, read_trainer_state
+from unialign.trainers.launch import StopSignals
+from unialign.trainers.rundir import claimed, release
+
+
+def claimed_run_id(out: Path) -> str | None:
+    """The run id this process holds ``out`` for, when it is one (it names temporary folders)."""
+    held = claimed(out)
+    run_id = held.run_id if held is not None else None
+    return run_id if run_id and RUN_ID_RE.fullmatch(run_id) else None
+
+
+def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = None) -> dict:
+    """End of a script: ``save(<output_dir>/final)`` on every process (stock-loadable weights, written by the
+    main process into a temporary folder renamed into place, so ``final/`` is never half written), then on the
+    main process write ``summary.json`` (strict JSON) with the run's config added, the trainer's non-zero
+    ``counters`` (samples whose reward errored and were skipped, non-finite rewards, skipped steps), and the
+    settings a resume changed (``config_changes_on_resume``, from the run's last checkpoint) when there were any;
+    print where the outputs are and the summary as JSON, and release the run's hold on the directory.
+
+    A run in which every step was skipped (non-finite losses or gradients: ``counters["skipped_steps"]`` equal to
+    ``summary["steps"]``) trained nothing: ``summary.json`` says so (``"trained": false``), ``final/`` is not
+    written, and ``NothingTrainedError`` is raised (one line, exit status 2 from a script). SIGTERM / SIGINT during
+    the final save let it finish, then exit with 128 + the signal and one line; a second one stops at once.
+    Returns the summary."""
+    summary.update({k: v for k, v in (counters or {}).items() if v})  # e.g. reward_errors skipped, nonfinite rewards
+    summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
+    if callable(getattr(cfg, "algo_spec", None)):  # the algorithm as run: preset + overrides, every knob resolved
+        summary["algorithm_spec"] = asdict(cfg.algo_spec())
+    out = Path(cfg.output_dir)
+    ckpt = find_checkpoint(out, "latest", required=False, verbose=False)
+    changes = read_trainer_state(ckpt).get("config_changes") if ckpt is not None else None
+    if changes:
+        summary["config_changes_on_resume"] = changes
+    steps, skipped = summary.get("steps"), (counters or {}).get("skipped_steps", 0)
+    nothing = isinstance(steps, int) and steps > 0 and skipped >= steps
+    if nothing:
+        summary["trained"] = False
+    last = f"the last checkpoint, {ckpt}, is whole" if ckpt is not None else "no checkpoint was written"
+    with StopSignals("finishing the final save, then stopping",
+                     second=f"final/ is not written ({last}: --resume_from_checkpoint latest writes it)",
+                     log_dir=out) as stop:
+        if not nothing:
+            _save_final(acc, out, save, claimed_run_id(out))
+        if acc.is_main_process:
+            write_json(out / "summary.json", summary)
+            print_summary(acc, out, summary)
+    release(out)
+    if nothing:
+        raise NothingTrainedError(
+            f"nothing was trained: all {steps} steps were skipped (non-finite loss or gradient norm: look at the "
+            f"rewards, the data and --learning_rate); final/ was not written, {out / 'summary.json'} records it")
+    if stop.received:
+        acc.print(f"stopped by {signal.Signals(stop.received).name} during the final save, after it finished: "
+                  f"final/ and summary.json are in {out}", file=sys.stderr)
+        raise SystemExit(128 + stop.received)
+    return summary
+
+
+class NothingTrainedError(UserError):
+    """Every step of a run was skipped: no weight moved."""
+
+
+def _save_final(acc, out: Path, save, run_id: str | None) -> None:
+    """``save`` into a temporary folder (the same on every process), renamed to ``<out>/final`` by the main process."""
+    final = out / "final"
+    what = f"the final weights {final}"
+    tmp = None
+    if acc.is_main_process:
+        refuse_link(final, what)
+        tmp = temp_dir(final, run_id)  # a killed final save of this run left debris of that name: it goes first
+    tmp = Path(agreed(acc, None if tmp is None else str(tmp)))
+    with writing(tmp if acc.is_main_process else None, what):
+        acc.wait_for_everyone()
+        save(str(tmp))  # on every process: a sharded model is gathered; the main process writes
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            if any(tmp.iterdir()):  # a saver may write nothing (tests, a frozen policy)
+                fsync_tree(tmp)
+                replace_dir(tmp, final, what)
+            else:
+                tmp.rmdir()
+
+
+def print_summary(acc, output_dir: str | Path, summary: dict) -> None:
+    """Print the output folder and the summary (without its config and algorithm spec) as JSON, on the main process."""
+    shown = json_safe({k: v for k, v in summary.items() if k not in ("config", "algorithm_spec")})
+    acc.print(f"outputs in {Path(output_dir).resolve()} (final/ weights, summary.json, curves, checkpoints)")
+    acc.print(json.dumps(shown, indent=1))
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing moving average of ``values`` over ``window`` points (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",),
+                smooth: tuple[str, ...] = ()) -> None:
+    """Plot metrics over steps to a PNG (one panel per key present in the history, four to a row). Keys
+    in ``smooth`` are drawn raw (faint) with a trailing moving average over ~5 % of the points on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def finite(key: str) -> list[tuple[int, float]]:
+        return [(h["step"], float(h[key])) for h in history
+                if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
+
+    keys = [k for k in keys if finite(k)]
+    if not keys:
+        return
+    cols = min(len(keys), 4)
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, key in zip(axes.flat, keys):
+        steps, values = zip(*finite(key))
+        window = max(1, len(values) // 20)
+        if key in smooth and window > 1:
+            ax.plot(steps, values, color="C0", alpha=0.3, linewidth=0.8, label="raw")
+            ax.plot(steps, smoothed(list(values), window), color="C0", label=f"mean of {window}")
+            ax.legend(fontsize=8)
+            ax.set_title(f"{key} (smoothed)")
+        else:
+            ax.plot(steps, values, marker="." if len(values) < 50 else None)
+            ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), f"the curves {path}")
+    finally:
+        plt.close(fig)
+
+
+def log_images(acc, images: dict[str, object], step: int) -> None:
+    """Log PIL images / HWC uint8 arrays to the run's trackers that take images (TensorBoard, wandb);
+    other trackers are skipped."""
+    if not images:
+        return
+    import numpy as np
+
+    for tracker in acc.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log_images({k: np.asarray(v)[None] for k, v in images.items()}, step=step, dataformats="NHWC")
+        elif hasattr(tracker, "log_images"):
+            tracker.log_images({k: [v] for k, v in images.items()}, step=step)
+
+
+# ------------------------------------------------------------------ the sample table
+def json_line(row: dict[str, Any]) -> str:
+    return json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n"
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``completions.jsonl`` (objects with an integer ``step``); a missing file is no rows, and a
+    line that is not such an object (one cut short by a crash) is skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            out.append(row)
+    return out
+
+
+def cell_text(value: Any) -> str:
+    """A table cell as plain text: a string as it is, a number to 4 significant digits, ``None`` empty, a chat
+    prompt (a list of ``{"role", "content"}`` messages) one ``role: content`` line per message, anything else
+    as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return f"{float(value):.4g}"
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return "\n".join(f"{m.get('role', '?')}: {cell_text(m['content'])}" for m in value)
+    return json.dumps(json_safe(value), ensure_ascii=False)
+
+
+_MARKDOWN_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]|"})
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """``rows`` (dicts; the columns are their keys, first-seen order) as a markdown table, the form TensorBoard's
+    text dashboard renders: each cell is ``cell_text``, HTML-escaped, with markdown's emphasis / code / link /
+    pipe characters escaped and line breaks as ``<br>``, so a completion shows as it was generated."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+
+    def cell(value: Any) -> str:
+        return html.escape(cell_text(value), quote=False).translate(_MARKDOWN_SPECIAL).replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def log_table(acc, name: str, rows: list[dict[str, Any]], step: int) -> None:
+    """Log ``rows`` as one table named ``name`` to the run's trackers that show tables: TensorBoard gets a text
+    summary (``markdown_table``, through the tracker's ``log`` with a string: ``add_text``), a tracker with
+    ``log_table`` (wandb) a table of ``cell_text`` strings and numbers; other trackers are skipped, and no
+    tracker's numeric log sees the table."""
+    if not rows:
+        return
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    for tracker in acc.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log({name: markdown_table(rows)}, step=step)
+        elif callable(getattr(tracker, "log_table", None)):
+            data = [[v if isinstance(v, numbers.Real) or v is None else cell_text(v)
+                     for v in (r.get(c) for c in columns)] for r in rows]
+            tracker.log_table(name, columns=columns, data=data, step=step)
