@@ -136,3 +136,64 @@ def test_a_signal_saves_a_checkpoint_and_exits_non_zero_naming_it(tmp_path, unin
     assert not (out / "final").exists() and not (out / ".unialign.lock").exists()  # the lock is released at exit
     run("grpo_math", [*GRPO, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert_same_run(uninterrupted, out)
+
+
+FAKE_LAUNCHER = '''"""accelerate launch as far as the child sees it: its parent, named `accelerate launch`, piping its stderr."""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, *sys.argv[2:]], stderr=subprocess.PIPE)
+print(child.pid, flush=True)
+for chunk in iter(lambda: child.stderr.read1(4096), b""):
+    sys.stderr.buffer.write(chunk)
+child.wait()
+'''
+
+
+def test_a_launcher_killed_outright_stops_its_run_with_a_checkpoint(tmp_path, uninterrupted):
+    """kill -9 of the launcher (an OOM kill, a scheduler, an older accelerate that exits on SIGTERM alone): the
+    training child is told by the kernel (PR_SET_PDEATHSIG), finishes its step, saves, releases the lock and exits;
+    its stderr, piped to the dead launcher, goes to after_launcher_exit.log. The resume is the uninterrupted run."""
+    out = tmp_path / "orphan"
+    launcher_file = tmp_path / "bin" / "accelerate"
+    launcher_file.parent.mkdir()
+    launcher_file.write_text(FAKE_LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    launcher = subprocess.Popen([sys.executable, str(launcher_file), "launch", str(ROOT / "scripts" / "grpo_math.py"),
+                                 *GRPO, "--output_dir", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    child = int(launcher.stdout.readline())
+    _wait_for(out / "checkpoint-1", launcher)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{child}").exists() and open(f"/proc/{child}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the orphaned run did not stop"
+        time.sleep(0.1)
+    log = (out / "after_launcher_exit.log").read_text()
+    assert "the launcher exited: finishing this step, then saving a checkpoint" in log
+    line = next(ln for ln in log.splitlines() if ln.startswith("stopped by SIGTERM after step"))
+    assert Path(line.split("saved ")[1].split(";")[0]).is_dir()
+    assert not (out / ".unialign.lock").exists() and not (out / "final").exists()
+    run("grpo_math", [*GRPO, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert_same_run(uninterrupted, out)
+
+
+def test_sigterm_to_accelerate_launch_saves_a_checkpoint(tmp_path, uninterrupted):
+    """The documented launcher: accelerate launch passes SIGTERM on to the training process (and kills it 5 s
+    later if it is still running); the run saves after its step, exits 143 naming the checkpoint, and resumes to
+    the uninterrupted run."""
+    out = tmp_path / "launched"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+           "HF_HOME": str(tmp_path / "hf")}
+    subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default"], env=env,
+                   check=True, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
+                             str(ROOT / "scripts" / "grpo_math.py"), *GRPO, "--output_dir", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(out / "checkpoint-1", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("stopped by SIGTERM after step"))
+    assert Path(line.split("saved ")[1].split(";")[0]).is_dir() and not (out / ".unialign.lock").exists()
+    run("grpo_math", [*GRPO, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert_same_run(uninterrupted, out)

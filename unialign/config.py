@@ -387,10 +387,18 @@ def check_output_dir(path: str | os.PathLike) -> Path:
 def exit_on_user_error():
     """Turn the errors a user can fix (missing hub access, bad data, bad config) into a one-line
     message and exit status 2, instead of a stack trace from deep inside a library."""
+    from unialign.files import FULL_ERRNOS
     from unialign.hub import HubUnavailableError
 
     try:
         yield
     except (HubUnavailableError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as err:  # a full disk in a write no writer of ours wraps: still one line
+        if err.errno not in FULL_ERRNOS:
+            raise
+        where = f" while writing {err.filename}" if err.filename else ""
+        print(f"error: {FULL_ERRNOS[err.errno]}{where}: free some space, then --resume_from_checkpoint latest",
+              file=sys.stderr)
         raise SystemExit(2) from None

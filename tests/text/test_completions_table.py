@@ -151,3 +151,22 @@ def test_a_resumed_run_continues_the_file_of_the_run_it_resumes(tmp_path):
             (tmp_path / "checkpoint-2").rename(tmp_path / "gone")
     table = read_jsonl(tmp_path / COMPLETIONS_FILE)
     assert [r["step"] for r in table] == [0, 0, 1, 1, 2, 2, 3, 3]  # no step twice
+
+
+def test_a_resume_after_a_kill_during_the_final_save_doubles_no_step(tmp_path):
+    """The run evaluated step 2 and wrote checkpoint-2, then died saving final/: its resume evaluates step 2 again
+    (its final evaluation), which replaces that step's rows instead of appending a second copy."""
+    from tests.trainers.test_online import make
+
+    rows = [{"prompt": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)]
+    for resume in (None, "latest"):
+        trainer = make(tmp_path, max_steps=2, save_steps=1, resume_from_checkpoint=resume)
+        trainer.evaluator = evaluate.GreedyHeldOut(trainer.policy, rows, {"exact": _exact}, num_samples=2)
+        trainer.evaluate()
+        trainer.train()
+        if resume is None:
+            from unialign.trainers import rundir
+
+            rundir.release(tmp_path)  # killed before finish_run
+    table = read_jsonl(tmp_path / COMPLETIONS_FILE)
+    assert [r["step"] for r in table] == [0, 0, 2, 2]

@@ -184,3 +184,32 @@ def test_rpo_adds_the_per_token_nll_of_the_chosen_side():
     nll = -c / lengths  # Pang et al. 2024 eq. 3: -log pi(y_w|x) / |y_w|
     assert_close(rpo, plain + 0.7 * nll)
     assert_close(metrics["nll_loss"], nll.mean())
+
+
+def test_a_reward_model_that_trained_nothing_is_an_error_not_a_success(tmp_path, capsys):
+    """NaN margins skip every step: the run is refused at the end (one line, exit 2), final/ is not written and
+    summary.json says trained: false with the skipped steps (it was silent, and the script exited 0)."""
+    import json
+
+    from transformers import LlamaForSequenceClassification
+
+    from unialign.config import exit_on_user_error
+    from unialign.text.reward_model import RewardModel
+    from unialign.trainers import finish_run
+
+    lm, tok = make_tiny_lm()
+    lm.config.num_labels = 1
+    rm = RewardModel(LlamaForSequenceClassification(lm.config), tok)
+    objective = BradleyTerryObjective(rm)
+    losses = objective.losses
+    objective.losses = lambda batch, ids=None: (lambda out: (out[0] * math.nan, out[1]))(losses(batch, ids))
+    trainer = PreferenceTrainer(objective, PAIRS, config(tmp_path, max_steps=3))
+    trainer.train()
+    with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
+        finish_run(trainer.acc, trainer.cfg, {"steps": trainer.step}, rm.save)  # the script passes no counters
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: nothing was trained: all 3 steps were skipped (non-finite loss or gradient norm")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["trained"] is False and summary["skipped_steps"] == 3
+    assert not (tmp_path / "final").exists()

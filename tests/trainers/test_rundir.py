@@ -4,6 +4,7 @@ line and leaves the last good checkpoint, and every random state a policy draws 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +306,108 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path, capsys, when):
     assert f"stopped by SIGTERM after step {saved[11:]} of 4: saved {tmp_path / saved}" in err
     assert [p.name for p in list_checkpoints(tmp_path)] == [saved]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+
+
+def _contend(folders, barrier, results, me):
+    """One contender: in each trial, take the trial's lock with the others at once; hold it until all have tried."""
+    from unialign.trainers import rundir as rd
+
+    for t, folder in enumerate(folders):
+        barrier.wait()
+        try:
+            rd._take_lock(Path(folder), f"{me:016x}")
+            got = True
+        except UserError:
+            got = False
+        results.put((t, me, got))
+        barrier.wait()
+        if got:
+            rd._drop_lock(Path(folder) / rd.LOCK_FILE)
+
+
+def test_many_contenders_on_a_stale_lock_never_make_two_holders(tmp_path):
+    """4 processes take the same stale lock at once, 200 times: exactly one holds it each time (the kernel's flock;
+    the previous rename-away of a stale lock gave two holders in 10 of 200 trials)."""
+    import multiprocessing
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folders = []
+    for t in range(200):
+        folder = tmp_path / f"t{t}"
+        folder.mkdir()
+        _lock(folder, pid=dead.pid, start_time="1")  # left by a killed run
+        folders.append(str(folder))
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(folders, barrier, results, k)) for k in range(4)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in range(4 * len(folders))]
+    for p in procs:
+        p.join(timeout=60)
+    holders = [sum(g for t, _, g in got if t == trial) for trial in range(len(folders))]
+    assert holders == [1] * len(folders)
+
+
+def test_a_full_disk_at_start_leaves_no_lock_debris(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        out = mount / "run"
+        out.mkdir()
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        with pytest.raises(DiskFullError, match="while writing the (lock|run record)"):
+            rundir.claim(out, False, False)
+        assert sorted(p.name for p in out.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+# ------------------------------------------------------------------ the checksum check cannot be talked out of
+def test_an_emptied_checksum_list_does_not_let_a_corrupted_file_load(tmp_path):
+    run_to_end(tmp_path)
+    ckpt = tmp_path / "checkpoint-2"
+    _flip_a_byte(ckpt / "model.safetensors")
+    (ckpt / "checksums.json").write_text(json.dumps({"algorithm": "sha256", "files": {}}))
+    with pytest.raises(ValueError, match="checkpoint-2/.*: not in checksums.json .a file a resume reads, unverified."):
+        find_checkpoint(tmp_path, str(ckpt))
+    with pytest.raises(UserError, match="no good checkpoint"):
+        make(tmp_path, max_steps=3, resume_from_checkpoint="latest")
+
+
+def test_a_checkpoint_stripped_of_its_checksums_and_format_is_refused_until_sealed(tmp_path):
+    run_to_end(tmp_path)
+    ckpt = tmp_path / "checkpoint-2"
+    _flip_a_byte(ckpt / "optimizer.bin")  # would load silently as an "older" checkpoint
+    (ckpt / "checksums.json").unlink()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for key in ("checkpoint_format", "run_id"):
+        state.pop(key)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="checksums.json: missing; the checkpoint is damaged or was written before "
+                                         "checksums were recorded: .* `python -m unialign.trainers.checkpoint seal"):
+        find_checkpoint(tmp_path, str(ckpt))
+    sealed = subprocess.run([sys.executable, "-m", "unialign.trainers.checkpoint", "seal", str(ckpt)],
+                            capture_output=True, text=True, timeout=120)
+    assert sealed.returncode == 0 and (ckpt / "checksums.json").is_file(), sealed.stderr
+    assert find_checkpoint(tmp_path, str(ckpt)) == ckpt  # the person vouched for it
+
+
+def test_a_run_id_that_names_another_folder_is_refused(tmp_path):
+    run_to_end(tmp_path)
+    ckpt = tmp_path / "checkpoint-2"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["run_id"] = "../../elsewhere"
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    from tests.trainers.test_resume import reseal
+
+    reseal(ckpt)
+    with pytest.raises(ValueError, match="'run_id' is '../../elsewhere', not a run id"):
+        find_checkpoint(tmp_path, str(ckpt))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from unialign.files import write_with
+
 LINE_HEIGHT = 11
 MAX_LINES = 4
 
@@ -44,9 +46,7 @@ def save_grid(images: list[Image.Image], captions: list[str], path: str | Path, 
               cell: int = 128) -> Image.Image:
     """``make_grid`` written to ``path`` (folders created); returns the grid."""
     grid = make_grid(images, captions, columns, cell)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    write_with(path, grid.save, f"the image grid {path}")
     return grid
 
 
@@ -167,7 +167,5 @@ def make_comparison(before: list[Image.Image], after: list[Image.Image], prompts
 def save_comparison(path: str | Path, *args, **kwargs) -> Image.Image:
     """``make_comparison(*args, **kwargs)`` written to ``path`` (folders created); returns the image."""
     image = make_comparison(*args, **kwargs)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    write_with(path, image.save, f"the comparison image {path}")
     return image

@@ -67,7 +67,7 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _note(self, signum: int, frame: Any) -> None:
-        if self.received and signum != LAUNCHER_GONE and self.received != LAUNCHER_GONE:
+        if self.received and signum != LAUNCHER_GONE:
             # the second signal: stop now, as if nothing were installed
             print(f"\n{signal.Signals(signum).name} again: stopping now{'; ' + self.second if self.second else ''}",
                   file=sys.stderr, flush=True)
@@ -108,10 +108,10 @@ def is_accelerate_launcher(pid: int) -> bool:
     except OSError:
         return False
     names = [Path(a.decode(errors="replace")).name for a in argv]
-    for k, name in enumerate(names[:-1]):
-        if name in ("accelerate", "accelerate.commands.launch") and names[k + 1] == "launch":
+    for k, name in enumerate(names[:-1]):  # `accelerate launch`, `python -m accelerate.commands.accelerate_cli launch`
+        if (name == "accelerate" or name.startswith("accelerate.commands")) and names[k + 1] == "launch":
             return True
-    return "accelerate.commands.launch" in names
+    return "accelerate.commands.launch" in names  # python -m accelerate.commands.launch
 
 
 def watch_launcher() -> bool:

@@ -41,7 +41,8 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
     """End of a script: ``save(<output_dir>/final)`` on every process (stock-loadable weights, written by the
     main process into a temporary folder renamed into place, so ``final/`` is never half written), then on the
     main process write ``summary.json`` (strict JSON) with the run's config added, the trainer's non-zero
-    ``counters`` (samples whose reward errored and were skipped, non-finite rewards, skipped steps), and the
+    ``counters`` (samples whose reward errored and were skipped, non-finite rewards, skipped steps; by default
+    those the run's last checkpoint recorded), and the
     settings a resume changed (``config_changes_on_resume``, from the run's last checkpoint) when there were any;
     print where the outputs are and the summary as JSON, and release the run's hold on the directory.
 
@@ -50,16 +51,17 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
     written, and ``NothingTrainedError`` is raised (one line, exit status 2 from a script). SIGTERM / SIGINT during
     the final save let it finish, then exit with 128 + the signal and one line; a second one stops at once.
     Returns the summary."""
-    summary.update({k: v for k, v in (counters or {}).items() if v})  # e.g. reward_errors skipped, nonfinite rewards
+    out = Path(cfg.output_dir)
+    ckpt = find_checkpoint(out, "latest", required=False, verbose=False)
+    state = read_trainer_state(ckpt) if ckpt is not None else {}
+    counters = (state.get("counters") or {}) if counters is None else counters  # the run's last checkpoint has them
+    summary.update({k: v for k, v in counters.items() if v})  # e.g. reward_errors skipped, nonfinite rewards
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
     if callable(getattr(cfg, "algo_spec", None)):  # the algorithm as run: preset + overrides, every knob resolved
         summary["algorithm_spec"] = asdict(cfg.algo_spec())
-    out = Path(cfg.output_dir)
-    ckpt = find_checkpoint(out, "latest", required=False, verbose=False)
-    changes = read_trainer_state(ckpt).get("config_changes") if ckpt is not None else None
-    if changes:
-        summary["config_changes_on_resume"] = changes
-    steps, skipped = summary.get("steps"), (counters or {}).get("skipped_steps", 0)
+    if state.get("config_changes"):
+        summary["config_changes_on_resume"] = state["config_changes"]
+    steps, skipped = summary.get("steps", state.get("step")), counters.get("skipped_steps", 0)
     nothing = isinstance(steps, int) and steps > 0 and skipped >= steps
     if nothing:
         summary["trained"] = False
@@ -70,7 +72,7 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
         if not nothing:
             _save_final(acc, out, save, claimed_run_id(out))
         if acc.is_main_process:
-            write_json(out / "summary.json", summary)
+            write_json(out / "summary.json", summary, f"the summary {out / 'summary.json'}")
             print_summary(acc, out, summary)
     release(out)
     if nothing:

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from accelerate.utils import gather
 from unialign import algos
 from unialign.algos.pair_losses import check_pair_loss_params
 from unialign.config import arg
+from unialign.files import write_with
 from unialign.trainers.checkpoint import preserved_random_state
 from unialign.trainers.loop import TrainerLoop
 from unialign.trainers.outputs import save_curves
@@ -339,12 +339,10 @@ def fingerprint(rows: list[dict[str, Any]], model: torch.nn.Module) -> str:
 def _write_reference_cache(path: Path, cache: dict[int, tuple[float, float]]) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     ids = sorted(cache)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    save_file({"row_ids": torch.tensor(ids, dtype=torch.int64),
-               "ref_logps": torch.tensor([cache[i] for i in ids], dtype=torch.float64).reshape(len(ids), 2)}, str(tmp))
-    os.replace(tmp, path)
+    tensors = {"row_ids": torch.tensor(ids, dtype=torch.int64),
+               "ref_logps": torch.tensor([cache[i] for i in ids], dtype=torch.float64).reshape(len(ids), 2)}
+    write_with(path, lambda tmp: save_file(tensors, str(tmp)), f"the reference log-prob cache {path}")
 
 
 def _read_reference_cache(path: Path, n_rows: int) -> dict[int, tuple[float, float]] | None:

@@ -175,16 +175,20 @@ def claim(output_dir: str | Path, resuming: bool, overwrite: bool, run_id: str |
     legacy = resuming and run_id is None  # resuming a checkpoint from before run ids: its folder-mates are this run's
     run_id = run_id or uuid.uuid4().hex[:16]
     _take_lock(out, run_id)
-    remove_debris(out, run_id)
-    previous = read_run_file(out)
-    if overwrite and not resuming:
-        _set_aside(out, previous["run_id"] if previous else None)
-    if previous is None or previous.get("run_id") != run_id:
-        record = {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-                  "pid": os.getpid()}
-        if previous is not None:
-            record["replaces_run"] = previous["run_id"]
-        write_json(out / RUN_FILE, record, indent=1)
+    try:
+        remove_debris(out, run_id)
+        previous = read_run_file(out)
+        if overwrite and not resuming:
+            _set_aside(out, previous["run_id"] if previous else None)
+        if previous is None or previous.get("run_id") != run_id:
+            record = {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "host": socket.gethostname(), "pid": os.getpid()}
+            if previous is not None:
+                record["replaces_run"] = previous["run_id"]
+            write_json(out / RUN_FILE, record, f"the run record {out / RUN_FILE}", indent=1)
+    except BaseException:
+        _drop_lock(out / LOCK_FILE)
+        raise
     _CLAIMS[key] = RunClaim(out, run_id, locked=True, legacy=legacy)
     return _CLAIMS[key]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from unialign.config import OPTIMIZERS, REPORT_TO, SCHEDULERS, arg, check_output_dir, check_tracker
 from unialign.errors import UserError
@@ -57,6 +58,7 @@ class TrainConfig:
         check_tracker(self.report_to)
         if not str(self.output_dir).strip():
             rundir.check(self.output_dir, False, False)  # the one line for an empty name
+        rundir.check_links(Path(self.output_dir))  # a broken link is named as one, not as "not writable"
         check_output_dir(self.output_dir)
         rundir.check(self.output_dir, bool(self.resume_from_checkpoint), bool(self.overwrite_output_dir))
         if self.resume_from_checkpoint:  # "latest" with nothing to resume, or a damaged checkpoint: say so now
