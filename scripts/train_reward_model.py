@@ -19,7 +19,7 @@ from accelerate.utils import set_seed
 from unialign.config import DTYPES, arg, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
 from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
-from unialign.text.data import bounded_counts
+from unialign.text.data import bounded_counts, max_token_bytes
 from unialign.text.reward_model import RewardModel
 from unialign.trainers import finish_run
 from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig, PreferenceTrainer
@@ -67,7 +67,7 @@ def main(cfg: RewardModelConfig) -> dict:
 
     def prompt_tokens(prompts: list, limit: int) -> list[int]:  # the reward model's own prompt text (template, EOS)
         return bounded_counts([rm._text(p, "") for p in prompts], limit, lambda texts: [
-            len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
+            len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]], max_token_bytes(tok))
 
     train, held_out = fit_pairs(tok, prompt_tokens, train, held_out, cfg, data_info)
     trainer = PreferenceTrainer(BradleyTerryObjective(rm, cfg.center_coef), train, cfg, eval_rows=held_out)

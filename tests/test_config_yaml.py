@@ -47,3 +47,31 @@ def test_yaml_still_loads_safely_and_merge_keys_may_override(tmp_path):
     f.write_text("learning_rate: !!python/object/apply:os.system ['echo hi']\n")  # never constructed
     with pytest.raises(UserError, match=r"not valid YAML"):
         parse_config(Cfg, ["--config", str(f)])
+
+
+BOMB = """import sys
+from dataclasses import dataclass
+from unialign.config import arg, parse_config
+@dataclass
+class Cfg:
+    config: str | None = arg(None, "YAML file", group="config")
+    dataset_name: str = arg("x", "data", group="data")
+parse_config(Cfg, ["--config", sys.argv[1]])
+"""
+
+
+def test_an_alias_bomb_in_one_fields_value_is_refused_at_once(tmp_path):
+    """Nine levels of nine aliases (9^10 strings once expanded) inside one value: refused in a moment, naming the
+    field (it ran past 120 s and 9 GB before), while anchors of normal size keep working."""
+    import subprocess
+    import sys
+
+    levels = ["&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    f = tmp_path / "bomb.yaml"
+    f.write_text("dataset_name: [" + ", ".join(levels) + "]\n")
+    proc = subprocess.run([sys.executable, "-c", BOMB, str(f)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "'dataset_name': its value expands to more than 10000 items" in proc.stderr
+    f.write_text("<<: &base {max_steps: 3}\nlearning_rate: 0.5\n")
+    assert parse_config(Cfg, ["--config", str(f)]).max_steps == 3

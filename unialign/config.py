@@ -295,7 +295,35 @@ def _read_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict[str, Any
         return {}
     if not isinstance(loaded, dict):
         raise UserError(f"--config {path}: expected a mapping of field names to values, got {type(loaded).__name__}")
+    for key, value in loaded.items():
+        if _size_over(value, YAML_MAX_ITEMS):
+            raise UserError(f"--config {path}: {key!r}: its value expands to more than {YAML_MAX_ITEMS} items "
+                            "(anchors and aliases repeating one another?); a field's value is a number, a string "
+                            "or a short list")
     return loaded
+
+
+YAML_MAX_ITEMS = 10_000  # a field's value as YAML gives it, counted with every alias expanded
+
+
+def _size_over(value: Any, budget: int) -> bool:
+    """Whether ``value`` (YAML data, where aliases make one object appear many times) has more than ``budget``
+    items counted as if expanded, stopping as soon as it has: an alias bomb of 2^30 items costs ``budget`` steps
+    (the string of such a value would take minutes and gigabytes)."""
+    left, stack = budget, [value]
+    while stack:
+        item = stack.pop()
+        left -= 1
+        if left < 0:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, (str, bytes)):
+            left -= len(item) // 1000  # a long string counts by its thousands of characters
+    return False
 
 
 # ------------------------------------------------------------------ validation

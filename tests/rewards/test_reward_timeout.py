@@ -134,3 +134,62 @@ def test_reward_timeout_is_a_flag_of_the_online_scripts(tmp_path):
         assert parse_config(cls, ["--reward_timeout", "none", *out]).reward_timeout is None
         with pytest.raises(UserError, match="--reward_timeout: must be >= 0.0, got -1.0"):
             parse_config(cls, ["--reward_timeout", "-1", *out])
+
+
+def test_a_result_returned_after_the_limit_is_discarded():
+    """A reward that catches the stop (``except BaseException``) and returns late: its result is not used."""
+    def catches_everything(prompts, completions):
+        try:
+            time.sleep(10**6)
+        except BaseException:  # noqa: BLE001 - the point
+            pass
+        return [99.0] * len(completions)
+
+    with pytest.raises(RewardTimeoutError, match="did not return within 0.5 s .*its return, after the limit"):
+        CombinedReward([catches_everything], timeout_s=0.5)(["p"], ["c"])
+    out = CombinedReward([catches_everything], timeout_s=0.5, on_error="skip")(["p"], ["c"])
+    assert math.isnan(out.rewards_B[0]) and out.num_errors == 1
+
+
+def test_a_reward_calling_sys_exit_is_a_reward_error_not_the_end_of_the_run():
+    def quits(prompts, completions):
+        raise SystemExit(0)
+
+    with pytest.raises(RewardError, match=r"reward function 'quits' raised RewardExit .*it called sys.exit\(0\)"):
+        CombinedReward([quits])(["p"], ["c"])
+    out = CombinedReward([quits], on_error="skip")(["p", "q"], ["c", "d"])
+    assert out.rewards_B.isnan().all() and out.num_errors == 2
+
+
+UNSTOPPABLE = """import re, sys, time
+from unialign.rewards import CombinedReward
+
+def regex(prompts, completions):  # catastrophic backtracking in C: holds the GIL, no signal handler runs
+    return [float(bool(re.match(r"(a+)+$", "a" * 40 + "b")))]
+
+def stubborn(prompts, completions):  # catches the stop, every time it comes
+    while True:
+        try:
+            time.sleep(10**6)
+        except BaseException:
+            pass
+
+CombinedReward([{"regex": regex, "stubborn": stubborn}[sys.argv[1]]], timeout_s=1.0)(["p"], ["c"])
+print("never reached")
+"""
+
+
+@pytest.mark.parametrize("kind", ["regex", "stubborn"])
+def test_a_reward_nothing_in_the_process_can_stop_ends_the_run_with_one_line(kind):
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", UNSTOPPABLE, kind], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == -signal.SIGKILL and "never reached" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: reward function {kind!r} did not stop within 5 s after its 1 s limit (it holds the interpreter in "
+        "C code, e.g. a catastrophic regex, or catches the stop), so the run was killed; its last checkpoint is "
+        "whole: fix or bound the call, then --resume_from_checkpoint latest")
+    assert took < 30  # 1 s limit + 5 s to unwind, plus the interpreter's start

@@ -68,6 +68,19 @@ class RewardTimeoutError(RewardError):
     """A reward function did not return within its time limit (``--reward_timeout``)."""
 
 
+class RewardExit(RuntimeError):
+    """A reward function called ``sys.exit`` (raised ``SystemExit``): an error of that function, not the run's end."""
+
+
+def _no_exit(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)``, with ``SystemExit`` from inside it turned into ``RewardExit`` (a reward that calls
+    ``sys.exit(0)`` would otherwise end the run with status 0: no error, no checkpoint, no summary)."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as err:
+        raise RewardExit(f"it called sys.exit({err.code!r})") from None
+
+
 def fresh_copy(values: Sequence[Any]) -> Sequence[Any]:
     """A copy of a batch column (a list or tuple) for one reward call: a new one whose lists / dicts / tuples
     (conversation messages, content parts) are deep copies; strings, numbers, images, tensors and arrays are the
@@ -364,7 +377,8 @@ class RewardFunction:
         args, kwargs = self._bind(fresh_copy(prompts), fresh_copy(completions),
                                   {k: fresh_copy(v) for k, v in columns.items()})
         try:
-            return call_with_deadline(lambda: self.fn(*args, **kwargs), timeout_s)
+            return call_with_deadline(lambda: _no_exit(self.fn, args, kwargs),
+                                      timeout_s, f"reward function {self.name!r}")
         except CallTimedOut as err:
             at = f" at step {step}" if step is not None else ""
             how = "abandoned: it still runs in a background thread" if err.abandoned else f"stopped at {err.where}"

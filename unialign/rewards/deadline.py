@@ -15,13 +15,23 @@
   the CUDA device carried over) and is **abandoned** on timeout: a Python thread cannot be killed, so it runs
   on in the background (``abandoned_calls()`` counts those still alive).
 
-Neither can stop C code that never releases the GIL (a catastrophic regex, one huge ``int()``): nothing in the
-process can; bound such work by design (see ``map_with_time_limit`` and the math reward's killable worker).
+A result that comes back after the limit (a call that caught the stop and returned anyway) is discarded: the call
+counts as timed out.
+
+Nothing inside the process can stop C code that never releases the GIL (a catastrophic regex, one huge ``int()``),
+nor a call that catches the stop again and again. So, in the main-thread mode, a call that has not unwound
+``hard_stop_after(timeout_s)`` seconds after its limit ends the process: a small watchdog process (started once,
+outside the GIL) prints one line naming the call and sends SIGKILL. The run's last checkpoint is whole (checkpoints
+are written atomically); bound such work by design instead (``map_with_time_limit``, the math reward's killable
+worker).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -93,19 +103,30 @@ def abandoned_calls() -> int:
     return len(_abandoned)
 
 
-def call_with_deadline(fn: Callable[[], T], timeout_s: float | None) -> T:
-    """``fn()``, or ``CallTimedOut`` after ``timeout_s`` seconds (None or <= 0: no limit, a plain call)."""
+def call_with_deadline(fn: Callable[[], T], timeout_s: float | None, what: str = "the call") -> T:
+    """``fn()``, or ``CallTimedOut`` after ``timeout_s`` seconds (None or <= 0: no limit, a plain call). ``what``
+    names the call in the hard stop's line (module docstring)."""
     if not timeout_s or timeout_s <= 0:
         return fn()
     if _can_interrupt() and _install():
-        return _interrupting(fn, float(timeout_s))
+        return _interrupting(fn, float(timeout_s), what)
     return _on_thread(fn, float(timeout_s))
 
 
-def _interrupting(fn: Callable[[], T], timeout_s: float) -> T:
+def hard_stop_after(timeout_s: float) -> float:
+    """Seconds past its limit a call may take to unwind before the process is stopped: 5 to 60, as the limit."""
+    return min(60.0, max(5.0, timeout_s))
+
+
+def _interrupting(fn: Callable[[], T], timeout_s: float, what: str = "the call") -> T:
     if _armed:  # a call inside a call under a deadline: the outer deadline governs
         return fn()
     call, main = _Call(), threading.main_thread().ident
+    grace = hard_stop_after(timeout_s)
+    _WATCHDOG.arm(timeout_s + grace, f"error: {what} did not stop within {grace:g} s after its {timeout_s:g} s limit "
+                  "(it holds the interpreter in C code, e.g. a catastrophic regex, or catches the stop), so the run "
+                  "was killed; its last checkpoint is whole: fix or bound the call, then --resume_from_checkpoint "
+                  "latest")
 
     def watch() -> None:
         if call.finished.wait(timeout_s):
@@ -120,13 +141,17 @@ def _interrupting(fn: Callable[[], T], timeout_s: float) -> T:
     _armed.append(call)
     watchdog.start()
     try:
-        return fn()
+        out = fn()
     except _Deadline as stop:
         raise CallTimedOut(timeout_s, _where(stop.__traceback__), abandoned=False) from None
     finally:
         call.finished.set()  # from here on a late signal is ignored
         watchdog.join()
         _armed.pop()
+        _WATCHDOG.disarm()
+    if call.expired:  # it caught the stop and returned after its limit: a late result is not a result
+        raise CallTimedOut(timeout_s, "its return, after the limit (the stop was caught)", abandoned=False)
+    return out
 
 
 def _where(tb) -> str | None:
@@ -165,3 +190,62 @@ def _on_thread(fn: Callable[[], T], timeout_s: float) -> T:
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+# ------------------------------------------------------------------ the hard stop
+_WATCH_CODE = r"""
+import os, select, signal, sys, time
+parent, deadline, message, buf = int(sys.argv[1]), None, b"", b""
+while True:
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([0], [], [], wait)
+    if not ready:
+        os.write(2, b"\n" + message + b"\n")
+        os.kill(parent, signal.SIGKILL)
+        break
+    data = os.read(0, 65536)
+    if not data:
+        break  # the parent is gone
+    buf += data
+    while b"\n" in buf:
+        line, buf = buf.split(b"\n", 1)
+        if line.startswith(b"arm "):
+            seconds, _, message = line[4:].partition(b" ")
+            deadline = time.monotonic() + float(seconds)
+        elif line == b"disarm":
+            deadline = None
+"""
+
+
+class _Watchdog:
+    """A process outside this one's GIL that SIGKILLs it when an armed deadline passes (one per process, started
+    on first use; it exits when this process does, its pipe closing)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._owner = -1
+
+    def _pipe(self):
+        if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
+            self._owner = os.getpid()
+            self._proc = subprocess.Popen([sys.executable, "-c", _WATCH_CODE, str(os.getpid())], stdin=subprocess.PIPE,
+                                          stdout=subprocess.DEVNULL, close_fds=True)
+        return self._proc.stdin
+
+    def _send(self, line: str) -> None:
+        try:
+            pipe = self._pipe()
+            pipe.write(line.replace("\n", " ").encode() + b"\n")
+            pipe.flush()
+        except OSError:  # no watchdog (a sandbox without subprocesses): the soft stop still works
+            self._proc = None
+
+    def arm(self, seconds: float, message: str) -> None:
+        self._send(f"arm {seconds:.3f} {message}")
+
+    def disarm(self) -> None:
+        if self._proc is not None and self._owner == os.getpid():
+            self._send("disarm")
+
+
+_WATCHDOG = _Watchdog()

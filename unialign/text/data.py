@@ -109,11 +109,38 @@ Counter = Callable[[list[Any], int], list[int]]
 SPECIAL_SLACK = 4
 
 
-def bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]], list[int]]) -> list[int]:
+class AtLeast(int):
+    """A token count known only from below: the text is longer than a limit without being tokenized."""
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token of ``tokenizer`` stands for: the longest vocabulary entry in
+    UTF-8 bytes, times 4 (a normalizer may map up to 4 bytes of text to one byte of a token, e.g. NFKC). Computed
+    once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_BYTES:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        _MAX_TOKEN_BYTES[key] = 4 * max((len(str(t).encode("utf-8")) for t in vocab), default=64)
+    return _MAX_TOKEN_BYTES[key]
+
+
+_MAX_TOKEN_BYTES: dict[int, int] = {}
+
+
+def bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]], list[int]],
+                   bytes_per_token: int | None = None) -> list[int]:
     """Token counts of ``texts``: exact for any text whose UTF-8 length could exceed ``limit`` tokens, else
-    that (never exceeded) bound, so that the short texts of a large dataset are not tokenized at all."""
-    bounds = [len(t.encode("utf-8")) + SPECIAL_SLACK for t in texts]
-    idx = [i for i, b in enumerate(bounds) if b > limit]
+    that (never exceeded) bound, so that the short texts of a large dataset are not tokenized at all. With
+    ``bytes_per_token`` (``max_token_bytes``), a text too long to fit in ``limit`` tokens even at that many bytes
+    a token is not tokenized either: its count is ``AtLeast(bytes // bytes_per_token)`` (a 40 M-character prompt
+    is refused at once, not after minutes of tokenizing and gigabytes of ids)."""
+    sizes = [len(t.encode("utf-8")) for t in texts]
+    bounds: list[int] = [b + SPECIAL_SLACK for b in sizes]
+    if bytes_per_token:
+        for i, b in enumerate(sizes):
+            if b > (limit + SPECIAL_SLACK) * bytes_per_token:
+                bounds[i] = AtLeast(b // bytes_per_token)
+    idx = [i for i, b in enumerate(bounds) if b > limit and not isinstance(b, AtLeast)]
     for i, n in zip(idx, tokenize([texts[i] for i in idx]) if idx else []):
         bounds[i] = n
     return bounds
@@ -136,7 +163,7 @@ def prompt_token_counter(policy) -> Counter:
             if not idx:
                 continue
             counts = bounded_counts([texts[i] for i in idx], limit, lambda batch, t=templated: [
-                len(x) for x in tokenizer(batch, add_special_tokens=not t)["input_ids"]])
+                len(x) for x in tokenizer(batch, add_special_tokens=not t)["input_ids"]], max_token_bytes(tokenizer))
             for i, n in zip(idx, counts):
                 out[i] = n
         return out
@@ -159,8 +186,8 @@ def completion_token_counter(tokenizer) -> Counter:
 
     def count(completions: list[Any], limit: int) -> list[int]:
         counts = bounded_counts([completion_text(c) for c in completions], limit - 1, lambda batch: [
-            len(x) for x in tokenizer(batch, add_special_tokens=False)["input_ids"]])
-        return [n + 1 for n in counts]
+            len(x) for x in tokenizer(batch, add_special_tokens=False)["input_ids"]], max_token_bytes(tokenizer))
+        return [AtLeast(n + 1) if isinstance(n, AtLeast) else n + 1 for n in counts]
 
     return count
 
@@ -184,7 +211,8 @@ def limit_rows(rows: list[dict[str, Any]], limits: dict[str, tuple[int | None, C
     name = (lambda i: row_ids[i]) if row_ids is not None else (lambda i: i)
     if over and (action == "error" or len(over) == len(rows)):
         ids = sorted(over)
-        first = "; ".join(f"row {name(i)}: {over[i][0]} has {over[i][1]} tokens > {over[i][2]}" for i in ids[:3])
+        first = "; ".join(f"row {name(i)}: {over[i][0]} has {'at least ' if isinstance(over[i][1], AtLeast) else ''}"
+                          f"{over[i][1]} tokens > {over[i][2]}" for i in ids[:3])
         flags = sorted({"--max_prompt_length" if k == "prompt" else "--max_completion_length" for k, _, _ in over.values()})
         hint = "every row is over the limit" if action == "drop" else "or pass --overlong_rows drop to skip them"
         raise UserError(f"{source}: {len(over)} of {len(rows)} rows are too long ({first}{'; ...' if len(ids) > 3 else ''}); "

@@ -125,6 +125,20 @@ def prompt_images(prompt: Any) -> list:
             for b in m["content"] if isinstance(b, dict) and b.get("type") == "image" and "image" in b]
 
 
+def prompt_text(prompt: Any) -> str:
+    """The text of a prompt (a string, or the string contents and text blocks of its messages), joined."""
+    if isinstance(prompt, str):
+        return prompt
+    parts = []
+    for m in prompt:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str)]
+    return "".join(parts)
+
+
 def strip_images(prompt: Any) -> Any:
     """The prompt with its image blocks emptied (``{"type": "image"}``): what a chat template renders."""
     if isinstance(prompt, str):

@@ -35,7 +35,7 @@ from unialign.text.policy import CausalLMPolicy
 from unialign.text.prefix import cached_prefix, prefix_sharing_safe
 from unialign.types import PreferenceBatch
 from unialign.vision import families
-from unialign.vision.media import count_image_blocks, prompt_images, strip_images
+from unialign.vision.media import count_image_blocks, prompt_images, prompt_text, strip_images
 from unialign.weights import check_finite
 
 # processor knobs that bound an image's size (and so its number of image tokens), passed at load time
@@ -163,9 +163,19 @@ class VisionLanguagePolicy(CausalLMPolicy):
     def count_prompt_tokens(self, prompts: list[Any], limit: int | None = None) -> list[int]:
         """Prompt lengths in tokens with each image's tokens expanded as the processor expands them (what
         ``--max_prompt_length`` bounds; ``unialign.text.data.prompt_token_counter`` asks this)."""
+        from unialign.text.data import SPECIAL_SLACK, AtLeast, max_token_bytes
+
+        per = max_token_bytes(self.tokenizer)
         keep, self.max_prompt_length = self.max_prompt_length, None
+        out: list[int] = []
         try:
-            return [int(self._encode_row(i, p)["input_ids"].shape[1]) for i, p in enumerate(prompts)]
+            for i, p in enumerate(prompts):
+                size = len(prompt_text(p).encode("utf-8"))  # the template only adds to it
+                if limit is not None and size > (limit + SPECIAL_SLACK) * per:  # too long without tokenizing it
+                    out.append(AtLeast(size // per))
+                else:
+                    out.append(int(self._encode_row(i, p)["input_ids"].shape[1]))
+            return out
         finally:
             self.max_prompt_length = keep
 
