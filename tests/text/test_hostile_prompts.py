@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from unialign.config import UserError
-from unialign.text.data import AtLeast, completion_token_counter, limit_rows, max_token_bytes, prompt_token_counter
+from unialign.text.data import (
+    AtLeast,
+    completion_token_counter,
+    limit_rows,
+    max_token_bytes,
+    prompt_token_counter,
+)
 
 
 def _spy(tokenizer, monkeypatch):
