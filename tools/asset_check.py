@@ -131,3 +131,29 @@ def rebuild_and_compare(build: Callable[..., Any], build_kw: dict[str, Any], shi
         out = Path(keep) if keep is not None else Path(tmp)
         build(out, **build_kw)
         return compare(out, shipped, built_files, views={"build_metrics.json": json_without(*timing_fields)})
+
+
+# The machine type the shipped assets were built on (each asset's BUILD.md): float kernels are chosen by the CPU's
+# vector units, so only a machine of this type rebuilds them bit for bit; elsewhere a rebuild trains other weights.
+BUILD_MACHINE = {"vendor": "GenuineIntel", "avx512f": True}
+
+
+def this_machine() -> dict[str, Any]:
+    """The CPU vendor and whether it has AVX-512 (``/proc/cpuinfo``; unknown elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"vendor": "unknown", "avx512f": False}
+    vendor = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("vendor_id")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    return {"vendor": vendor, "avx512f": "avx512f" in flags}
+
+
+def other_machine_kind() -> str | None:
+    """Why a bit-for-bit rebuild cannot be expected here (another kind of CPU than ``BUILD_MACHINE``), else None."""
+    here = this_machine()
+    if here == BUILD_MACHINE:
+        return None
+    return (f"the shipped assets were built on {BUILD_MACHINE['vendor']} with AVX-512; this machine is "
+            f"{here['vendor']} {'with' if here['avx512f'] else 'without'} it: its float kernels round otherwise, so a "
+            "rebuild trains other weights")
