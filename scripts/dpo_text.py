@@ -112,7 +112,7 @@ def main(cfg: DPOTextConfig) -> dict:
     embedded = task is not None
     train, held_out, data_info = load_pair_data(cfg)
     if has_images(train + held_out):  # image + prompt + chosen / rejected (RLAIF-V): images read and checked now
-        train, held_out = with_images(train, cfg, "train"), with_images(held_out, cfg, "eval")
+        train, held_out = with_images(train, cfg, "train", data_info), with_images(held_out, cfg, "eval", data_info)
     policy = load_policy(model_path(cfg.model_name_or_path), cfg.freeze_vision, lora_rank=cfg.lora_rank,
                          torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)

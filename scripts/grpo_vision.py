@@ -90,8 +90,8 @@ def main(cfg: GRPOVisionConfig) -> dict:
     register()  # the demo worlds by name: 'embedded-vlm' (data set, model, vlm_accuracy reward)
     start = time.time()
     train_rows, eval_rows, data_info = load_prompt_data(cfg)
-    train_rows = with_images(train_rows, cfg, f"{cfg.dataset_name} [train]")  # every row checked, before the model
-    eval_rows = with_images(eval_rows, cfg, data_info.get("eval_source", "eval"))
+    train_rows = with_images(train_rows, cfg, f"{cfg.dataset_name} [train]", data_info)  # checked before the model
+    eval_rows = with_images(eval_rows, cfg, data_info.get("eval_source", "eval"), data_info)
     check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows), modality="text")
     check_rewards(cfg.eval_reward or cfg.reward_funcs, None if cfg.eval_reward else cfg.reward_weights,
                   columns_of(eval_rows), "--eval_reward" if cfg.eval_reward else "--reward_funcs", modality="text")

@@ -174,7 +174,7 @@ def test_image_columns_as_paths_bytes_and_feature_dicts(tmp_path):
     pairs, ties = normalize_pickapic(rows, "train", tmp_path)
     assert ties == 0 and pairs[0]["chosen"].decode().getpixel((0, 0)) == (255, 0, 0)
     assert pairs[1]["chosen"].decode().getpixel((0, 0)) == (0, 0, 255)
-    with pytest.raises(ValueError, match=r"train row 0: field 'jpg_0' is not a readable image \(no image file"):
+    with pytest.raises(ValueError, match=r"train row 0: field 'jpg_0': no image file"):
         normalize_pickapic([{**rows[0], "jpg_0": "img/missing.png"}], "train", tmp_path)
 
 

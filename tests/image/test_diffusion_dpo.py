@@ -31,7 +31,7 @@ def test_pickapic_rows_ties_and_errors():
     assert ties == 1 and len(pairs) == 6
     assert pairs[1]["chosen"].decode().getpixel((0, 0)) == (200, 20, 30)  # label_0 = 1: image 0 wins
     assert pairs[0]["chosen"].decode().getpixel((0, 0)) == (90, 90, 90)  # label_0 = 0: swapped
-    with pytest.raises(ValueError, match="row 1: field 'jpg_1' is not a readable image"):
+    with pytest.raises(ValueError, match="row 1: field 'jpg_1': not a readable image"):
         normalize_pickapic([ROWS[0], {**ROWS[1], "jpg_1": b"not an image"}])
     with pytest.raises(ValueError, match="row 0: missing field 'label_0'"):
         normalize_pickapic([{k: v for k, v in ROWS[0].items() if k != "label_0"}])

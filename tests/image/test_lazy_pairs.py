@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -66,23 +67,23 @@ def test_rows_are_checked_and_kept_encoded_without_decoding_pixels(tmp_path, mon
     (png(noise(0))[:-30], "runcated"),  # truncated: the header reads, verify() does not
     (bytes(b ^ 0xFF if i == 200 else b for i, b in enumerate(png(noise(0)))), "broken PNG file"),
     ("img/missing.png", "no image file"),
-    (12, "expected image bytes, a PIL image or an image path, got int"),
+    (12, "an image must be a PIL image, bytes, {'bytes', 'path'} or a path, got int"),
 ])
 def test_unreadable_images_are_one_line_errors_naming_row_and_field(tmp_path, no_decoding, bad, message):
     rows = rows_on_disk(tmp_path, 2) if isinstance(bad, str) else [{"caption": "a", "jpg_0": png((1, 2, 3)),
                                                                     "jpg_1": png((4, 5, 6)), "label_0": 1}] * 2
     rows = [rows[0], {**rows[1], "jpg_1": bad}]
-    with pytest.raises(ValueError, match=rf"train row 1: field 'jpg_1' is not a readable image \(.*{message}") as err:
+    with pytest.raises(ValueError, match=rf"train row 1: field 'jpg_1': .*{re.escape(message)}") as err:
         normalize_pickapic(rows, "train", tmp_path)
     assert "\n" not in str(err.value)
 
 
 def test_unsupported_mode_is_refused_at_validation(monkeypatch, no_decoding):
-    from unialign.image import data
+    from unialign import images
 
-    monkeypatch.setattr(data, "MODES", ("RGB",))  # as if greyscale were a mode to_rgb could not convert
+    monkeypatch.setattr(images, "MODES", ("RGB",))  # as if greyscale were a mode to_rgb could not convert
     rows = [{"caption": "a", "jpg_0": png((1, 2, 3)), "jpg_1": png(np.zeros((4, 4), np.uint8)), "label_0": 1}]
-    with pytest.raises(ValueError, match=r"row 0: field 'jpg_1' is not a readable image \(unsupported image mode 'L'"):
+    with pytest.raises(ValueError, match=r"row 0: field 'jpg_1': unsupported image mode 'L'"):
         normalize_pickapic(rows)
 
 

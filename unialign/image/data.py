@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-# modes ``to_rgb`` converts (Pillow's modes of decoded files; anything else is refused by name at validation)
-MODES = ("1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "LAB", "HSV", "LA", "La", "PA",
-         "I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+from unialign.errors import UserError
+from unialign.images import ImageRules, decodes, note_skipped, open_checked
+
+# MODES (unialign.images): the modes ``to_rgb`` converts; anything else is refused by name at validation
 WHITE = (255, 255, 255)
 
 
@@ -91,37 +92,34 @@ class EncodedImage:
         return hash(str(self))
 
 
-def _checked(value: Any, where: str, root: Path | None = None) -> EncodedImage | Image.Image:
-    """``value`` as an ``EncodedImage`` (a PIL image as it is) after a cheap check: the header is readable, the
-    mode is one ``to_rgb`` converts, and ``verify()`` (PNG chunk checksums; no pixel decoding) passes."""
-    if isinstance(value, Image.Image):
-        _check_mode(value.mode)
-        return value
+def _checked(value: Any, where: str, rules: ImageRules) -> EncodedImage | Image.Image:
+    """``value`` as an ``EncodedImage`` (a PIL image as it is) after ``unialign.images``' checks: a regular file
+    inside the data folder (unless allowed outside), at most the pixel limit, a mode ``to_rgb`` converts, and
+    whole: a PNG by ``verify()`` (every chunk's checksum, no pixel decoded), any other format by a probe decode
+    (a JPEG at 1/8 scale)."""
     if isinstance(value, EncodedImage):
+        return value
+    image = open_checked(value, where, rules)
+    if isinstance(value, Image.Image):
         return value
     if isinstance(value, dict) and ("bytes" in value or "path" in value):  # datasets' Image feature, undecoded
         value = value.get("bytes") or value.get("path")
-    if isinstance(value, str):  # a path to an image file
-        path = Path(value).expanduser()
-        path = path if path.is_absolute() or root is None else root / path
-        if not path.is_file():
-            raise FileNotFoundError(f"no image file {str(path)!r}")
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(image.filename)
         st = path.stat()
-        image = EncodedImage(path=path, where=where,
-                             key=f"EncodedImage(path={value!r}, size={st.st_size}, mtime_ns={st.st_mtime_ns})")
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        image = EncodedImage(data=bytes(value), where=where)
+        encoded = EncodedImage(path=path, where=where,
+                               key=f"EncodedImage(path={str(value)!r}, size={st.st_size}, mtime_ns={st.st_mtime_ns})")
     else:
-        raise TypeError(f"expected image bytes, a PIL image or an image path, got {type(value).__name__}")
-    with image.open() as img:  # header only
-        _check_mode(img.mode)
-        img.verify()
-    return image
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unsupported image mode {mode!r} (supported: {', '.join(MODES)})")
+        encoded = EncodedImage(data=bytes(value), where=where)
+    with image:
+        try:
+            image.verify()
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for corrupt data
+            raise UserError(f"{where}: not a readable image ({type(err).__name__}: {str(err)[:200]})") from None
+    if image.format != "PNG":  # PNG's verify() read every chunk and its checksum; others must decode to tell
+        with encoded.open() as probe:  # (verify() leaves the image unusable: a fresh one)
+            decodes(probe, where, rules, draft=True)
+    return encoded
 
 
 def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
@@ -167,42 +165,53 @@ def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Imag
     return image.convert("RGB")
 
 
-def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset",
-                       root: str | Path | None = None) -> tuple[list[dict[str, Any]], int]:
+def normalize_pickapic(rows: list[dict[str, Any]], source: str = "dataset", root: str | Path | None = None,
+                       rules: ImageRules | None = None,
+                       bad_rows: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Rows -> (pairs ``{"prompt", "chosen", "rejected"}``, number of ties dropped). ``chosen`` / ``rejected``
     are ``EncodedImage``s (images given as bytes, paths or ``{"bytes", "path"}``; decoded per batch by
     ``to_pixels``) or the PIL images the rows held. Image paths are read relative to ``root`` (default: the
-    working directory). Raises ValueError naming the row and field of the first malformed row or unreadable
-    image; images are checked without decoding their pixels (``_checked``)."""
+    working directory; ``rules``: ``unialign.images.ImageRules``, by default unconfined with Pillow's pixel limit).
+    Raises ValueError naming the row and field of the first malformed row or bad image (``_checked``), or -- with
+    a ``bad_rows`` list -- appends each such row's line to it and skips the row."""
     root = Path(root) if root is not None else None
+    rules = rules or ImageRules(root, confine=False)
     pairs, ties = [], 0
     for i, row in enumerate(rows):
-        for field in ("caption", "jpg_0", "jpg_1", "label_0"):
-            if field not in row:
-                raise ValueError(f"{source} row {i}: missing field {field!r} (keys: {sorted(row)})")
         try:
-            label = float(row["label_0"])
-        except (TypeError, ValueError):
-            raise ValueError(f"{source} row {i}: field 'label_0' must be 0, 0.5 or 1, got {row['label_0']!r}") from None
-        if label not in (0.0, 0.5, 1.0):
-            raise ValueError(f"{source} row {i}: field 'label_0' must be 0, 0.5 or 1, got {label}")
-        if label == 0.5:
-            ties += 1
+            pair = _pair(row, i, source, rules)
+        except UserError as err:  # an image's problem (a row's schema is not skipped)
+            if bad_rows is None:
+                raise
+            bad_rows.append(str(err))
             continue
-        images = []
-        for field in ("jpg_0", "jpg_1"):
-            where = f"{source} row {i}: field {field!r}"
-            try:
-                images.append(_checked(row[field], where, root))
-            except Exception as err:  # noqa: BLE001 - PIL raises many types for corrupt data
-                raise ValueError(f"{where} is not a readable image ({err})") from None
-        if not isinstance(row["caption"], str):
-            raise ValueError(f"{source} row {i}: field 'caption' must be a string")
-        chosen, rejected = images if label == 1.0 else images[::-1]
-        pairs.append({"prompt": row["caption"], "chosen": chosen, "rejected": rejected})
+        if pair is None:
+            ties += 1
+        else:
+            pairs.append(pair)
     if not pairs:
         raise ValueError(f"{source}: no usable pairs ({ties} ties dropped)")
     return pairs, ties
+
+
+def _pair(row: dict[str, Any], i: int, source: str, rules: ImageRules) -> dict[str, Any] | None:
+    """One Pick-a-Pic row as a pair, or None for a tie."""
+    for field in ("caption", "jpg_0", "jpg_1", "label_0"):
+        if field not in row:
+            raise ValueError(f"{source} row {i}: missing field {field!r} (keys: {sorted(row)})")
+    try:
+        label = float(row["label_0"])
+    except (TypeError, ValueError):
+        raise ValueError(f"{source} row {i}: field 'label_0' must be 0, 0.5 or 1, got {row['label_0']!r}") from None
+    if label not in (0.0, 0.5, 1.0):
+        raise ValueError(f"{source} row {i}: field 'label_0' must be 0, 0.5 or 1, got {label}")
+    if label == 0.5:
+        return None
+    if not isinstance(row["caption"], str):
+        raise ValueError(f"{source} row {i}: field 'caption' must be a string")
+    images = [_checked(row[field], f"{source} row {i}: field {field!r}", rules) for field in ("jpg_0", "jpg_1")]
+    chosen, rejected = images if label == 1.0 else images[::-1]
+    return {"prompt": row["caption"], "chosen": chosen, "rejected": rejected}
 
 
 def to_pixels(image: Image.Image | EncodedImage, resolution: int) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
@@ -237,9 +246,19 @@ def load_pickapic(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
         cfg.dataset_name, config_name=cfg.dataset_config, train_split=cfg.train_split, eval_split=cfg.eval_split,
         eval_name=cfg.eval_dataset_name, eval_fraction=cfg.eval_fraction, decode_images=False,
         encoding_errors=getattr(cfg, "encoding_errors", "strict"))
-    train, ties = normalize_pickapic(train_rows, "train", data_root(cfg.dataset_name))
-    held_out, _ = normalize_pickapic(eval_rows, "eval", data_root(cfg.eval_dataset_name or cfg.dataset_name))
+    bad: dict[str, list[str] | None] = {k: [] if getattr(cfg, "skip_bad_rows", False) else None
+                                        for k in ("train", "eval")}
+    roots = {"train": data_root(cfg.dataset_name), "eval": data_root(cfg.eval_dataset_name or cfg.dataset_name)}
+    train, ties = normalize_pickapic(train_rows, "train", roots["train"], _rules(cfg, roots["train"]), bad["train"])
+    held_out, _ = normalize_pickapic(eval_rows, "eval", roots["eval"], _rules(cfg, roots["eval"]), bad["eval"])
+    for split, n in (("train", len(train_rows)), ("eval", len(eval_rows))):
+        note_skipped(bad[split] or [], n, split, info)
     return train, held_out[:cfg.num_eval], ties, info
+
+
+def _rules(cfg: Any, root: Path) -> ImageRules:
+    """The image rules of ``cfg`` for data under ``root`` (a local folder; a Hub dataset's images are bytes)."""
+    return ImageRules.of(cfg, root if root.exists() else None)
 
 
 @torch.no_grad()

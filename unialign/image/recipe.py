@@ -27,6 +27,7 @@ from unialign.image.families import (
     get_family,
     resolve,
 )
+from unialign.images import ImageDataArgs
 from unialign.rewards import CombinedReward, get_reward
 from unialign.trainers import OnlineConfig, OnlineTrainer
 
@@ -38,7 +39,7 @@ ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird",
 
 
 @dataclass
-class PickapicDataArgs:
+class PickapicDataArgs(ImageDataArgs):
     """Data fields of a Pick-a-Pic-schema preference dataset and its held-out split: what ``load_pickapic`` reads
     (``scripts/dpo_sdxl.py`` mixes them into its config)."""
 

@@ -20,44 +20,32 @@ data-side cause of transformers' "Image features and image tokens do not match".
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from unialign.errors import UserError
+from unialign.images import ImageRules, decodes, open_checked
 
 PLACEHOLDER = "<image>"  # verl's literal placeholder in string prompts and string message contents
 IMAGE_COLUMNS = ("image", "images")
 
 
-def load_image(value: Any, base_dir: str | Path | None = None, where: str = "image"):
+def load_image(value: Any, base_dir: str | Path | None = None, where: str = "image", rules: ImageRules | None = None):
     """``value`` as an RGB ``PIL.Image``: a PIL image, encoded bytes, ``{"bytes", "path"}`` or a path
-    (relative to ``base_dir``). ``UserError`` naming ``where`` for anything else or an unreadable file."""
-    from PIL import Image, UnidentifiedImageError
-
+    (relative to ``base_dir``), checked and decoded by ``unialign.images`` (a regular file, inside the data folder
+    when ``rules`` confine it, at most the pixel limit, whole). ``UserError`` naming ``where`` otherwise."""
     if isinstance(value, Image.Image):
+        open_checked(value, where, rules)
         return value.convert("RGB") if value.mode != "RGB" else value
-    if isinstance(value, dict) and ("bytes" in value or "path" in value):
-        value = value.get("bytes") or value.get("path")
-    try:
-        if isinstance(value, (bytes, bytearray)):
-            return Image.open(io.BytesIO(value)).convert("RGB")
-        if isinstance(value, (str, Path)):
-            path = Path(value)
-            if not path.is_absolute() and base_dir is not None:
-                path = Path(base_dir) / path
-            with Image.open(path) as im:
-                return im.convert("RGB")
-    except FileNotFoundError:
-        raise UserError(f"{where}: no image file at {str(value)!r}"
-                        + (f" (relative paths are read from {str(base_dir)!r})" if base_dir else "")) from None
-    except (UnidentifiedImageError, OSError) as err:
-        raise UserError(f"{where}: not a readable image ({type(err).__name__}: {err})") from None
-    raise UserError(f"{where}: an image must be a PIL image, bytes, {{'bytes', 'path'}} or a path, "
-                    f"got {type(value).__name__}")
+    rules = rules or ImageRules(Path(base_dir) if base_dir is not None else None, confine=False)
+    with open_checked(value, where, rules) as image:
+        return decodes(image, where, rules).convert("RGB")  # a copy: the file is closed on return
 
 
-def row_images(row: dict[str, Any], base_dir: str | Path | None = None, where: str = "row") -> list:
+def row_images(row: dict[str, Any], base_dir: str | Path | None = None, where: str = "row",
+               rules: ImageRules | None = None) -> list:
     """The row's images (``image``: one, ``images``: a list; both is refused), loaded; [] for a text-only row."""
     if "image" in row and "images" in row and row["image"] is not None and row["images"]:
         raise UserError(f"{where}: has both 'image' and 'images'; give one")
@@ -65,9 +53,9 @@ def row_images(row: dict[str, Any], base_dir: str | Path | None = None, where: s
         images = row["images"]
         if not isinstance(images, (list, tuple)):
             raise UserError(f"{where}: field 'images' must be a list of images, got {type(images).__name__}")
-        return [load_image(im, base_dir, f"{where}: images[{k}]") for k, im in enumerate(images)]
+        return [load_image(im, base_dir, f"{where}: images[{k}]", rules) for k, im in enumerate(images)]
     if row.get("image") is not None:
-        return [load_image(row["image"], base_dir, f"{where}: field 'image'")]
+        return [load_image(row["image"], base_dir, f"{where}: field 'image'", rules)]
     return []
 
 
@@ -147,16 +135,24 @@ def strip_images(prompt: Any) -> Any:
                               for b in m["content"]]} if isinstance(m.get("content"), list) else m for m in prompt]
 
 
-def vision_rows(rows: list[dict[str, Any]], source: str = "dataset",
-                base_dir: str | Path | None = None) -> list[dict[str, Any]]:
+def vision_rows(rows: list[dict[str, Any]], source: str = "dataset", base_dir: str | Path | None = None,
+                rules: ImageRules | None = None, bad_rows: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows with ``image`` / ``images`` columns -> rows whose ``prompt`` carries the images
     (``multimodal_prompt``); the image columns are dropped (the prompt holds them), the other columns kept
-    (they reach the rewards). Text-only rows pass through. ``UserError`` naming the first bad row."""
+    (they reach the rewards). Text-only rows pass through. Every image is checked and decoded now
+    (``unialign.images``, under ``rules``). ``UserError`` naming the first bad row, or -- when a ``bad_rows`` list
+    is given -- each bad row's line appended to it and the row skipped."""
     out = []
     for i, row in enumerate(rows):
         where = f"{source} row {i}"
-        images = row_images(row, base_dir, where)
-        rest = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
-        rest["prompt"] = multimodal_prompt(row["prompt"], images, where)
+        try:
+            images = row_images(row, base_dir, where, rules)
+            rest = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
+            rest["prompt"] = multimodal_prompt(row["prompt"], images, where)
+        except UserError as err:
+            if bad_rows is None:
+                raise
+            bad_rows.append(str(err))
+            continue
         out.append(rest)
     return out

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from unialign.config import UserError, arg
+from unialign.images import ImageDataArgs, ImageRules, note_skipped
 
 FREEZE_VISION_HELP = ("train the language model only, the vision tower frozen (as EasyR1 and TRL's VLM examples; on "
                       "the embedded task, GRPO at lr 1e-3 with the tower trained too lost 10 points of held-out "
@@ -15,7 +16,7 @@ FREEZE_VISION_HELP = ("train the language model only, the vision tower frozen (a
 
 
 @dataclass
-class VisionTowerArgs:
+class VisionTowerArgs(ImageDataArgs):
     """The vision-tower flag of scripts that train text LMs and vision-language models alike (DPO)."""
 
     freeze_vision: bool = arg(True, "a vision-language checkpoint: " + FREEZE_VISION_HELP + " (a text LM has no "
@@ -23,7 +24,7 @@ class VisionTowerArgs:
 
 
 @dataclass
-class VisionArgs:
+class VisionArgs(ImageDataArgs):
     """Fields of the scripts that train vision-language policies."""
 
     max_pixels: int | None = arg(None, "processor: largest image area in pixels (Qwen-VL's max_pixels; fewer pixels, "
@@ -48,9 +49,11 @@ def data_folder(name: str) -> Path | None:
     return path.parent if path.is_file() else path if path.is_dir() else None
 
 
-def with_images(rows: list[dict[str, Any]], cfg: Any, source: str) -> list[dict[str, Any]]:
+def with_images(rows: list[dict[str, Any]], cfg: Any, source: str, info: dict | None = None) -> list[dict[str, Any]]:
     """``rows`` (already in TRL's prompt format) with their images in their prompts (``vision_rows``), the prompt
-    taken from ``cfg.prompt_column``; errors name the row."""
+    taken from ``cfg.prompt_column``; every image checked and decoded under ``cfg``'s ``ImageDataArgs``: errors
+    name the row, or with ``--skip_bad_rows`` such rows are skipped, counted in the log and in ``info``
+    (``bad_rows_skipped``, which summary.json carries)."""
     from unialign.vision.media import vision_rows
 
     column = getattr(cfg, "prompt_column", "prompt")
@@ -64,7 +67,12 @@ def with_images(rows: list[dict[str, Any]], cfg: Any, source: str) -> list[dict[
             raise UserError(f"--prompt_template must contain {{content}} (where the prompt goes), got {template!r}")
         rows = [{**r, "prompt": template.replace("{content}", r["prompt"])} if isinstance(r["prompt"], str) else r
                 for r in rows]
-    return vision_rows(rows, source, data_folder(cfg.dataset_name))
+    folder = data_folder(cfg.dataset_name)
+    rules = ImageRules.of(cfg, folder)
+    bad: list[str] | None = [] if getattr(cfg, "skip_bad_rows", False) else None
+    out = vision_rows(rows, source, folder, rules, bad)
+    note_skipped(bad or [], len(rows), source, info)
+    return out
 
 
 def is_vision_checkpoint(name_or_path: str) -> bool:
