@@ -78,3 +78,20 @@ def demo_worlds():
     from unialign.embedded import register
 
     register()
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading any model fails the test: the errors under test must come before."""
+    from unialign.image.policy import DiffusionPolicy
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.text.reward_model import RewardModel
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error")
+
+    for cls in (CausalLMPolicy, RewardModel, DiffusionPolicy):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
+    from unialign.embedded import parts, shapes_world
+    monkeypatch.setattr(shapes_world, "load_embedded", boom)
+    monkeypatch.setattr(parts, "image_rl_parts", boom)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_scripts import no_model, run, run_cli  # noqa: F401 - no_model is a fixture
+from tests.test_scripts import run, run_cli
 
 
 def bomb_png(width: int = 20000, height: int = 20000) -> bytes:

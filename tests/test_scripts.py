@@ -338,23 +338,6 @@ def run_cli(name: str, argv: list[str], capsys) -> tuple[int, str]:
     return 0, ""
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading any model fails the test: the errors under test must come before."""
-    from unialign.image.policy import DiffusionPolicy
-    from unialign.text.policy import CausalLMPolicy
-    from unialign.text.reward_model import RewardModel
-
-    def boom(*args, **kwargs):
-        raise AssertionError("a model was loaded before the error")
-
-    for cls in (CausalLMPolicy, RewardModel, DiffusionPolicy):
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
-    from unialign.embedded import parts, shapes_world
-    monkeypatch.setattr(shapes_world, "load_embedded", boom)
-    monkeypatch.setattr(parts, "image_rl_parts", boom)
-
-
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
