@@ -132,3 +132,12 @@ def test_the_quick_start_python_api_runs_as_written(tmp_path, monkeypatch):
         exec(compile(code, f"docs/quickstart.md (Python API, example {i + 1})", "exec"), {})  # noqa: S102 - our own docs
     assert (tmp_path / "out" / "grpo" / "final" / "config.json").is_file()
     assert (tmp_path / "out" / "dpo" / "final" / "config.json").is_file()
+
+
+def test_every_promise_in_reliability_names_a_test_that_exists():
+    text = (DOCS / "reliability.md").read_text(encoding="utf-8")
+    named = re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", text)
+    assert len(named) >= 40
+    for path, name in named:
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert not name or re.search(rf"^def {name}\(", source, flags=re.M), f"{path}::{name} does not exist"

@@ -264,8 +264,14 @@ class _Wrapper:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The weights, stock-loadable (``from_pretrained`` / LoRA adapter), into ``output_dir`` (default
-        ``args.output_dir``, as TRL; ``train()`` also wrote them to ``<output_dir>/final``)."""
-        self.policy.save(str(output_dir or self.args.output_dir))
+        ``args.output_dir``, as TRL; ``train()`` also wrote them to ``<output_dir>/final``, atomically). The files
+        are written into the folder as TRL writes them (it may hold other things: checkpoints); a full disk is one
+        line (``DiskFullError``)."""
+        from unialign.files import writing
+
+        target = str(output_dir or self.args.output_dir)
+        with writing(None, f"the model in {target}"):
+            self.policy.save(target)
 
     @property
     def model(self):

@@ -440,3 +440,54 @@ def test_json_safe_reads_tensors_without_importing_torch_itself():
 
     assert json_safe({"t": torch.tensor(2.5), "n": float("nan")}) == {"t": 2.5, "n": None}
     assert "import torch" not in (Path(__file__).resolve().parents[2] / "unialign" / "files.py").read_text()
+
+
+# ------------------------------------------------------------------ no writer outside the policy
+# (module, function) -> why it may write directly: the only places a file is written without unialign.files
+DIRECT_WRITES = {
+    ("unialign/files.py", "write_bytes"): "the policy itself",
+    ("unialign/files.py", "write_text"): "the policy itself",
+    ("unialign/files.py", "write_json"): "the policy itself",
+    ("unialign/trainers/loop.py", "_write_samples"): "unialign.files.write_text (imported by name)",
+    ("unialign/trainers/outputs.py", "save_curves"): "inside write_with's writer",
+    ("unialign/trainers/outputs.py", "_save_final"): "into the temporary folder _save_final renames into place",
+    ("unialign/trainers/checkpoint.py", "save_checkpoint"): "into the checkpoint's temporary folder",
+    ("unialign/trainers/preference.py", "_write_reference_cache"): "inside write_with's writer",
+    ("unialign/text/policy.py", "save"): "a policy's save: into the folder finish_run / save_checkpoint gives it",
+    ("unialign/text/reward_model.py", "save"): "the same",
+    ("unialign/vision/policy.py", "save"): "the same",
+    ("unialign/image/denoiser.py", "save"): "the same",
+    ("unialign/trl.py", "save_model"): "TRL's save_model: into the folder the user names, under writing()",
+    ("unialign/text/vllm_engine.py", "_model_dir_for_engine"): "a private temporary folder the engine reads",
+    ("unialign/image/data.py", "_png"): "into memory (BytesIO)",
+    ("unialign/rewards/image.py", "jpeg_size_kb"): "into memory (BytesIO)",
+    ("unialign/embedded/vlm.py", "export"): "a command that exports a data set, not a run",
+    ("unialign/embedded/shapes_world.py", "write_tokenizer"): "the asset builder's, not a run's",
+}
+
+
+def test_every_file_a_run_writes_goes_through_the_write_policy():
+    """A new direct write (``write_text``, ``open(..., "w")``, ``save``, ``savefig``, ``save_file``,
+    ``save_pretrained``) anywhere in the package must be one of the known places above, or use unialign.files."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    names = {"write_text", "write_bytes", "savefig", "save_pretrained", "save_file", "save"}
+    found = set()
+    for path in sorted((root / "unialign").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                modes = [a.value for a in node.args[1:2] + [k.value for k in node.keywords if k.arg == "mode"]
+                         if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                if name in names or (name == "open" and any(set(m) & set("wax") for m in modes)):
+                    found.add((rel, fn.name))
+    unknown = sorted(found - set(DIRECT_WRITES))
+    assert not unknown, f"files written outside unialign.files' write policy: {unknown}"
+    assert not set(DIRECT_WRITES) - found, "an entry above no longer writes: remove it"
