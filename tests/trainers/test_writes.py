@@ -413,6 +413,13 @@ def test_an_output_dir_that_is_a_broken_link_is_one_line(tmp_path, capsys, kind)
     assert line.startswith(f"error: --output_dir: {str(out)!r} is a symbolic link that {why}")
 
 
+def test_a_broken_link_on_the_output_dirs_path_is_named(tmp_path, capsys):
+    (tmp_path / "outputs").symlink_to(tmp_path / "unmounted")
+    line = one_line(capsys, lambda: make(tmp_path / "outputs" / "run"))
+    assert line.startswith(f"error: --output_dir: {str(tmp_path / 'outputs' / 'run')!r}: {tmp_path / 'outputs'} is a "
+                           "symbolic link that points to nothing")
+
+
 def test_an_output_dir_reached_through_a_link_is_written_through(tmp_path):
     real = tmp_path / "big_disk"
     real.mkdir()

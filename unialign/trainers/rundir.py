@@ -391,18 +391,20 @@ def check_links(out: Path) -> None:
     files and folders a run replaces or deletes in it (``OWN_NAMES``, ``checkpoint-<N>``): a link is never
     written through or deleted with what it points to. A link elsewhere on the path (``outputs -> /big/disk``)
     is followed as usual: nothing there is replaced or deleted."""
-    if out.is_symlink() and not out.exists():
-        try:
-            target = os.readlink(out)
-        except OSError:
-            target = "?"
-        try:
-            out.stat()
-            why = "points to nothing"
-        except OSError as err:
-            why = "loops" if err.errno == errno.ELOOP else "points to nothing"
-        raise UserError(f"--output_dir: {str(out)!r} is a symbolic link that {why} (-> {target}); make its target "
-                        "a folder or choose another --output_dir")
+    for part in (out, *out.parents):  # the folder itself, or a folder on its path, as a broken link
+        if part.is_symlink() and not part.exists():
+            try:
+                target = os.readlink(part)
+            except OSError:
+                target = "?"
+            try:
+                part.stat()
+                why = "points to nothing"
+            except OSError as err:
+                why = "loops" if err.errno == errno.ELOOP else "points to nothing"
+            name = repr(str(out)) if part == out else f"{str(out)!r}: {part}"
+            raise UserError(f"--output_dir: {name} is a symbolic link that {why} (-> {target}); make its target "
+                            "a folder or choose another --output_dir")
     for p in _entries(out):
         if p.is_symlink() and (p.name in OWN_NAMES or checkpoint_step(p) is not None):
             try:
