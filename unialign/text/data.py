@@ -107,6 +107,9 @@ Counter = Callable[[list[Any], int], list[int]]
 # a token covers at least one UTF-8 byte of its text, except the few a tokenizer adds (BOS / EOS, a
 # SentencePiece dummy prefix): a text of b bytes has at most b + SPECIAL_SLACK tokens
 SPECIAL_SLACK = 4
+# a text up to this many UTF-8 bytes is tokenized for its exact count whenever it could be over a limit (well
+# under a second); only a longer one that cannot fit even at the longest token is given a lower bound instead
+EXACT_COUNT_BYTES = 1 << 18
 
 
 class AtLeast(int):
@@ -132,13 +135,14 @@ def bounded_counts(texts: list[str], limit: int, tokenize: Callable[[list[str]],
     """Token counts of ``texts``: exact for any text whose UTF-8 length could exceed ``limit`` tokens, else
     that (never exceeded) bound, so that the short texts of a large dataset are not tokenized at all. With
     ``bytes_per_token`` (``max_token_bytes``), a text too long to fit in ``limit`` tokens even at that many bytes
-    a token is not tokenized either: its count is ``AtLeast(bytes // bytes_per_token)`` (a 40 M-character prompt
-    is refused at once, not after minutes of tokenizing and gigabytes of ids)."""
+    a token and longer than ``EXACT_COUNT_BYTES`` is not tokenized either: its count is
+    ``AtLeast(bytes // bytes_per_token)`` (a 40 M-character prompt is refused at once, not after minutes of
+    tokenizing and gigabytes of ids)."""
     sizes = [len(t.encode("utf-8")) for t in texts]
     bounds: list[int] = [b + SPECIAL_SLACK for b in sizes]
     if bytes_per_token:
         for i, b in enumerate(sizes):
-            if b > (limit + SPECIAL_SLACK) * bytes_per_token:
+            if b > max((limit + SPECIAL_SLACK) * bytes_per_token, EXACT_COUNT_BYTES):
                 bounds[i] = AtLeast(b // bytes_per_token)
     idx = [i for i, b in enumerate(bounds) if b > limit and not isinstance(b, AtLeast)]
     for i, n in zip(idx, tokenize([texts[i] for i in idx]) if idx else []):
