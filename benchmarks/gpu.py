@@ -508,7 +508,7 @@ def rows_p11(rows):
         from benchmarks import p10_flow, sd_parts
         from benchmarks.p10_flow import _timed_step, clip_with_projection, sd3_vae
         from unialign.image.flow_policy import FlowMatchingPolicy
-        from unialign.image.recipe import ImageRLConfig, forward_process_kwargs
+        from unialign.recipes.image import ImageRLConfig, forward_process_kwargs
         from unialign.trainers import OnlineTrainer
 
         dev, dtype = ARGS.device, (torch.float32 if ARGS.device == "cpu" else torch.bfloat16)

@@ -13,22 +13,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 from accelerate.utils import set_seed
 
-from unialign.config import DTYPES, arg, exit_on_user_error, parse_config
+from unialign.config import DTYPES, arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
-from unialign.recipes import TextDataArgs, fit_pairs, load_pair_data
+from unialign.recipes import presets
+from unialign.recipes.args import RunArgs
+from unialign.recipes.outputs import finish_run
+from unialign.recipes.text import TextDataArgs, fit_pairs, load_pair_data
 from unialign.text.data import bounded_counts, max_token_bytes
 from unialign.text.reward_model import RewardModel
-from unialign.trainers import finish_run
 from unialign.trainers.preference import BradleyTerryObjective, PreferenceConfig, PreferenceTrainer
+
+PRESETS = presets.REWARD_MODEL
 
 
 @dataclass
-class RewardModelConfig(TextDataArgs, PreferenceConfig):
-    preset: str | None = arg(None, "named recipe: qwen2.5-0.5b-ultrafeedback (flags still override it)", group="config")
-    config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
+class RewardModelConfig(RunArgs, TextDataArgs, PreferenceConfig):
+    PRESETS: ClassVar[dict] = PRESETS
     model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
                                   group="model")
     dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
@@ -40,20 +44,14 @@ class RewardModelConfig(TextDataArgs, PreferenceConfig):
     max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring",
                                  group="data", min=1)
     torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
-    batch_size: int = arg(32, "pairs per optimizer step")
-    micro_batch_size: int = arg(32, "pairs per forward/backward")
-    learning_rate: float = arg(1e-3, "peak learning rate")
-    max_steps: int = arg(150, "optimizer steps")
+    batch_size: int = default(32)
+    micro_batch_size: int = default(32)
+    learning_rate: float = default(1e-3)
+    max_steps: int = default(150)
     num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest)")
-    output_dir: str = arg("outputs/reward_model", "where checkpoints, curves, summary.json and final/ go")
+    output_dir: str = default("outputs/reward_model")
 
 
-PRESETS = {
-    "qwen2.5-0.5b-ultrafeedback": dict(
-        model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="trl-lib/ultrafeedback_binarized",
-        learning_rate=1e-5, batch_size=32, micro_batch_size=4, max_steps=1000, max_length=1024,
-        torch_dtype="bfloat16", output_dir="outputs/rm_qwen_ultrafeedback"),
-}
 
 
 def main(cfg: RewardModelConfig) -> dict:
@@ -81,4 +79,4 @@ def main(cfg: RewardModelConfig) -> dict:
 
 if __name__ == "__main__":
     with exit_on_user_error():
-        main(parse_config(RewardModelConfig, presets=PRESETS))
+        main(parse_config(RewardModelConfig))

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 FLAGS = ("--num_processes", "--num_machines", "--mixed_precision", "--dynamo_backend")
 
 
@@ -18,6 +20,7 @@ def _accelerate(args: list[str], env: dict[str, str], cwd) -> subprocess.Complet
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_accelerate_config_default_silences_the_launch_defaults_warning(tmp_path):
     (tmp_path / "tiny.py").write_text("print('launched')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "OMP_NUM_THREADS")}

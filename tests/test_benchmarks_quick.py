@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_every_benchmark_group_runs_quick_without_an_error_row(tmp_path):
     from benchmarks.run import MODULES
 
@@ -32,6 +35,7 @@ def test_every_benchmark_group_runs_quick_without_an_error_row(tmp_path):
     assert result["command"].startswith("python -m benchmarks.run --quick")
 
 
+@pytest.mark.slow
 def test_the_gpu_image_rl_rows_run_as_a_cpu_dry_run(tmp_path):
     """``python -m benchmarks.gpu --device cpu --tiny --only P11``: the forward-process and Flow-GRPO rows prepared for a
     lent GPU run their code paths end to end at tiny sizes, each a timed row without an error."""

@@ -223,10 +223,10 @@ def test_every_algorithm_knob_is_a_flag_declared_once_in_the_registry(tmp_path):
     from the command line and checked there."""
     import typing
 
-    from unialign.registry import KNOBS, AlgoOverrides, AlgoSpec
+    from unialign.registry import FACTS, KNOBS, AlgoOverrides, AlgoSpec
     from unialign.trainers import OnlineConfig
 
-    knobs = [f.name for f in dataclasses.fields(AlgoSpec) if f.name != "name"]
+    knobs = [f.name for f in dataclasses.fields(AlgoSpec) if f.name not in FACTS]
     assert knobs == [f.name for f in dataclasses.fields(AlgoOverrides)] == list(KNOBS)
     spec_types, override_types = typing.get_type_hints(AlgoSpec), typing.get_type_hints(AlgoOverrides)
     for k in knobs:
@@ -249,7 +249,7 @@ def test_every_algorithm_knob_is_a_flag_declared_once_in_the_registry(tmp_path):
 def test_group_size_check_reads_the_estimators_registry(tmp_path):
     """num_generations >= 2 wherever the estimator's registry entry says it uses groups (win_rate too), and
     nowhere else."""
-    from unialign.algos.estimators import ADVANTAGE_ESTIMATORS
+    from unialign.algos.advantage_estimators import ADVANTAGE_ESTIMATORS
     from unialign.trainers import OnlineConfig
 
     for name, estimator in ADVANTAGE_ESTIMATORS.items():

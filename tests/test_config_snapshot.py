@@ -1,8 +1,8 @@
 """The configs' outside, frozen: every script's ``--help`` (flags, help lines, groups, choices, defaults), every
 field's rules (bounds, choices, group), and the resolved config of its default, of each preset and of each
 ``--algorithm`` choice (with ``algo_spec()`` where there is one); the library's configs' fields and defaults too.
-A change to any of them fails here: ``tests/data/config_snapshot.json`` holds the values before the configs were
-rewritten as literal dataclasses (issue 25, item 1). To accept a deliberate change, regenerate it:
+A change to any of them fails here: ``tests/data/config_snapshot.json`` holds the values last accepted. To accept a
+deliberate change, regenerate it:
 
     python -m tests.test_config_snapshot        # rewrites tests/data/config_snapshot.json
 
@@ -18,6 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 SNAPSHOT = Path(__file__).parent / "data" / "config_snapshot.json"
 SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic")
@@ -62,8 +64,11 @@ REPO = str(Path(__file__).resolve().parents[1])  # a clone's own path (shipped p
 
 def _resolved(cfg: Any, root: str) -> dict[str, Any]:
     values = json.loads(json.dumps(_plain(dataclasses.asdict(cfg))).replace(root, "<tmp>").replace(REPO, "<repo>"))
-    if hasattr(cfg, "algo_spec"):
-        values["algo_spec()"] = _plain(dataclasses.asdict(cfg.algo_spec()))
+    if hasattr(cfg, "algo_spec"):  # the algorithm as resolved: its name and every knob (not its facts: modalities)
+        from unialign.registry import KNOBS
+
+        spec = cfg.algo_spec()
+        values["algo_spec()"] = _plain({"name": spec.name, **{k: getattr(spec, k) for k in KNOBS}})
     return values
 
 
@@ -88,7 +93,7 @@ def snapshot() -> dict[str, Any]:
     """The values this test freezes (see the module docstring)."""
     from tests.test_config import script_config
     from unialign.config import UserError, field_rules, parse_config
-    from unialign.recipes import TextDataArgs
+    from unialign.recipes.text import TextDataArgs
     from unialign.trainers.train_config import TrainConfig
 
     out: dict[str, Any] = {"scripts": {}, "library": {}}
@@ -111,7 +116,7 @@ def snapshot() -> dict[str, Any]:
                 resolved[label] = values
             out["scripts"][name] = {"help": _help(cls, name).replace(root, "<tmp>"),
                                     "fields": _fields(cls), "resolved": resolved}
-        from unialign.image.recipe import ImageRLConfig
+        from unialign.recipes.image import ImageRLConfig
         from unialign.trainers import OnlineConfig
         from unialign.trainers.preference import PreferenceConfig
         from unialign.trl import DPOConfig, GRPOConfig
@@ -121,6 +126,7 @@ def snapshot() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_help_rules_and_resolved_configs_are_unchanged():
     expected = json.loads(SNAPSHOT.read_text())
     actual = json.loads(json.dumps(snapshot()))

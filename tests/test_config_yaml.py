@@ -60,6 +60,7 @@ parse_config(Cfg, ["--config", sys.argv[1]])
 """
 
 
+@pytest.mark.slow
 def test_an_alias_bomb_in_one_fields_value_is_refused_at_once(tmp_path):
     """Nine levels of nine aliases (9^10 strings once expanded) inside one value: refused in a moment, naming the
     field (it ran past 120 s and 9 GB before), while anchors of normal size keep working."""

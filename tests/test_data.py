@@ -259,7 +259,7 @@ def test_parquet_is_read_in_batches_and_stops_at_the_limit(tmp_path):
 def _streaming_cfg(tmp_path, **kw):
     from dataclasses import make_dataclass
 
-    from unialign.recipes import TextDataArgs
+    from unialign.recipes.text import TextDataArgs
     from unialign.trainers import OnlineConfig
 
     cls = make_dataclass("StreamCfg", [], bases=(TextDataArgs, OnlineConfig))
@@ -296,7 +296,7 @@ def fake_hub(monkeypatch, files: dict[str, str]):
 
 
 def test_streaming_reads_only_the_rows_the_run_draws(tmp_path, monkeypatch):
-    from unialign.recipes import load_prompt_data, rows_needed
+    from unialign.recipes.text import load_prompt_data, rows_needed
 
     rows = [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(10_000)]
     write_jsonl(tmp_path / "train.jsonl", rows)
@@ -322,7 +322,7 @@ def test_streaming_fails_fast_offline_and_refuses_local_data(tmp_path, monkeypat
 
     from unialign.embedded import register
     from unialign.hub import HubUnavailableError
-    from unialign.recipes import load_prompt_data
+    from unialign.recipes.text import load_prompt_data
 
     register()  # the demo's data set 'embedded' by name, as the scripts register it
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

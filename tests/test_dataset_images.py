@@ -147,6 +147,7 @@ def test_paths_outside_the_data_folder_are_read_when_allowed(tmp_path):
         assert load_image(value, data, "row 0", ImageRules(data, confine=False)).size == (32, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["vision prompts", "image pairs"])
 def test_skip_bad_rows_trains_on_the_rest_and_counts_them(tmp_path, path):
     script, args, write, _ = PATHS[path]

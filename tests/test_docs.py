@@ -107,18 +107,19 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
 def test_the_algorithm_page_lists_each_presets_fields_as_the_registry_has_them():
     """docs/algorithms.md has a section per preset of ``unialign.registry.ALGORITHMS`` holding the fields the preset
     sets (those that differ from the spec's defaults), written as the registry's values."""
-    from unialign.registry import ALGORITHMS
+    from unialign.registry import ALGORITHMS, KNOBS
 
     text = (DOCS / "algorithms.md").read_text(encoding="utf-8")
     sections = dict(re.findall(r"^### `([a-z_]+)`\n(.*?)(?=^#{2,3} |\Z)", text, re.M | re.S))
     assert set(sections) == set(ALGORITHMS), f"presets without a section / sections without a preset: " \
                                              f"{set(ALGORITHMS) ^ set(sections)}"
     for name, spec in ALGORITHMS.items():
-        fields = [f for f in dataclasses.fields(spec) if f.name != "name"]
+        fields = [f for f in dataclasses.fields(spec) if f.name in KNOBS]
         changed = ", ".join(f"{f.name}={getattr(spec, f.name)!r}" for f in fields if getattr(spec, f.name) != f.default)
         assert f"`{changed}`" in sections[name], f"docs/algorithms.md, {name}: expected the fields `{changed}`"
 
 
+@pytest.mark.slow
 def test_the_quick_start_python_api_runs_as_written(tmp_path, monkeypatch):
     """The two examples of docs/quickstart.md's "Python API" (2 steps each on the shipped arithmetic model)."""
     text = (DOCS / "quickstart.md").read_text(encoding="utf-8")
@@ -141,3 +142,16 @@ def test_every_promise_in_reliability_names_a_test_that_exists():
     for path, name in named:
         source = (ROOT / path).read_text(encoding="utf-8")
         assert not name or re.search(rf"^def {name}\(", source, flags=re.M), f"{path}::{name} does not exist"
+
+
+def test_the_design_pages_figures_are_the_trees():
+    """Every "`NAME` (N lines)" of docs/design.md is the tree's count (``tests/design_figures.py``); a stale one
+    fails, naming it (regenerate with ``python -m tests.design_figures``)."""
+    from tests.design_figures import DESIGN, FIGURE, stale
+
+    text = DESIGN.read_text()
+    assert len(FIGURE.findall(text)) >= 40
+    assert stale("`unialign/registry.py` (3 lines), `SD1Family` (1 lines)") == [
+        f"`unialign/registry.py`: says 3, is {len((ROOT / 'unialign/registry.py').read_text().splitlines()):,}",
+        f"`SD1Family`: says 1, is {stale('`SD1Family` (0 lines)')[0].split('is ')[1]}"]
+    assert not stale(text), "docs/design.md: stale figures (python -m tests.design_figures): " + "; ".join(stale(text))

@@ -13,6 +13,7 @@ from unialign.text import CausalLMPolicy
 SMOKE = ["--max_steps", "2", "--num_eval", "16", "--batch_size", "8", "--micro_batch_size", "4", "--report_to", "none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["simpo", "orpo"])
 def test_reference_free_algorithms_two_steps(tmp_path, monkeypatch, algorithm):
     def no_reference(self):

@@ -89,6 +89,31 @@ def test_trainers_do_not_import_modality_code():
     assert not bad, "trainers must not import modality libraries or subpackages:\n" + "\n".join(bad)
 
 
+MODALITIES = ("text", "image", "vision")
+ABOVE_MODALITIES = ("unialign.trainers", "unialign.recipes", "unialign.trl")  # they run a modality; never the reverse
+
+
+def _upward_imports(root: Path = PKG) -> list[str]:
+    return [f"{f.relative_to(root.parent)}:{line}: {mod}" for sub in MODALITIES for f in sorted((root / sub).rglob("*.py"))
+            for line, mod in _imports(f, root) if any(_is_under(mod, p) for p in ABOVE_MODALITIES)]
+
+
+def test_modalities_never_import_trainers_or_recipes(tmp_path):
+    """A modality (text, image, vision) sits beside the trainers, below the recipes that join them: no import of
+    ``unialign.trainers``, ``unialign.recipes`` or ``unialign.trl``, at module level or inside a function. The
+    checker is shown to fail on a probe package first."""
+    probe = tmp_path / "unialign"
+    for sub in MODALITIES:
+        (probe / sub).mkdir(parents=True)
+    (probe / "image" / "x.py").write_text("def f():\n    from unialign.trainers import finish_run\n")
+    (probe / "vision" / "y.py").write_text("from ..recipes import text\n")
+    assert _upward_imports(probe) == ["unialign/image/x.py:2: unialign.trainers", "unialign/vision/y.py:1: unialign.recipes",
+                                      "unialign/vision/y.py:1: unialign.recipes.text"]
+    bad = _upward_imports()
+    assert not bad, "modalities must not import trainers or recipes:\n" + "\n".join(bad)
+
+
+@pytest.mark.slow
 def test_import_unialign_is_light():
     code = (
         "import unialign, unialign.algos, sys; "

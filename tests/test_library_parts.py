@@ -1,4 +1,4 @@
-"""Parts taken from the libraries that do the job (issue #26), checked against the libraries themselves and
+"""Parts taken from the libraries that do the job, checked against the libraries themselves and
 against values written out here: the learning-rate schedules (transformers' ``get_scheduler``) and the split
 discovery of a local data folder (``datasets.data_files``, compared with ``datasets.load_dataset(folder)``)."""
 

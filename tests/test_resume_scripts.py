@@ -71,6 +71,7 @@ def extra(name: str, tmp_path: Path) -> list[str]:
     return ["--reward_model_path", str(rm / "final")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*SCRIPTS, "ppo_rlhf"])
 def test_resume_from_a_copied_checkpoint_is_the_uninterrupted_run(tmp_path, name):
     args = SCRIPTS.get(name, ["--num_eval", "8", "--prompts_per_step", "4", "--micro_batch_size", "4"])
@@ -111,6 +112,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_latest_is_the_uninterrupted_run(tmp_path, uninterrupted):
     out = tmp_path / "killed"
     proc = _launch("grpo_math", [*GRPO, "--output_dir", str(out)])
@@ -122,6 +124,7 @@ def test_sigkill_then_resume_latest_is_the_uninterrupted_run(tmp_path, uninterru
     assert_same_run(uninterrupted, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_exits_non_zero_naming_it(tmp_path, uninterrupted, sig):
     out = tmp_path / "stopped"
@@ -148,6 +151,7 @@ child.wait()
 '''
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_outright_stops_its_run_with_a_checkpoint(tmp_path, uninterrupted):
     """kill -9 of the launcher (an OOM kill, a scheduler, an older accelerate that exits on SIGTERM alone): the
     training child is told by the kernel (PR_SET_PDEATHSIG), finishes its step, saves, releases the lock and exits;
@@ -177,6 +181,7 @@ def test_a_launcher_killed_outright_stops_its_run_with_a_checkpoint(tmp_path, un
     assert_same_run(uninterrupted, out)
 
 
+@pytest.mark.slow
 def test_sigterm_to_accelerate_launch_saves_a_checkpoint(tmp_path, uninterrupted):
     """The documented launcher: accelerate launch passes SIGTERM on to the training process (and kills it 5 s
     later if it is still running); the run saves after its step, exits 143 naming the checkpoint, and resumes to

@@ -39,6 +39,7 @@ def check_summary(out: Path, metric: str) -> dict:
     return summary
 
 
+@pytest.mark.slow
 def test_grpo_math_two_steps(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -53,6 +54,7 @@ def test_grpo_math_two_steps(tmp_path):
     assert accuracy[0].value == pytest.approx(s["before"]) and accuracy[-1].value == pytest.approx(s["after"])
 
 
+@pytest.mark.slow
 def test_grpo_math_dapo_and_resume(tmp_path):
     # a constant schedule: extending max_steps then changes nothing the checkpoint recorded (under the
     # default cosine it changes the schedule, and the resume is refused without --allow_config_change)
@@ -110,7 +112,7 @@ def test_forward_process_kl_resolves_to_the_measured_or_published_value(argv, be
 
 
 def test_model_family_from_folder_and_name(tmp_path):
-    from unialign.image.recipe import ImageRLConfig, model_family, policy_kwargs, window_range
+    from unialign.recipes.image import ImageRLConfig, model_family, policy_kwargs, window_range
 
     def family(name, **kw):
         return model_family(ImageRLConfig(model_name_or_path=name, **kw))
@@ -151,7 +153,7 @@ def test_image_sampling_knobs_are_refused_before_any_model_loads(monkeypatch, kw
     contradicts the embedded model: one ValueError naming the field, and no model or reward is loaded."""
     from unialign.embedded import parts
     from unialign.embedded import shapes_world as world
-    from unialign.image import recipe
+    from unialign.recipes import image as recipe
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model loaded before the bad input was named")
@@ -165,6 +167,7 @@ def test_image_sampling_knobs_are_refused_before_any_model_loads(monkeypatch, kw
         build(cfg)
 
 
+@pytest.mark.slow
 def test_dpo_text_two_steps(tmp_path):
     run("dpo_text", ["--max_steps", "2", "--num_eval", "16", "--batch_size", "8", "--micro_batch_size", "4",
                      "--output_dir", str(tmp_path), "--report_to", "none"])
@@ -174,6 +177,7 @@ def test_dpo_text_two_steps(tmp_path):
     assert "implicit_accuracy_after" in s
 
 
+@pytest.mark.slow
 def test_reward_model_then_ppo_two_steps(tmp_path):
     run("train_reward_model", ["--max_steps", "2", "--num_eval", "16", "--batch_size", "8",
                                "--output_dir", str(tmp_path / "rm"), "--report_to", "none"])
@@ -189,6 +193,7 @@ IMAGE_SMOKE = ["--max_steps", "2", "--num_eval", "4", "--prompts_per_step", "2",
                "--micro_batch_size", "8", "--eval_steps", "1"]
 
 
+@pytest.mark.slow
 def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
     run("ddpo_aesthetic", IMAGE_SMOKE + ["--beta", "0.04", "--output_dir", str(tmp_path), "--report_to", "none"])
     s = check_summary(tmp_path, "reward")
@@ -198,6 +203,7 @@ def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
     assert all((tmp_path / f).exists() for f in ("comparison.png", "reward_curve.png"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,extra", [("ddpo_aesthetic", []), ("grpo_image", ["--sampler", "dpmpp"])])
 def test_forward_process_rl_on_the_embedded_unet(tmp_path, script, extra):
     """``--algorithm awm`` on the SD1-family UNet of ddpo_aesthetic (the aesthetic reward) and on grpo_image's
@@ -211,6 +217,7 @@ def test_forward_process_rl_on_the_embedded_unet(tmp_path, script, extra):
     assert all((tmp_path / f).exists() for f in ("comparison.png", "final"))
 
 
+@pytest.mark.slow
 def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -229,6 +236,7 @@ def test_grpo_image_two_steps_lora_kl_tensorboard(tmp_path):
 
 @pytest.mark.parametrize("algorithm,extra", [("flow_grpo", ["--sde_window_size", "2", "--sde_window_range", "0,6"]),
                                              ("awm", []), ("nft", [])])
+@pytest.mark.slow
 def test_grpo_image_embedded_sd3_lora_loads_in_the_stock_pipeline(tmp_path, algorithm, extra):
     """The flow-matching route end to end: ``--model_name_or_path embedded-sd3`` with Flow-GRPO's preset and an SDE
     window, or forward-process RL (AWM, DiffusionNFT with its old policy), with LoRA; the saved LoRA loads with
@@ -256,6 +264,7 @@ def test_grpo_image_embedded_sd3_lora_loads_in_the_stock_pipeline(tmp_path, algo
     assert (tuned - base).abs().max() > 1e-6  # the adapters were loaded and trained
 
 
+@pytest.mark.slow
 def test_grpo_image_awm_full_weights_load_in_the_stock_pipeline(tmp_path):
     """Forward-process RL without LoRA: ``final/transformer`` is a diffusers ``SD3Transformer2DModel`` folder that
     the stock ``StableDiffusion3Pipeline`` takes as its transformer and samples with (changed weights, finite
@@ -277,6 +286,7 @@ def test_grpo_image_awm_full_weights_load_in_the_stock_pipeline(tmp_path):
     assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
 
 
+@pytest.mark.slow
 def test_dpo_sdxl_on_the_flow_matching_embedded_model(tmp_path):
     """Diffusion-DPO through the script on embedded-sd3: the velocity-MSE surrogate, ln 2 at init, fidelity kept."""
     run("dpo_sdxl", ["--model_name_or_path", "embedded-sd3", "--max_steps", "2", "--num_prompts", "4",
@@ -288,7 +298,7 @@ def test_dpo_sdxl_on_the_flow_matching_embedded_model(tmp_path):
 
 
 def test_a_replacement_vae_is_refused_for_flow_matching_before_loading(tmp_path):
-    from unialign.image.recipe import load_denoiser
+    from unialign.recipes.image import load_denoiser
 
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
     with pytest.raises(ValueError, match="vae_name_or_path"):
@@ -308,6 +318,7 @@ def test_image_scripts_reject_bad_input_before_loading(tmp_path, capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_dpo_sdxl_two_steps(tmp_path):
     run("dpo_sdxl", ["--max_steps", "2", "--num_prompts", "4", "--pairs_per_prompt", "2", "--eval_pairs_per_prompt", "2",
                      "--min_gap", "0", "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "2",
@@ -347,6 +358,7 @@ TRL_ROWS = [{"prompt": f"Ann has {a} pens and buys {b} more. How many now?", "so
             for a, b in zip(range(11, 41), range(52, 82))]
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys, no_model, monkeypatch):
     (tmp_path / "gold_rewards.py").write_text("def needs_gold(completions, gold, **kwargs):\n    return [0.0] * len(gold)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -385,7 +397,7 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys
     code, line = run_cli("dpo_text", ["--dataset_name", str(tmp_path / "schema.jsonl")] + out, capsys)
     assert code == 2 and "schema.jsonl row 0: missing field 'chosen'" in line
     code, line = run_cli("grpo_image", ["--reward", "nosuch"] + out, capsys)
-    assert code == 2 and "--reward_funcs: unknown reward 'nosuch'" in line  # --reward: the old name, an alias
+    assert code == 2 and "--reward_funcs: unknown reward 'nosuch'" in line  # --reward: an alias of --reward_funcs
     code, line = run_cli("dpo_sdxl", ["--dataset_name", str(tmp_path / "bad.jsonl")] + out, capsys)
     assert code == 2 and "bad.jsonl:2: not valid JSON" in line
     code, line = run_cli("dpo_sdxl", ["--model_name_or_path", "runwayml/stable-diffusion-v1-5"] + out, capsys)
@@ -424,6 +436,7 @@ def test_huge_prompt_refused_naming_the_row_before_any_forward(tmp_path, capsys,
     assert code == 2 and "pairs.jsonl: " in line and "row 3: prompt has" in line, line
 
 
+@pytest.mark.slow
 def test_grpo_on_a_folder_of_trl_rows_with_a_custom_reward(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def exact(completions, solution, **kwargs):\n"
@@ -482,6 +495,7 @@ def test_python_api_dpo_in_ten_lines(tmp_path):
     assert len(history) == 2 and abs(history[0]["loss"] - math.log(2)) < 1e-4
 
 
+@pytest.mark.slow
 def test_dpo_sdxl_on_a_folder_with_image_paths(tmp_path):
     from PIL import Image
 
@@ -501,6 +515,7 @@ def test_dpo_sdxl_on_a_folder_with_image_paths(tmp_path):
     assert s["train_pairs"] == 9 - dropped and s["eval_fraction"] == 0.1 and s["steps"] == 1
 
 
+@pytest.mark.slow
 def test_skipped_reward_errors_are_counted_in_the_summary(tmp_path, monkeypatch):
     (tmp_path / "flaky_rewards.py").write_text(
         "def flaky(prompts, completions, **kwargs):\n"
@@ -512,6 +527,7 @@ def test_skipped_reward_errors_are_counted_in_the_summary(tmp_path, monkeypatch)
     assert s["reward_errors"] == 4  # half of the 8 samples of the one step
 
 
+@pytest.mark.slow
 def test_a_scripts_own_defaults_for_another_algorithm_apply_under_what_is_set(tmp_path):
     """grpo_image's measured KL for AWM on its world (ALGORITHM_DEFAULTS) fills only an unset --beta; other knobs
     take AWM's published values, and the script's default algorithm keeps the script's own."""

@@ -136,6 +136,7 @@ def test_arith_check_rebuilds_with_the_shipped_record_and_compares_every_file_it
     assert "check" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_arith_lm_rebuilds_bit_identically(tmp_path):
     """The whole 280-step build (~1 min, without the held-out evaluation): every file it writes is the shipped one,
     the record equal but for its wall time and the evaluation it skipped. Bit-identical on the machine type the
@@ -155,6 +156,7 @@ def test_the_arith_lm_rebuilds_bit_identically(tmp_path):
     assert {k: v for k, v in record.items() if k not in skipped} == {k: v for k, v in shipped.items() if k not in skipped}
 
 
+@pytest.mark.slow
 def test_the_builders_run_as_modules_from_the_repository_root():
     import subprocess
 

@@ -1,4 +1,4 @@
-"""A TRL user's habits (issue #26): TRL's flags, YAML keys and Python keywords, TRL's trainer signature, prompts
+"""A TRL user's habits: TRL's flags, YAML keys and Python keywords, TRL's trainer signature, prompts
 as TRL treats them, and the usual mistakes with the one line each gets (exit 2, before any model loads)."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_data_mistakes_name_the_columns(tmp_path, capsys):
     code, line = run_cli("grpo_math", ["--dataset_name", str(prompt_only), "--output_dir", str(tmp_path / "o")], capsys)
     assert code == 2 and "the rows hold only a prompt" in line and "math_format" in line, line
     # {"question", "solution"} rows: the question is the prompt, the solution a reward column (no 'answer' needed)
-    from unialign.recipes import check_rewards
+    from unialign.recipes.text import check_rewards
     from unialign.text.data import prompt_rows
 
     rows = prompt_rows([{"question": "What is 2+2?", "solution": "4"}])
@@ -166,6 +166,7 @@ def test_string_prompts_raw_conversations_templated():
         load_arith_policy(chat_template="sometimes")
 
 
+@pytest.mark.slow
 def test_max_completion_length_limits_the_completions(tmp_path):
     from tests.test_scripts import run
 
@@ -181,6 +182,7 @@ def test_max_completion_length_limits_the_completions(tmp_path):
 
 
 # ---------------------------------------------------------------- TRL's trainer signature, in Python
+@pytest.mark.slow
 def test_trl_style_python_example_runs(tmp_path):
     """The README's TRL-style example, as a TRL user writes it."""
     from datasets import Dataset
@@ -246,6 +248,7 @@ def test_trl_config_keywords_refused_with_the_unialign_way(tmp_path):
     assert given.max_steps == 5
 
 
+@pytest.mark.slow
 def test_the_docs_trl_example_runs_as_written(tmp_path, monkeypatch):
     """The "Coming from TRL" page's code block (docs/coming_from_trl.md), executed as it is written (in a scratch
     folder)."""

@@ -68,6 +68,12 @@ def arg(default: Any, help: str, *, group: str | None = None, choices: Any = Non
     return dataclasses.field(default=default, metadata={"help": help, **{k: v for k, v in rules.items() if v is not None}})
 
 
+def default(value: Any) -> Any:
+    """A field declared again for its default only: ``max_new_tokens: int = default(24)`` in a script's config keeps
+    the help line and rules of the ``max_new_tokens`` it overrides (``field_rules`` reads them along the bases)."""
+    return dataclasses.field(default=value)
+
+
 # ------------------------------------------------------------------ field introspection
 def field_rules(cls: type, f: dataclasses.Field) -> dict[str, Any]:
     """The rules of the field ``f`` of ``cls``: the metadata of each declaration of the field along ``cls``'s bases,
@@ -128,6 +134,8 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
         if section is None:
             section = sections.setdefault("other", parser.add_argument_group("other"))
         text = rules.get("help", "")
+        if "{presets}" in text:  # the preset field's help names the script's presets (``cls.PRESETS``)
+            text = text.replace("{presets}", ", ".join(getattr(cls, "PRESETS", None) or {}) or "none")
         if rules.get("choices"):
             text += f" [one of: {', '.join(map(str, rules['choices']))}]"
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -204,9 +212,10 @@ def resolve_names(cls: type, given: dict[str, Any], where: str = "", before: dic
 def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str, dict[str, Any]] | None = None,
                  check: Callable[[T], None] | None = None) -> T:
     """Build ``cls`` from defaults < preset < YAML < command-line flags, then ``validate`` it and run the
-    script's own ``check``. Unknown flags exit 2 (argparse); unknown YAML keys, values of the wrong type
+    script's own ``check``. ``presets`` default to the class's own ``PRESETS`` (a ``ClassVar``). Unknown flags exit 2 (argparse); unknown YAML keys, values of the wrong type
     or outside their rules raise ``UserError`` naming the field."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    presets = getattr(cls, "PRESETS", None) if presets is None else presets
     parsed, unknown = build_parser(cls).parse_known_args(argv)
     given = {(k[len(ALIAS_DEST):] if k.startswith(ALIAS_DEST) else k): v for k, v in vars(parsed).items()}
     flags = {**given, **_split_unknown(unknown)}

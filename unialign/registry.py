@@ -16,7 +16,7 @@ from unialign.config import arg
 
 
 def _estimators() -> tuple[str, ...]:
-    from unialign.algos.estimators import ADVANTAGE_ESTIMATORS
+    from unialign.algos.advantage_estimators import ADVANTAGE_ESTIMATORS
 
     return tuple(ADVANTAGE_ESTIMATORS)
 
@@ -41,10 +41,14 @@ def _kl_estimators() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class AlgoSpec:
-    """One algorithm's choices. Every field but ``name`` is a knob, its default the value a preset leaves unset;
-    what each means, its bounds and its flag: ``AlgoOverrides`` (the same fields, one for one)."""
+    """One algorithm's choices. ``name`` and ``modalities`` say what the preset is (``FACTS``); every other field is a
+    knob, its default the value a preset leaves unset; what each means, its bounds and its flag: ``AlgoOverrides``
+    (the same fields, one for one)."""
 
     name: str
+    # what the preset is published for: "text" (token policies: LMs, VLMs) and / or "image" (denoisers). A script
+    # offers the presets of its modality (``algorithms_for``); the math itself never reads this.
+    modalities: tuple[str, ...] = ("text", "image")
     advantage: str = "group"
     policy_loss: str = "clipped"
     scale_rewards: str = "group"
@@ -86,7 +90,7 @@ class AlgoOverrides:
     the preset's value. ``OnlineConfig`` inherits them, so each is a ``--flag`` and a YAML key with this help line
     and these rules (the names of registered parts are read from their registries when checked)."""
 
-    advantage: str | None = arg(None, "advantage estimator (registered in unialign.algos.estimators) (unset: the "
+    advantage: str | None = arg(None, "advantage estimator (registered in unialign.algos.advantage_estimators) (unset: the "
                                 "algorithm's)", group="algorithm", choices=_estimators)
     policy_loss: str | None = arg(None, "policy loss (registered in unialign.algos.policy_loss) (unset: the "
                                   "algorithm's)", group="algorithm", choices=_policy_losses)
@@ -150,7 +154,11 @@ class AlgoOverrides:
                                  "runs: 0.1) (unset: the algorithm's)", group="algorithm", gt=0.0)
 
 
-KNOBS = tuple(f.name for f in fields(AlgoOverrides))  # the names of AlgoSpec's knobs (every field but name)
+KNOBS = tuple(f.name for f in fields(AlgoOverrides))  # the names of AlgoSpec's knobs
+FACTS = ("name", "modalities")  # AlgoSpec's other fields: what a preset is, not a knob
+# Presets published for denoisers only: their clip ranges, per-step statistics and closed-form step KLs are tuned
+# on diffusion sampling steps, or they need the forward-process estimate.
+IMAGE = ("image",)
 
 
 ALGORITHMS: dict[str, AlgoSpec] = {
@@ -178,7 +186,7 @@ ALGORITHMS: dict[str, AlgoSpec] = {
                     whiten_advantages=True, value_coef=0.1, value_clip=0.2, num_iterations=2, gamma=1.0, lam=0.95),
     # DDPO (Black et al. 2023): per-step PPO clip at 1e-4 on mean-reduced log-probs, per-prompt stat tracking,
     # advantages clipped to +-5, no KL; every trained denoising step weighted equally.
-    "ddpo": AlgoSpec("ddpo", advantage="per_prompt", loss_type="token_mean", epsilon=1e-4, advantage_clip=5.0),
+    "ddpo": AlgoSpec("ddpo", IMAGE, advantage="per_prompt", loss_type="token_mean", epsilon=1e-4, advantage_clip=5.0),
     # Flow-GRPO (Liu et al. 2025, arXiv 2505.05470; yifan123/flow_grpo config/grpo.py, scripts/train_sd3.py): per-step
     # PPO clip at 1e-4 on mean-reduced SDE-step log-probs, advantages clipped to +-5; per-prompt statistics within
     # the current batch (its tracker is cleared every epoch = each prompt's group of G) divided by the std of the
@@ -189,45 +197,44 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # harder than the paper (tests/image/test_kl.py works the example). Every trained step weighted equally. The
     # SDE noise level (0.7) and the group size are the policy's and the script's (``--noise_level``,
     # ``--num_generations``).
-    "flow_grpo": AlgoSpec("flow_grpo", advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1e-4,
+    "flow_grpo": AlgoSpec("flow_grpo", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1e-4,
                           advantage_clip=5.0, beta=0.04, kl_estimator="gaussian_g2"),
     # Pref-GRPO (Wang et al. 2025, arXiv 2508.20751; CodeGoat24/Pref-GRPO, built on Flow-GRPO): Flow-GRPO with each
     # reward replaced by its win rate within the group before the normalisation (``win_rate``), so tiny score gaps
     # are not blown up into full advantages. Its pairwise judge (UnifiedReward-Think) is a reward of two images:
     # ``unialign.rewards.pairwise`` gives the win rates as the reward (then the plain group advantage suffices).
-    "pref_grpo": AlgoSpec("pref_grpo", advantage="win_rate", scale_rewards="batch", loss_type="token_mean",
+    "pref_grpo": AlgoSpec("pref_grpo", IMAGE, advantage="win_rate", scale_rewards="batch", loss_type="token_mean",
                           epsilon=1e-4, advantage_clip=5.0, beta=0.04, kl_estimator="gaussian_g2"),
     # AWM, Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; scxue/advantage_weighted_matching
     # scripts/train_sd3_awm.py, config/dgx_awm.py GenEval): the PPO-clip loss per pair ("exp_first") on the
-    # forward-process matching log-prob (its weighting, ghuber p 0.25, is the policy's: unialign.image.recipe
+    # forward-process matching log-prob (its weighting, ghuber p 0.25, is the policy's: unialign.recipes.image
     # FORWARD_PROCESS), clip range 1 (inactive at one optimizer step per batch, where the ratio is 1, as in the
     # paper's configs), per-prompt means over the batch's std, advantages clipped to +-5 then divided by 5, the
     # "uniform velocity KL" mean (v - v_ref)^2 at beta 0.001 (GenEval; OCR 0.003, PickScore 1e-4), mean over pairs.
     # Left out: its second trust term, 1.0 x mean (v - v_ema)^2 to a moving average of the LoRA.
-    "awm": AlgoSpec("awm", advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1.0,
+    "awm": AlgoSpec("awm", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1.0,
                     advantage_clip=5.0, advantage_scale=0.2, beta=0.001, kl_estimator="prediction_mse",
                     log_prob_estimator="forward"),
     # DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117, ICLR 2026; NVlabs/DiffusionNFT scripts/train_nft_sd3.py,
     # config/nft.py): the NFT loss with r = clip(A, -5, 5) / 5 / 2 + 1/2 and beta 1 (OCR 0.1), times A_max as the
     # code scales it, no ratio; per-prompt means over the batch's std; the velocity MSE to the reference at 1e-4;
     # the old policy (a moving average of the trained one, min(0.001 step, 0.5)) collects the samples and anchors
-    # the implicit policies (the policy's side: unialign.image.recipe FORWARD_PROCESS).
-    "nft": AlgoSpec("nft", advantage="group", scale_rewards="batch", loss_type="token_mean", policy_loss="nft",
+    # the implicit policies (the policy's side: unialign.recipes.image FORWARD_PROCESS).
+    "nft": AlgoSpec("nft", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean", policy_loss="nft",
                     advantage_clip=5.0, beta=1e-4, kl_estimator="prediction_mse", log_prob_estimator="forward",
                     nft_beta=1.0),
 }
 
 
-# Presets published for denoisers (their clip ranges, per-step statistics and closed-form step KLs are tuned on
-# diffusion sampling steps, or they need the forward-process estimate): the text scripts do not offer them.
-IMAGE_ONLY = ("ddpo", "flow_grpo", "pref_grpo", "awm", "nft")
-TEXT_ALGORITHMS = tuple(n for n in ALGORITHMS if n not in IMAGE_ONLY)
+def algorithms_for(modality: str) -> tuple[str, ...]:
+    """The presets published for ``modality`` ("text" or "image"), in the registry's order: a script's choices."""
+    return tuple(name for name, spec in ALGORITHMS.items() if modality in spec.modalities)
 
 
 def diffusion_preset_refused(value: str, choices: tuple) -> str | None:
     """The refusal of a denoiser's preset by a text script (an ``--algorithm`` field's ``hint``, see
     ``unialign.config``), or None for any other value."""
-    if value not in IMAGE_ONLY:
+    if value not in ALGORITHMS or "text" in ALGORITHMS[value].modalities:
         return None
     return (f"{value!r} is a preset for diffusion models (scripts/grpo_image.py, scripts/ddpo_aesthetic.py); "
             f"this script's: {', '.join(map(str, choices))}")

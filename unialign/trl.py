@@ -65,6 +65,8 @@ class _GRPOFields(OnlineConfig):
     temperature: float = arg(1.0, "sampling temperature", group="algorithm", gt=0.0)
     top_p: float = arg(1.0, "nucleus sampling mass", group="algorithm", gt=0.0, max=1.0)
     top_k: int = arg(0, "sample among the k most likely tokens (0: all)", group="algorithm", min=0)
+    min_p: float = arg(0.0, "min-p sampling: drop tokens below this share of the most likely token's probability "
+                       "(0: off)", group="algorithm", min=0.0, lt=1.0)
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's GRPO default)", min=0.0)
     torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
@@ -171,7 +173,7 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
     if isinstance(model, CausalLMPolicy):
         return model
     if isinstance(model, (str, os.PathLike)):  # a vision-language checkpoint gets a VisionLanguagePolicy
-        from unialign.vision.recipe import load_policy
+        from unialign.recipes.vision import load_policy
 
         return load_policy(str(model), torch_dtype=args.torch_dtype, **_lora(args, peft_config), **kwargs)
     import torch
@@ -203,8 +205,8 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
 
 def _with_images(*splits: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], ...]:
     """TRL's vision rows (``image`` / ``images`` columns) with their images moved into their prompts."""
+    from unialign.recipes.vision import has_images
     from unialign.vision.media import vision_rows
-    from unialign.vision.recipe import has_images
 
     if not has_images([r for rows in splits for r in rows]):
         return splits
@@ -285,7 +287,7 @@ class GRPOTrainer(_Wrapper):
     def __init__(self, model: Any, reward_funcs: Any, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None):
-        from unialign.recipes import as_trl_reward, check_rewards, fit_prompts
+        from unialign.recipes.text import as_trl_reward, check_rewards, fit_prompts
         from unialign.rewards import CombinedReward
         from unialign.text.data import prompt_rows
         from unialign.text.evaluate import GreedyHeldOut
@@ -310,7 +312,7 @@ class GRPOTrainer(_Wrapper):
                 check_rewards(f, None, columns, "reward_funcs")
         reward = CombinedReward(list(funcs), on_error=args.reward_errors)
         self.policy = _policy(model, processing_class, args, peft_config, max_new_tokens=args.max_completion_length,
-                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               system_prompt=args.system_prompt, chat_template=args.chat_template,
                               generation_backend=args.generation_backend,
                               vllm_options={"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
@@ -342,7 +344,7 @@ class DPOTrainer(_Wrapper):
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: Any = None,
                  optimizers: Any = (None, None), peft_config: Any = None):
         from unialign.algos.preference import DPO_LOSS_TYPES
-        from unialign.recipes import fit_pairs
+        from unialign.recipes.text import fit_pairs
         from unialign.text.data import prompt_token_counter
         from unialign.text.preference import normalize_pairs
         from unialign.trainers.preference import DPOObjective, PreferenceTrainer

@@ -232,7 +232,6 @@ TRL_NAMES: dict[str, TrlName] = {t.name: t for t in [
             _rename("center_rewards_coefficient", "center_coef", _float)),
     _refused("sync_ref_model", "GRPO, DPO", "(none)", "the reference model stays the initial model (TR-DPO not built)"),
     _refused("delta", GRPO, "--dual_clip", "two-sided clipping of negative advantages: --dual_clip (Dual-clip PPO's c)"),
-    _refused("min_p", GRPO, "--top_p, --top_k", "the sampler supports --temperature, --top_p and --top_k"),
     _refused("repetition_penalty", GRPO, "(none)", "sampling is left unpenalised: the log-probs are the model's"),
     _refused("reference_free", DPO, "(none)", "DPO always uses the reference model here (SimPO: --loss_type simpo)"),
     _refused("model_init_kwargs", "GRPO, DPO", "--torch_dtype", "the model is loaded with --torch_dtype only"),

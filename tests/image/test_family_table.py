@@ -13,7 +13,7 @@ from unialign.image.families import COMMON_KNOBS, FAMILIES, FAMILY_CHOICES, PIPE
 
 def test_choices_detection_and_policies_come_from_the_table(tmp_path):
     from unialign.config import field_rules
-    from unialign.image.recipe import ImageRLConfig, family_of
+    from unialign.recipes.image import ImageRLConfig, family_of
 
     field = next(f for f in dataclasses.fields(ImageRLConfig) if f.name == "model_family")
     assert tuple(field_rules(ImageRLConfig, field)["choices"]) == FAMILY_CHOICES == ("auto", *FAMILIES)
@@ -29,7 +29,7 @@ def test_choices_detection_and_policies_come_from_the_table(tmp_path):
 
 
 def test_the_knobs_follow_the_row():
-    from unialign.image.recipe import ImageRLConfig, policy_kwargs
+    from unialign.recipes.image import ImageRLConfig, policy_kwargs
 
     cfg = ImageRLConfig()
     for row in FAMILIES.values():
@@ -46,7 +46,7 @@ def test_the_knobs_follow_the_row():
 
 
 def test_load_denoiser_dispatches_on_the_row(tmp_path, monkeypatch):
-    from unialign.image import recipe
+    from unialign.recipes import image as recipe
 
     seen = []
 

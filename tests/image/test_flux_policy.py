@@ -231,7 +231,7 @@ def test_the_image_scripts_load_a_flux_folder_with_their_knobs(tokenizer_dir, tm
     detects FLUX from model_index.json and builds a FluxPolicy; --cfg_uncond_grad is accepted (FLUX has no CFG)."""
     from diffusers import FluxPipeline
 
-    from unialign.image.recipe import ImageRLConfig, load_policy
+    from unialign.recipes.image import ImageRLConfig, load_policy
 
     FluxPipeline(**flux_components(tokenizer_dir)).save_pretrained(str(tmp_path / "flux"))
     cfg = ImageRLConfig(model_name_or_path=str(tmp_path / "flux"), num_steps=3, guidance_scale=3.5, resolution=16,

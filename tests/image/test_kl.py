@@ -121,6 +121,7 @@ def _train(policy, beta: float, estimator: str, steps: int, tmp_path) -> list[di
     return OnlineTrainer(policy, flat, [{"prompt": "a cat"}, {"prompt": "a dog"}], cfg).train()
 
 
+@pytest.mark.slow
 def test_closed_form_kl_pulls_the_policy_back_to_its_reference(make_policy, tmp_path):
     """No reward, only beta * KL: 8 steps take a perturbed LoRA most of the way back (probe batch fixed)."""
     policy = make_policy("sd", lora_rank=2, guidance_scale=1.0)

@@ -1,4 +1,4 @@
-"""What an image run leaves for its user (issue #26): ``final/`` of a full fine-tune is a whole diffusers pipeline
+"""What an image run leaves for its user: ``final/`` of a full fine-tune is a whole diffusers pipeline
 folder that stock ``DiffusionPipeline.from_pretrained`` loads with the trained denoiser (every family, and a real
 short run of the script on the embedded model); one ``comparison.png`` (before | after per held-out prompt, a
 legend, readable captions, at most 32 prompts) named in ``summary.json``; Diffusion-DPO on a user's own pairs
@@ -92,13 +92,14 @@ def test_a_lora_save_is_unchanged(make_policy, tmp_path):
     assert "StableDiffusionXLPipeline.from_pretrained('org/base')" in snippet and "load_lora_weights" in snippet
 
 
+@pytest.mark.slow
 def test_grpo_image_full_fine_tune_final_is_a_pipeline_with_the_trained_unet(tmp_path, capsys):
     """A real short run (embedded SDXL model, full UNet): ``final/`` loads with stock diffusers, holds the trained
     UNet (changed from the embedded one), samples finite images; ``comparison.png`` replaces the two grids."""
     from diffusers import DiffusionPipeline
 
     from unialign.embedded import parts, register, shapes_world
-    from unialign.image.recipe import run_image_rl
+    from unialign.recipes.image import run_image_rl
 
     register()  # the shape verifier by name, as the script's main registers it
     out = tmp_path / "run"
@@ -195,6 +196,7 @@ def test_held_out_labels_and_the_saved_comparison(tmp_path):
 
 
 # ---------------------------------------------------------------- 3. Diffusion-DPO on a user's own pairs
+@pytest.mark.slow
 def test_dpo_sdxl_on_own_pairs_reports_their_implicit_accuracy_and_captions(tmp_path, capsys, monkeypatch):
     from unialign.image import grid
 
@@ -232,8 +234,8 @@ def test_dpo_sdxl_on_own_pairs_reports_their_implicit_accuracy_and_captions(tmp_
 @pytest.mark.parametrize("script", ["grpo_image", "ddpo_aesthetic"])
 def test_a_hub_model_with_the_default_prompt_set_is_told_to_pass_one(tmp_path, capsys, monkeypatch, script):
     from unialign.config import exit_on_user_error
-    from unialign.image import recipe
     from unialign.image.policy import DiffusionPolicy
+    from unialign.recipes import image as recipe
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model loaded before the prompt set was refused")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from unialign.image.presets import GENEVAL_PROMPTS, OCR_PROMPTS
-from unialign.image.recipe import check_reward_rows, load_prompt_rows, load_prompts
+from unialign.recipes.image import check_reward_rows, load_prompt_rows, load_prompts
+from unialign.recipes.presets import GENEVAL_PROMPTS, OCR_PROMPTS
 
 
 def test_jsonl_rows_keep_their_columns(tmp_path):
@@ -49,6 +49,7 @@ def test_bad_rows_are_named_before_any_model_loads():
     check_reward_rows(["geneval"], [{"prompt": "a red circle on a blue background"}], geneval_columns=False)
 
 
+@pytest.mark.slow
 def test_embedded_run_with_geneval_rows(tmp_path):
     """The shapes world's prompts as GenEval rows in a .jsonl file: the columns reach the reward (a row asking for
     another colour than its prompt says scores by the row), and the run logs GenEval's strict rate before/after."""

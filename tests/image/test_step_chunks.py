@@ -1,4 +1,4 @@
-"""Step-chunked DDPO update (issue #18): a micro-batch's trained (sample, step) pairs split into chunks
+"""Step-chunked DDPO update: a micro-batch's trained (sample, step) pairs split into chunks
 with one backward each, under the optimizer step's one loss normaliser, give the gradients of the
 unchunked update, while each UNet call holds at most one chunk."""
 

@@ -221,6 +221,7 @@ def test_shapes_prompts_as_geneval_metadata():
         shapes_metadata("a photo of a cat", "row 3")
 
 
+@pytest.mark.slow
 def test_shapes_backend_strict_rate_is_the_verifiers_all_three_right():
     reward = get_reward("geneval", backend="shapes")
     prompts, images = _renders(n_layouts=2)

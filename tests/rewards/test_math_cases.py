@@ -1,7 +1,7 @@
 """The math reward against the labelled case set (tests/rewards/data/math_cases.jsonl).
 
 Each case is a realistic completion in GSM8K or MATH answer format with its gold answer and a label (1: the
-completion's final answer is correct) decided by reading, not by running any library. Acceptance (issue 17):
+completion's final answer is correct) decided by reading, not by running any library. Acceptance:
 >= 93 % agreement in each format, at most 1 false positive per 500 cases. Speed (median <= 2 ms per completion)
 is measured by benchmarks/math_reward.py (row P6), not by a timed test.
 """

@@ -1,4 +1,4 @@
-"""The math reward's comparison tiers (issue 17): the bounded LaTeX grammar (math_parse), structured answers and
+"""The math reward's comparison tiers: the bounded LaTeX grammar (math_parse), structured answers and
 conventions (math_compare), extraction fixes, TRL's ``solution`` column, and the sympy worker process with its
 hard time limit, tree caps and text-evaluation guard."""
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from unialign.algos import AdvantageInputs
+from unialign.algos.advantage_estimators import get_estimator
 from unialign.algos.advantages import group_advantages, preferences_from_scores, win_rates
-from unialign.algos.estimators import get_estimator
 from unialign.registry import get_algorithm
 from unialign.rewards import get_reward
 from unialign.rewards.pairwise import PairwiseReward, group_indices

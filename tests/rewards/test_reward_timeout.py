@@ -122,6 +122,7 @@ def test_the_trainer_names_the_step_and_keeps_the_steps_before(tmp_path):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_reward_timeout_is_a_flag_of_the_online_scripts(tmp_path):
     from tests.test_config import script_config
     from unialign.config import UserError, parse_config
@@ -179,6 +180,7 @@ print("never reached")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["regex", "stubborn"])
 def test_a_reward_nothing_in_the_process_can_stop_ends_the_run_with_one_line(kind):
     import subprocess

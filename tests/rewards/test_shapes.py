@@ -89,6 +89,7 @@ def test_each_part_discriminates(renders):
     assert torch.allclose(out["score"], sum(out[p] for p in PARTS) / 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, floor", [("blurry", 0.9), ("noisy", 0.9), ("faded", 0.3)])
 def test_degraded_renders(renders, kind, floor):
     """Degradation strength uniform in [0.5, 1]. Measured all-three-right: blurry 0.96-0.99, noisy

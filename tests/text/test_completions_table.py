@@ -124,6 +124,7 @@ def test_trainer_writes_the_table_at_every_evaluation_and_tensorboard_shows_it(t
     assert [e.step for e in events.Scalars("eval/exact")] == [0, 1, 2]  # the numbers still go to the scalars
 
 
+@pytest.mark.slow
 def test_grpo_math_writes_completions_jsonl_at_each_evaluation(tmp_path):
     from tests.test_scripts import run
 

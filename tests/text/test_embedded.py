@@ -163,7 +163,7 @@ def test_the_demo_package_resolves_the_word_embedded():
     import unialign.embedded as demo
 
     demo.register()
-    from unialign.recipes import load_pair_data
+    from unialign.recipes.text import load_pair_data
     from unialign.rewards import REWARDS
     from unialign.text.data import load_rows
 
@@ -181,6 +181,7 @@ def test_the_demo_package_resolves_the_word_embedded():
     assert Path(policy.model.name_or_path) == demo.ARITH_LM_DIR
 
 
+@pytest.mark.slow
 def test_importing_the_demo_package_registers_nothing_until_register_is_called():
     """Registration is one explicit, idempotent call: importing every module of unialign.embedded leaves the core
     registries as they were; ``register()`` adds the data sets, the shape verifiers and GenEval's backend; a second

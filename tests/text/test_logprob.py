@@ -260,6 +260,7 @@ def test_fused_tile_path_bf16_matches_eager_path(fused_eager, monkeypatch):
     assert_close(gw, gw0)
 
 
+@pytest.mark.slow
 def test_compiled_cpu_tiles_write_the_gradient_in_place_correctly(monkeypatch):
     """The compiled kernels (C++ via torch.compile on CPU; normally only for real-vocabulary tiles) on a
     small problem: values and gradients against float64, with several chunks and a partial last tile,

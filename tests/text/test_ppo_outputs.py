@@ -14,8 +14,10 @@ import pytest
 from tests.test_scripts import ROOT, load_script
 from unialign.config import parse_config
 from unialign.errors import UserError
+from unialign.recipes.text import reward_model_folder
 
 
+@pytest.mark.slow
 def test_a_short_run_writes_nothing_outside_its_output_dir(tmp_path):
     work = tmp_path / "cwd"
     work.mkdir()
@@ -36,15 +38,17 @@ def test_a_short_run_writes_nothing_outside_its_output_dir(tmp_path):
 
 @pytest.fixture
 def ppo(monkeypatch):
-    """The script module with its subprocess launcher recorded (and run as ``result`` says) instead of training."""
+    """The script module with the reward model's trainer launch recorded (and run as ``result`` says) instead of
+    training; ``module.reward_model(cfg)``: the folder ``recipes.text.reward_model_folder`` gives the script."""
     module = load_script("ppo_rlhf")
+    module.reward_model = lambda cfg: reward_model_folder(cfg, ROOT / "scripts" / "train_reward_model.py")
     calls, result = [], {"returncode": 0}
 
     def fake_run(cmd, *args, **kwargs):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, result["returncode"])
 
-    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     return module, calls, result
 
 

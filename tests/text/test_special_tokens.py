@@ -1,4 +1,4 @@
-"""Special tokens as the model expects them (issue 15, item 0).
+"""Special tokens as the model expects them.
 
 A tokenizer that adds BOS (built here offline, as Llama / Mistral / Gemma tokenizers behave): a raw
 prompt gets exactly one BOS, a chat-templated one (its template starts with BOS) exactly one too, in

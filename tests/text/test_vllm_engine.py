@@ -13,6 +13,7 @@ import torch
 
 from tests.conftest import make_tiny_lm
 from unialign.text import vllm_engine as ve
+from unialign.text.sampling import SamplingKnobs
 
 
 # ------------------------------------------------------------------ stand-ins for vLLM's objects
@@ -141,16 +142,19 @@ def test_check_vllm_available_names_the_missing_piece(monkeypatch):
 
 # ------------------------------------------------------------------ sampling parameters
 def test_sampling_kwargs_match_hf_semantics():
-    kw = ve.sampling_kwargs(4, max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=0, greedy=False, eos_token_id=2)
+    knobs = SamplingKnobs(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=0)
+    kw = ve.sampling_kwargs(4, knobs, greedy=False, eos_token_id=2)
     assert kw["n"] == 4 and kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["max_tokens"] == 16
     assert kw["top_k"] == -1  # HF's 0 = off is vLLM's -1
+    assert "min_p" not in kw  # off: not passed
     assert kw["logprobs"] == 0  # the sampled token's log-prob only
     assert kw["stop_token_ids"] == [2] and kw["ignore_eos"] is True  # stop on the policy's EOS, and only on it
-    assert ve.sampling_kwargs(4, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=5, greedy=False,
+    assert ve.sampling_kwargs(4, knobs.with_(temperature=1.0, top_p=1.0, top_k=5), greedy=False,
                               eos_token_id=2)["top_k"] == 5
-    greedy = ve.sampling_kwargs(4, max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=5, greedy=True,
-                                eos_token_id=2)
+    assert ve.sampling_kwargs(4, knobs.with_(min_p=0.05), greedy=False, eos_token_id=2)["min_p"] == 0.05
+    greedy = ve.sampling_kwargs(4, knobs.with_(top_k=5, min_p=0.05), greedy=True, eos_token_id=2)
     assert (greedy["n"], greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (1, 0.0, 1.0, -1)
+    assert "min_p" not in greedy
 
 
 def test_llm_kwargs_colocate_processed_logprobs():
@@ -194,8 +198,8 @@ def script(prompt_ids, k):
 def test_generate_passes_distinct_prompts_with_n_and_returns_prompt_major_rows():
     model, tok = make_tiny_lm()
     engine, llm = build_engine(model, tok, script=script)
-    got = engine.generate([[4, 5], [6]], 3, max_new_tokens=8, temperature=0.8, top_p=0.95, top_k=0,
-                          eos_token_id=2, pad_token_id=0)
+    knobs = SamplingKnobs(max_new_tokens=8, temperature=0.8, top_p=0.95, top_k=0)
+    got = engine.generate([[4, 5], [6]], 3, knobs, eos_token_id=2, pad_token_id=0)
     (_, prompts, params), = [c for c in llm.calls if c[0] == "generate"]
     assert prompts == [{"prompt_token_ids": [4, 5]}, {"prompt_token_ids": [6]}]  # each distinct prompt once
     assert params.n == 3 and params.top_k == -1 and params.temperature == 0.8 and params.max_tokens == 8
@@ -204,8 +208,7 @@ def test_generate_passes_distinct_prompts_with_n_and_returns_prompt_major_rows()
     assert got["logp"][:, 0].tolist() == pytest.approx([-0.1, -0.2, -0.3] * 2)
     assert got["completion_mask"].sum().item() == 18 and not got["truncated"].any()
 
-    greedy = engine.generate([[4, 5], [6]], 3, max_new_tokens=8, temperature=0.8, top_p=0.95, top_k=0,
-                             greedy=True, eos_token_id=2, pad_token_id=0)
+    greedy = engine.generate([[4, 5], [6]], 3, knobs, greedy=True, eos_token_id=2, pad_token_id=0)
     params = [c for c in llm.calls if c[0] == "generate"][-1][2]
     assert params.n == 1 and params.temperature == 0.0
     assert greedy["completion_ids"].tolist() == [[p, 10, 2] for p in (4, 6) for _ in range(3)]  # repeated n times
@@ -286,7 +289,7 @@ def test_local_checkpoint_is_served_from_its_directory(tmp_path):
 def test_sleep_discards_then_push_wakes_weights_and_generate_wakes_the_cache():
     model, tok = make_tiny_lm()
     engine, llm = build_engine(model, tok, script=script)
-    kw = dict(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0)
+    kw = dict(knobs=SamplingKnobs(max_new_tokens=4), eos_token_id=2, pad_token_id=0)
     engine.sleep()
     assert llm.calls[-1] == ("sleep", 2)
     engine.sleep()  # already asleep: nothing more

@@ -144,6 +144,7 @@ def test_update_is_independent_of_micro_batch_split(tmp_path, loss_type):
             assert_close(other[k], results[0][k], msg=k)
 
 
+@pytest.mark.slow
 def test_resume_matches_an_uninterrupted_run(tmp_path):
     full = make(tmp_path / "full", max_steps=4)
     full.train()
@@ -211,6 +212,7 @@ def test_ppo_trains_a_value_head_with_kl_in_the_reward(tmp_path):
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))  # stock load, no unexpected keys needed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("critic", ["separate", "reward_model"])
 def test_ppo_with_a_separate_critic(tmp_path, critic):
     """value_head='separate' (a copy of the backbone) or a reward-model checkpoint: the critic has its own
@@ -269,7 +271,7 @@ def test_critic_from_a_checkpoint_with_another_vocabulary_is_refused(tmp_path):
 def test_ppo_whiten_rewards_scales_the_kl_shaped_token_rewards(tmp_path, monkeypatch):
     """TRL's whiten_rewards: the KL-shaped per-token rewards are whitened over real tokens with the mean
     kept, (r - mean) / std + mean (unbiased std), before GAE."""
-    from unialign.algos import estimators
+    from unialign.algos import advantage_estimators as estimators
 
     seen = []
     real_gae = estimators.gae

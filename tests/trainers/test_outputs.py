@@ -130,6 +130,7 @@ def test_huge_finite_rewards_give_the_advantages_of_small_ones(tmp_path):
     torch.testing.assert_close(big, small, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_preference_trainer_logs_held_out_pairs_every_eval_steps(tmp_path):
     from tests.conftest import make_tiny_lm
     from tests.trainers.test_preference import PAIRS, config

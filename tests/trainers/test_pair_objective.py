@@ -72,6 +72,7 @@ def test_reference_free_losses_build_and_run_no_reference(loss_type, monkeypatch
     assert obj.cache is None
 
 
+@pytest.mark.slow
 def test_no_second_copy_of_the_weights_without_a_reference():
     policy, model = perturbed_policy()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

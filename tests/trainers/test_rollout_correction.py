@@ -1,4 +1,4 @@
-"""Rollout/trainer mismatch (issue #16): a bfloat16 rollout copy records its own log-probs, the trainer's
+"""Rollout/trainer mismatch: a bfloat16 rollout copy records its own log-probs, the trainer's
 ratio-1 check still compares against the trainer's, and the loss is re-weighted by rollout_correction."""
 
 from __future__ import annotations

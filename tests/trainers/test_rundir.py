@@ -99,6 +99,7 @@ def test_a_checkpoint_never_replaces_a_folder_the_run_did_not_write(tmp_path):
     assert (tmp_path / "checkpoint-1" / "data.txt").exists()
 
 
+@pytest.mark.slow
 def test_tracker_logs_of_two_runs_do_not_mix(tmp_path):
     run_to_end(tmp_path, report_to="tensorboard")
     run_to_end(tmp_path, report_to="tensorboard", overwrite_output_dir=True)
@@ -119,6 +120,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_a_second_live_run_on_the_same_directory_is_refused(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -325,6 +327,7 @@ def _contend(folders, barrier, results, me):
             rd._drop_lock(Path(folder) / rd.LOCK_FILE)
 
 
+@pytest.mark.slow
 def test_many_contenders_on_a_stale_lock_never_make_two_holders(tmp_path):
     """4 processes take the same stale lock at once, 200 times: exactly one holds it each time (the kernel's flock;
     the previous rename-away of a stale lock gave two holders in 10 of 200 trials)."""
@@ -382,6 +385,7 @@ def test_an_emptied_checksum_list_does_not_let_a_corrupted_file_load(tmp_path):
         make(tmp_path, max_steps=3, resume_from_checkpoint="latest")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_stripped_of_its_checksums_and_format_is_refused_until_sealed(tmp_path):
     run_to_end(tmp_path)
     ckpt = tmp_path / "checkpoint-2"

@@ -53,6 +53,7 @@ finish_run(trainer.acc, trainer.cfg, {"steps": 2}, save)
 """
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_during_the_final_save_stops_at_once_and_the_resume_writes_it(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SECOND, str(tmp_path), str(ROOT)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})

@@ -52,6 +52,7 @@ def _reward_module(tmp_path, monkeypatch):
     return "vrewards:has"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_grpo_vision_on_a_folder_of_trl_rows(tmp_path, monkeypatch, vlm_dir, algorithm):
     from transformers import AutoModelForImageTextToText, AutoProcessor

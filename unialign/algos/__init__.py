@@ -1,5 +1,14 @@
 """Pure math of every alignment method unialign runs: tensors in, tensors out; imports torch only."""
 
+from unialign.algos.advantage_estimators import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageOutput,
+    discounted_returns,
+    get_estimator,
+    global_whiten,
+    register_advantage,
+)
 from unialign.algos.advantages import (
     PerPromptStatTracker,
     gae,
@@ -8,14 +17,10 @@ from unialign.algos.advantages import (
     whiten,
 )
 from unialign.algos.aggregate import aggregate, local_normalizer
-from unialign.algos.estimators import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    AdvantageOutput,
-    discounted_returns,
-    get_estimator,
-    global_whiten,
-    register_advantage,
+from unialign.algos.importance_sampling import (
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+    rollout_correction,
 )
 from unialign.algos.kl import (
     CLOSED_FORM_ESTIMATORS,
@@ -42,7 +47,6 @@ from unialign.algos.policy_loss import (
     sequence_log_ratio,
 )
 from unialign.algos.preference import bradley_terry_loss, dpo_loss
-from unialign.algos.rollout import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, rollout_correction
 from unialign.algos.shaping import AdaptiveKLController, kl_shaped_rewards, overlong_penalty
 from unialign.algos.value import clipped_value_loss, entropy_from_logits
 

@@ -1,4 +1,5 @@
-"""Advantage estimators: group-relative (GRPO / Dr.GRPO), RLOO, per-prompt tracking (DDPO), GAE (PPO).
+"""Advantage math, pure functions the registered estimators (``advantage_estimators``) call: group-relative (GRPO /
+Dr.GRPO), RLOO, per-prompt tracking (DDPO), GAE (PPO).
 
 All functions are pure; shapes are in each docstring. Rewards that are not finite (NaN / inf,
 e.g. a reward function that returned ``None``) are excluded from every baseline and get

@@ -8,6 +8,8 @@ plus the data the objective needs to feed it:
     length_normalize  the log-likelihoods are means over the completion (per token for text; the diffusion
                       ELBO surrogate -1/2 mean_CHW ||eps - eps_theta||^2 is a per-element mean already)
     params            the keyword parameters besides beta (read from the signature: label_smoothing, gamma)
+    defaults          beta's and the parameters' published defaults (read from the signature: SimPO beta 2,
+                      gamma 0.5); a script fills an unset flag from them
     nll_coef          weight of the chosen side's NLL (``chosen_nll_loss``) the method adds by definition
                       (RPO and ORPO: 1; an objective's ``rpo_alpha`` overrides it)
 
@@ -39,6 +41,7 @@ class PairLoss:
     length_normalize: bool
     params: tuple[str, ...] = ()
     nll_coef: float = 0.0
+    defaults: tuple[tuple[str, float], ...] = ()
 
 
 PAIR_LOSSES: dict[str, PairLoss] = {}
@@ -51,8 +54,10 @@ def register_pair_loss(name: str, *, needs_reference: bool, length_normalize: bo
     def add(fn: PairLossFn) -> PairLossFn:
         if name in PAIR_LOSSES:
             raise ValueError(f"pair loss {name!r} is already registered")
-        params = tuple(inspect.signature(fn).parameters)[3:]
-        PAIR_LOSSES[name] = PairLoss(name, fn, needs_reference, length_normalize, params, nll_coef)
+        signature = list(inspect.signature(fn).parameters.values())
+        params = tuple(p.name for p in signature[3:])
+        defaults = tuple((p.name, p.default) for p in signature[2:] if p.default is not inspect.Parameter.empty)
+        PAIR_LOSSES[name] = PairLoss(name, fn, needs_reference, length_normalize, params, nll_coef, defaults)
         return fn
 
     return add
@@ -81,9 +86,10 @@ def check_pair_loss_params(name: str, label_smoothing: float = 0.0, **params: fl
 
 
 # ----------------------------------------------------------------------------- the DPO family
-# Inputs: chosen / rejected log-ratios [B], r = log pi(y|x) - log pi_ref(y|x); h = r_w - r_l below.
+# Inputs: chosen / rejected log-ratios [B], r = log pi(y|x) - log pi_ref(y|x); h = r_w - r_l below. beta 0.1: the
+# papers' and TRL's default.
 @register_pair_loss("sigmoid", needs_reference=True, length_normalize=False)
-def dpo_sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float,
+def dpo_sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float = 0.1,
                      label_smoothing: float = 0.0) -> Tensor:
     """DPO (Rafailov et al. 2023, eq. 7); eps = label_smoothing > 0 is conservative DPO (cDPO, Mitchell 2023):
 
@@ -94,7 +100,7 @@ def dpo_sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta:
 
 
 @register_pair_loss("ipo", needs_reference=True, length_normalize=True)
-def ipo_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) -> Tensor:
+def ipo_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float = 0.1) -> Tensor:
     """IPO (Azar et al. 2023, eq. 17) on length-averaged log-likelihoods, as the paper and TRL:
 
         L = (h - 1 / (2 beta))^2                                         -> losses_B
@@ -103,13 +109,13 @@ def ipo_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) 
 
 
 @register_pair_loss("hinge", needs_reference=True, length_normalize=False)
-def hinge_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) -> Tensor:
+def hinge_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float = 0.1) -> Tensor:
     """SLiC-HF (Zhao et al. 2023, eq. 3) with beta = 1/delta:  L = max(0, 1 - beta h)  -> losses_B."""
     return torch.relu(1 - beta * (chosen_logratios - rejected_logratios))
 
 
 @register_pair_loss("robust", needs_reference=True, length_normalize=False)
-def robust_dpo_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float,
+def robust_dpo_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float = 0.1,
                     label_smoothing: float = 0.0) -> Tensor:
     """Robust DPO (Chowdhury et al. 2024, eq. 10), unbiased under a label-flip rate eps < 1/2:
 

@@ -7,16 +7,17 @@ from typing import Any
 
 from unialign.embedded import shapes_world as world
 from unialign.embedded.shape_verifier import PARTS, parse_shape_prompt, verify
+from unialign.errors import UserError
 from unialign.image.data import normalize_pickapic, synthetic_pairs
 from unialign.image.families import FAMILIES
-from unialign.image.recipe import (
+from unialign.recipes.image import (
     check_prompts,
     check_reward_rows,
     check_sampling_knobs,
     load_prompt_rows,
     policy_kwargs,
-    reward_names,
 )
+from unialign.recipes.text import reward_names
 from unialign.rewards import CombinedReward, get_reward
 
 NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
@@ -27,13 +28,13 @@ IMAGE_MODELS = tuple(EMBEDDED_MODELS)
 
 
 def image_rl_parts(cfg) -> dict[str, Any]:
-    """What ``unialign.image.recipe.run_image_rl`` needs for the shapes world's model (``cfg.model_name_or_path``:
+    """What ``unialign.recipes.image.run_image_rl`` needs for the shapes world's model (``cfg.model_name_or_path``:
     "embedded", the SDXL-architecture DDIM model, or "embedded-sd3", the SD3-architecture flow-matching one): the policy (``cfg``'s
     sampling knobs), the rewards (the shipped tiny CLIP / head for the model-based ones), the train and
     held-out prompts (``cfg.prompt_set``: "embedded" or a file), the gold score and, when every held-out
     prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
     model loads when the shape verifier is a reward."""
-    names, weights = reward_names(cfg)
+    names, weights = reward_names(cfg.reward_funcs, cfg.reward_weights)
     family = embedded_family(cfg.model_name_or_path, cfg.model_family)
     check_sampling_knobs(cfg, family)  # bad input named before any model loads
     train, held_out = (([{"prompt": p} for p in world.prompts(s)] for s in ("train", "test")) if cfg.prompt_set == NAME
@@ -91,3 +92,53 @@ def image_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, 
     eval_rows = [r for r in eval_rows if r["label_0"] != 0.5][:cfg.num_eval]
     (train, ties), (held_out, _) = normalize_pickapic(train_rows, "train"), normalize_pickapic(eval_rows, "eval")
     return train, held_out, ties, {"eval_source": "embedded: held-out draws of the training captions"}
+
+
+def image_pair_parts(cfg: Any) -> dict[str, Any]:
+    """What ``scripts/dpo_sdxl.py`` trains on, in this order: ``policy`` (an embedded model by name, else a hub /
+    local denoiser), ``train`` / ``held_out`` pairs (the user's Pick-a-Pic-schema data, read and checked before the
+    model loads, or else AI feedback on the shapes world: ``image_pairs``), ``ties`` dropped, ``data_info``,
+    ``images`` (the held-out pictures before and after: the user's first distinct held-out captions, at most 32,
+    for comparison.png; or the world's test prompts with the gold score and prompt fidelity), ``own_data``."""
+    from unialign.image.data import load_pickapic
+    from unialign.image.evaluate import HeldOutImages
+    from unialign.image.grid import first_of_each_prompt
+    from unialign.recipes.image import load_denoiser
+
+    embedded, own_data = cfg.model_name_or_path in IMAGE_MODELS, cfg.dataset_name != NAME
+    if embedded:
+        embedded_family(cfg.model_name_or_path, cfg.model_family)  # a conflicting --model_family is refused
+    if not own_data and not embedded:
+        raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
+                        "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")
+    data = load_pickapic(cfg) if own_data else None  # read and checked before the model loads
+    opts = dict(lora_rank=cfg.lora_rank, caption_dropout=cfg.caption_dropout, seed=cfg.seed,
+                gradient_checkpointing=cfg.gradient_checkpointing)
+    if embedded:
+        policy = embedded_policy(cfg.model_name_or_path, **opts)
+    else:
+        policy = load_denoiser(cfg.model_name_or_path, cfg.model_family, cfg.torch_dtype, cfg.vae_name_or_path, **opts)
+    train, held_out, ties, data_info = data or image_pairs(policy, cfg)
+    data_info.pop("row_ids", None)  # every held-out row's index: reproducible from eval_split_seed, not printed
+    # fixed held-out prompts and seed, the same draws before and after
+    if own_data:
+        shown = first_of_each_prompt([r["prompt"] for r in held_out], min(cfg.num_eval_images, 32))
+        images = HeldOutImages(policy, [held_out[i]["prompt"] for i in shown], 1234, batch_size=8)
+    else:
+        test = world.prompts("test")
+        images = HeldOutImages(policy, [test[i % len(test)] for i in range(cfg.num_eval_images)], 1234,
+                               gold=world.gold_score, verifier=fidelity_checks)
+    return dict(policy=policy, train=train, held_out=held_out, ties=ties, data_info=data_info, images=images,
+                own_data=own_data)
+
+
+def run_online_image(cfg: Any) -> dict[str, Any]:
+    """The run of ``scripts/grpo_image.py`` / ``scripts/ddpo_aesthetic.py``: the rewards checked before any model
+    loads, then ``run_image_rl`` on this world's parts for an embedded model (``image_rl_parts``), else on a hub /
+    local model's (``unialign.recipes.image.hub_parts``). Returns the summary."""
+    from unialign.recipes.image import hub_parts, run_image_rl
+    from unialign.recipes.text import check_rewards
+
+    check_rewards(cfg.reward_funcs, cfg.reward_weights, modality="image")
+    parts = image_rl_parts(cfg) if cfg.model_name_or_path in IMAGE_MODELS else hub_parts(cfg)
+    return run_image_rl(cfg, **parts)

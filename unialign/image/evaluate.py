@@ -121,25 +121,3 @@ class HeldOutImages:
         grid.save_comparison(path, before["images"], after["images"], self.prompts, self.labels(before),
                              self.labels(after), title=title)
         return Path(path)
-
-
-def finish_image_run(acc, cfg, summary: dict[str, Any], policy, evaluator: HeldOutImages | None = None,
-                     results: tuple[dict[str, Any], ...] = (), headline: list[tuple[str, float, float]] = (),
-                     counters: dict[str, int] | None = None) -> dict[str, Any]:
-    """The end of an image script: with an ``evaluator`` that has prompts and its two ``results`` (before, after
-    training), ``<output_dir>/comparison.png`` (``HeldOutImages.save_comparison``, titled with the run's name and
-    each ``headline`` (name, before, after)), its path in ``summary["comparison_image"]``; then
-    ``unialign.trainers.finish_run`` (``final/`` by ``policy.save``, ``summary.json``) and the lines that load
-    ``final/`` (``print_load_snippet``). Returns the summary."""
-    from unialign.image.denoiser import print_load_snippet
-    from unialign.trainers import finish_run
-
-    out = Path(cfg.output_dir)
-    if evaluator is not None and evaluator.prompts and len(results) == 2:
-        summary["comparison_image"] = str(out / "comparison.png")
-        if acc.is_main_process:
-            title = f"{out.name}: " + ", ".join(f"{name} {b:.3f} -> {a:.3f}" for name, b, a in headline)
-            evaluator.save_comparison(out / "comparison.png", *results, title=title)
-    summary = finish_run(acc, cfg, summary, policy.save, counters)
-    print_load_snippet(acc, policy, out / "final")
-    return summary

@@ -27,7 +27,7 @@ FLOW_KNOBS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", 
 @dataclass(frozen=True)
 class SamplerKnobs:
     """A policy's sampler knobs as one frozen value (the ``knobs=`` argument of ``DiffusionPolicy``,
-    ``FlowMatchingPolicy`` and ``FluxPolicy``; ``unialign.image.recipe.sampler_knobs`` builds it from a config).
+    ``FlowMatchingPolicy`` and ``FluxPolicy``; ``unialign.recipes.image.sampler_knobs`` builds it from a config).
     A field left None leaves the constructor's keyword of that name (its default, or what a loader passed); a
     policy reads only the fields that apply to it (``Family.knobs``). The meaning of each field: the policies'
     keywords of the same name."""

@@ -45,8 +45,8 @@ Peak extra memory is one tile workspace (``chunk_size * V`` elements), allocated
 reused by every forward chunk and backward tile (the backward overwrites each tile's logits with its
 dL/dz in place), instead of several [B*T, V] tensors. On CUDA (and on CPU for tiles of a real
 vocabulary) the per-tile maths runs as one compiled kernel each way (``_tile_stats`` /
-``_tile_grad_``: the tile stays in the matmul's dtype, the maths is float32 in registers), which on an
-H200 halved the time in bf16 (``benchmarks/results/gpu_h200.md``); ``UNIALIGN_FUSED_LOGPROB=0`` turns
+``_tile_grad_``: the tile stays in the matmul's dtype, the maths is float32 in registers: fewer passes over
+memory than the eager elementwise ops, docs/benchmarks.md has the timings); ``UNIALIGN_FUSED_LOGPROB=0`` turns
 it off.
 
 Precision: matmuls run in the input dtype (bf16 on GPU is fine), their result is upcast to float32
@@ -96,14 +96,14 @@ def _tile_view(buf: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor |
     """A contiguous [rows, cols] view of the front of a flat workspace (None stays None).
 
     Every chunk / tile of one call writes into the same workspace: a fresh CPU tile of a real vocabulary
-    (~300 MB) is mmap-ed and page-faulted on first touch at ~1 ns/element, which measured more than the
-    softmax maths itself (benchmarks/logprob.py, 2 cores, P1 size: fwd+bwd 26.7 s -> 25.5 s, 1.44 -> 1.32x the bare matmul floor)."""
+    (~300 MB) is mmap-ed and page-faulted on first touch at ~1 ns/element, which costs more than the
+    softmax maths itself (benchmarks/logprob.py measures it)."""
     return None if buf is None else buf[: rows * cols].view(rows, cols)
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused tile math. Measured on an H200 (benchmarks/results/gpu_h200.md): with the eager ops above ~60 %
-# of the time went to unfused elementwise kernels over fp32 tiles. These two functions hold the same
+# Fused tile math: the eager ops above run several unfused elementwise passes over each fp32 tile (on a GPU
+# most of the time; docs/benchmarks.md). These two functions hold the same
 # math written for one fused kernel each (torch.compile -> Triton on CUDA, C++ on CPU for real-vocabulary
 # tiles): the tile stays in the matmul's dtype in memory, the softmax math runs in float32 in registers;
 # the gradient one overwrites its tile (the call's workspace) in place. Small CPU tiles keep the in-place

@@ -29,6 +29,7 @@ from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, deta
 from unialign.text.head import install_fused_head
 from unialign.text.prompts import CHAT_TEMPLATE_MODES, PromptEncoder, messages_text, templated
 from unialign.text.rollout import HFRollout, LowPrecisionRollout, RolloutEngine, build_rollout
+from unialign.text.sampling import SamplingKnobs
 from unialign.types import PreferenceBatch, Trajectory, _concat
 from unialign.weights import check_finite
 
@@ -52,6 +53,19 @@ class _PromptSetting:
         setattr(policy.prompt_encoder, self.name, value)
 
 
+class _SamplingKnob:
+    """``policy.<knob>``: that field of ``policy.sampling``; set, a checked copy replaces it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.sampling, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.sampling = obj.sampling.with_(**{self.name: value})
+
+
 class CausalLMPolicy:
     """Policy over token sequences. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
 
@@ -59,15 +73,21 @@ class CausalLMPolicy:
     chat_template = _PromptSetting()
     system_prompt = _PromptSetting()
     max_prompt_length = _PromptSetting()
+    max_new_tokens = _SamplingKnob()
+    temperature = _SamplingKnob()
+    top_p = _SamplingKnob()
+    top_k = _SamplingKnob()
+    min_p = _SamplingKnob()
 
     def __init__(
         self,
         model: torch.nn.Module,
         tokenizer: Any,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
         max_prompt_length: int | None = None,
         chat_template: str = "auto",
         system_prompt: str | None = None,
@@ -78,8 +98,13 @@ class CausalLMPolicy:
         rollout_dtype: str | None = None,
         generation_backend: str = "hf",
         vllm_options: dict[str, Any] | None = None,
+        sampling: SamplingKnobs | None = None,
     ):
-        """``value_head`` (PPO's critic, ``unialign.text.critic``): ``False``; ``True`` / ``"shared"``: a
+        """``sampling`` (``unialign.text.sampling.SamplingKnobs``: max_new_tokens 64, temperature 1, top-p / top-k /
+        min-p off by default): how ``sample`` draws completions, read by every rollout engine; ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``top_k`` and ``min_p`` given as keywords set those knobs of it (``policy.temperature`` and
+        its kin read and set ``policy.sampling``).
+        ``value_head`` (PPO's critic, ``unialign.text.critic``): ``False``; ``True`` / ``"shared"``: a
         zero-initialised scalar head on the policy's backbone; ``"separate"``: a critic with its own copy of
         the backbone; any other string: a sequence-classification checkpoint (e.g. the reward model) whose
         backbone and score head become the critic.
@@ -108,8 +133,8 @@ class CausalLMPolicy:
         base = _base_model(model)
         self.head = install_fused_head(base, chunk_size)
         self.model = model
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.top_p, self.top_k = top_p, top_k
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        self.sampling = (sampling or SamplingKnobs()).with_(**{k: v for k, v in given.items() if v is not None})
         self.prompt_encoder = PromptEncoder(tokenizer, chat_template, system_prompt, max_prompt_length)
         # shared critic: a head on the policy's last hidden state; separate critic: its own backbone and head
         self.value_head, self.value_model = attach_critic(base, value_head, self.head.weight.device)

@@ -90,10 +90,8 @@ class HFRollout:
         was_training = model.training
         model.eval()
         eos = tokenizer.eos_token_id
-        gen_kwargs = dict(do_sample=not greedy, max_new_tokens=max_new_tokens or policy.max_new_tokens,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
-        if not greedy:
-            gen_kwargs.update(temperature=policy.temperature, top_p=policy.top_p, top_k=policy.top_k)
+        knobs = policy.sampling.with_(max_new_tokens=max_new_tokens) if max_new_tokens else policy.sampling
+        gen_kwargs = dict(**knobs.hf_kwargs(greedy), pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
         batch, prompt_width = enc["input_ids"].shape
         if self.uses_static_cache(policy, model):
             width = policy.max_prompt_length or -(-prompt_width // 128) * 128
@@ -214,9 +212,8 @@ class VLLMRollout:
         elif not self.fresh:
             self.engine.push_weights(unwrap(policy.model))
         self.fresh = False
-        out = self.engine.generate(distinct, n, max_new_tokens=max_new_tokens or policy.max_new_tokens,
-                                   temperature=policy.temperature, top_p=policy.top_p, top_k=policy.top_k,
-                                   greedy=greedy, eos_token_id=tokenizer.eos_token_id,
+        knobs = policy.sampling.with_(max_new_tokens=max_new_tokens) if max_new_tokens else policy.sampling
+        out = self.engine.generate(distinct, n, knobs, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id)
         self.engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
         device = enc["input_ids"].device

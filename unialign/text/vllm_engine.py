@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from unialign.text.sampling import SamplingKnobs
+
 # Modules the policy hangs on its base model that the inference engine knows nothing about
 # (``unialign.text.critic.CRITIC_MODULES``; the same names, a test checks).
 NOT_IN_ENGINE = ("value_head", "value_model")
@@ -62,11 +64,10 @@ def _import_vllm():
 
 
 # ----------------------------------------------------------------------------------- sampling parameters
-def sampling_kwargs(n: int, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                    greedy: bool, eos_token_id: int) -> dict[str, Any]:
+def sampling_kwargs(n: int, knobs: SamplingKnobs, *, greedy: bool, eos_token_id: int) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments matching ``CausalLMPolicy.generate``'s HF ``generate`` call.
 
-    - HF ``top_k=0`` (off) -> vLLM ``-1`` (off in every vLLM version; 0 is refused by older ones).
+    - The knobs: ``SamplingKnobs.vllm_kwargs`` (HF ``top_k=0``, off, is vLLM's ``-1``).
     - ``greedy`` (HF ``do_sample=False``) -> ``temperature=0``, no top-p / top-k, and ``n=1``: vLLM refuses
       ``n > 1`` with greedy decoding, and the ``n`` copies would be identical anyway; ``_pack_outputs``
       repeats the single completion ``n`` times.
@@ -82,14 +83,8 @@ def sampling_kwargs(n: int, *, max_new_tokens: int, temperature: float, top_p: f
       from (after temperature and top-k / top-p), as TRL's importance-sampling correction uses it.
     - ``detokenize=False``: the engine returns ids; the policy decodes them itself (as on the HF path).
     """
-    kwargs: dict[str, Any] = dict(max_tokens=max_new_tokens, logprobs=0, ignore_eos=True,
-                                  stop_token_ids=[int(eos_token_id)], detokenize=False)
-    if greedy:
-        kwargs.update(n=1, temperature=0.0, top_p=1.0, top_k=-1)
-    else:
-        kwargs.update(n=n, temperature=float(temperature), top_p=float(top_p),
-                      top_k=int(top_k) if top_k and top_k > 0 else -1)
-    return kwargs
+    return dict(**knobs.vllm_kwargs(greedy), n=1 if greedy else n, logprobs=0, ignore_eos=True,
+                stop_token_ids=[int(eos_token_id)], detokenize=False)
 
 
 # ----------------------------------------------------------------------------------- output packing
@@ -337,8 +332,8 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------- rollouts
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int, temperature: float,
-                 top_p: float, top_k: int, greedy: bool = False, eos_token_id: int, pad_token_id: int) -> dict:
+    def generate(self, prompt_ids: list[list[int]], n: int, knobs: SamplingKnobs, *, greedy: bool = False,
+                 eos_token_id: int, pad_token_id: int) -> dict:
         """``n`` completions of each of the P distinct prompts (token ids, no padding), in one engine call
         (``SamplingParams(n=n)``: the prompt is prefilled once per group). Returns ``_pack_outputs``'s
         tensors for the P * n rows, prompt-major (prompt 0's n samples first), on CPU. ``greedy``: one
@@ -353,15 +348,13 @@ class VLLMEngine:
         if "kv_cache" in self._sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self._sleeping.discard("kv_cache")
-        params = self._sampling_params_cls(**sampling_kwargs(
-            n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-            eos_token_id=eos_token_id))
+        params = self._sampling_params_cls(**sampling_kwargs(n, knobs, greedy=greedy, eos_token_id=eos_token_id))
         outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids],
                                     sampling_params=params, use_tqdm=False)
         if len(outputs) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
         return _pack_outputs(outputs, n=n, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                             max_new_tokens=max_new_tokens, repeat=n if greedy else 1)
+                             max_new_tokens=knobs.max_new_tokens, repeat=n if greedy else 1)
 
     # ------------------------------------------------------------------------------- weights
     @torch.no_grad()

@@ -2,6 +2,7 @@
 
     loop.py          the step loop both trainers share (set-up, logging, evaluation bookkeeping, checkpoints)
     online.py        OnlineTrainer: sample, score, update (the GRPO family, PPO)
+    online_config.py OnlineConfig: its knobs, then every knob of the algorithm
     preference.py    PreferenceTrainer: pairs (DPO and relatives, Bradley-Terry reward models)
     train_config.py  TrainConfig: the fields every loop shares
     schedule.py      the optimizer, the learning-rate schedules, the data order

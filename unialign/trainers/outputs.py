@@ -58,7 +58,10 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
     summary.update({k: v for k, v in counters.items() if v})  # e.g. reward_errors skipped, nonfinite rewards
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
     if callable(getattr(cfg, "algo_spec", None)):  # the algorithm as run: preset + overrides, every knob resolved
-        summary["algorithm_spec"] = asdict(cfg.algo_spec())
+        from unialign.registry import KNOBS
+
+        spec = cfg.algo_spec()
+        summary["algorithm_spec"] = {"name": spec.name, **{k: getattr(spec, k) for k in KNOBS}}
     if state.get("config_changes"):
         summary["config_changes_on_resume"] = state["config_changes"]
     steps, skipped = summary.get("steps", state.get("step")), counters.get("skipped_steps", 0)

@@ -66,6 +66,7 @@ def test_reinforce_pp_advantages_by_hand():
     assert got[0, 2] == 0 and out.returns_B_T is None
 
 
+@pytest.mark.slow
 def test_trainer_refuses_a_critic_estimator_without_a_critic_and_mismatched_knobs(tmp_path):
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers import OnlineConfig, OnlineTrainer

@@ -101,3 +101,15 @@ def load_policy(name_or_path: str, freeze_vision: bool = False, **kwargs: Any):
     from unialign.text.policy import CausalLMPolicy
 
     return CausalLMPolicy.from_pretrained(name_or_path, **kwargs)
+
+
+def greedy_task_score(policy, cfg: Any, task: str) -> float:
+    """The greedy score of reward ``task`` on a built-in data set's own task (``--dataset_name``'s test split, its
+    first ``--num_eval`` prompts, images read and checked where the rows have them)."""
+    from unialign.rewards import get_reward
+    from unialign.text import evaluate, load_rows
+    from unialign.text.data import prompt_rows
+
+    rows = prompt_rows(load_rows(cfg.dataset_name, "test")[:cfg.num_eval], "eval")
+    rows = with_images(rows, cfg, "eval") if has_images(rows) else rows
+    return evaluate.greedy_score(policy, rows, get_reward(task), cfg.eval_batch_size)

@@ -17,7 +17,7 @@ import torch
 
 from unialign.config import DTYPES, arg
 from unialign.data import ENCODING_ERRORS
-from unialign.image.evaluate import HeldOutImages, finish_image_run
+from unialign.image.evaluate import HeldOutImages
 from unialign.image.families import (
     FAMILIES,
     FAMILY_CHOICES,
@@ -28,6 +28,9 @@ from unialign.image.families import (
     resolve,
 )
 from unialign.images import ImageDataArgs
+from unialign.recipes.args import RunArgs
+from unialign.recipes.outputs import finish_image_run
+from unialign.recipes.text import reward_names
 from unialign.rewards import CombinedReward, get_reward
 from unialign.trainers import OnlineConfig, OnlineTrainer
 
@@ -59,13 +62,11 @@ class PickapicDataArgs(ImageDataArgs):
 
 
 @dataclass
-class ImageRLConfig(OnlineConfig):
+class ImageRLConfig(RunArgs, OnlineConfig):
     """Fields of the online image scripts (on top of ``OnlineConfig``'s loop and algorithm knobs)."""
 
-    ALIASES = {"reward": "reward_funcs"}  # the image scripts' old name of the reward flag (unialign.trl_compat)
+    ALIASES = {"reward": "reward_funcs"}  # --reward: another name of --reward_funcs (unialign.trl_compat)
 
-    preset: str | None = arg(None, "a named recipe of the script (see its PRESETS)", group="config")
-    config: str | None = arg(None, "YAML file of field values", group="config")
     model_name_or_path: str = arg("runwayml/stable-diffusion-v1-5", "SD1.x / SDXL / SD3 / FLUX.1 hub id or local "
                                   "diffusers folder", group="model")
     model_family: str = arg("auto", "auto (a folder's model_index.json, else the hub id's name) | " + family_names(),
@@ -137,22 +138,6 @@ class ImageRLConfig(OnlineConfig):
     eval_seed: int = arg(1234, "seed of the held-out samples: the same noise every time", group="logging")
     eval_steps: int = arg(10, "held-out evaluation every N steps (curves, TensorBoard)")
     num_threads: int = arg(1, "torch CPU threads (tiny models: 1 is fastest; <= 0 leaves torch's choice)")
-
-
-def reward_names(cfg: ImageRLConfig) -> tuple[list[str], list[float] | None]:
-    """The reward names and weights of ``cfg`` (ValueError naming the field when they do not match)."""
-    names = [n.strip() for n in cfg.reward_funcs.split(",") if n.strip()]
-    if not names:
-        raise ValueError("reward: give at least one reward name")
-    if cfg.reward_weights is None:
-        return names, None
-    try:
-        weights = [float(w) for w in cfg.reward_weights.split(",")]
-    except ValueError:
-        raise ValueError(f"reward_weights: {cfg.reward_weights!r} is not a comma-separated list of numbers") from None
-    if len(weights) != len(names):
-        raise ValueError(f"reward_weights: {len(weights)} weights for {len(names)} rewards ({cfg.reward_funcs})")
-    return names, weights
 
 
 def family_of(model_name_or_path: str, family: str = "auto") -> str:
@@ -383,7 +368,7 @@ def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     runs the detector again on the held-out images. A script's default prompt set, the demo world's, is refused
     here, before anything loads, with the fix (``check_hub_prompt_set``)."""
     check_hub_prompt_set(cfg.prompt_set, cfg.model_name_or_path)
-    names, weights = reward_names(cfg)
+    names, weights = reward_names(cfg.reward_funcs, cfg.reward_weights)
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
     train, held_out = load_prompt_rows(cfg.prompt_set, cfg.encoding_errors)
     check_reward_rows(names, train + held_out)
@@ -452,3 +437,37 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
         headline.append(("prompt fidelity", summary["fidelity_before"], summary["fidelity_after"]))
     return finish_image_run(trainer.acc, cfg, summary, policy, evaluator, (before_res, after_res), headline,
                             trainer.counters)
+
+
+def train_image_pairs(cfg: Any, trainer, held_out: list[dict], images: HeldOutImages, own_data: bool,
+                      counts: dict[str, int], data_info: dict[str, Any], start: float) -> dict[str, Any]:
+    """The run of ``dpo_sdxl`` once its ``PreferenceTrainer`` is built: held-out images (``images``: the same prompts
+    and seed before and after) and the held-out implicit accuracy, one (t, eps) draw and averaged over
+    ``--eval_timestep_samples``, around ``trainer.train()``; then ``comparison.png``, ``final/`` and the summary,
+    whose metric is the implicit accuracy on the user's pairs (``own_data``) or else the gold score, with the
+    prompt fidelity beside it; ``counts`` (pairs trained, ties dropped, held-out pairs) and ``data_info`` (the
+    data's source) go into the summary."""
+    from unialign.trainers.preference import averaged_implicit_accuracy
+
+    objective, results = trainer.obj, []
+
+    def evaluate() -> tuple[dict, float, float]:  # held-out images, implicit accuracy K / 1
+        metrics = images() if images.prompts else {}
+        results.append(images.last)
+        k1, k = trainer.evaluate(held_out)["implicit_accuracy"], cfg.eval_timestep_samples
+        return metrics, (k1 if k <= 1 else averaged_implicit_accuracy(objective, held_out, k, cfg.eval_batch_size)), k1
+
+    before, implicit_before, implicit_before_k1 = evaluate()
+    history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)
+    after, implicit_after, implicit_after_k1 = evaluate()
+    metric = "implicit_accuracy" if own_data else "gold_score"
+    summary = {"metric": metric, "before": implicit_before if own_data else before["gold"],
+               "after": implicit_after if own_data else after["gold"],
+               "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
+               **({} if own_data else {"fidelity_before": before["fidelity"], "fidelity_after": after["fidelity"]}),
+               "implicit_accuracy_before_k1": implicit_before_k1, "implicit_accuracy_after_k1": implicit_after_k1,
+               "eval_timestep_samples": cfg.eval_timestep_samples,
+               "first_loss": history[0]["loss"] if history else None, "steps": trainer.step,
+               **counts, "wall_seconds": time.time() - start, **data_info}
+    return finish_image_run(trainer.acc, cfg, summary, objective.policy, images, tuple(results),
+                            [(f"held-out {metric}", summary["before"], summary["after"])])

@@ -11,7 +11,7 @@ from unialign.algos import rollout_correction
 
 
 def reference(old, roll, mask, level, mode, cap):
-    """Issue #16's definition, one element at a time."""
+    """The definition, one element at a time."""
     B, T = len(old), len(old[0])
     weights, over = [[0.0] * T for _ in range(B)], [[False] * T for _ in range(B)]
     for b in range(B):

@@ -10,7 +10,11 @@ model's own tokenizer; ``check_rewards`` / ``build_reward`` resolve ``--reward_f
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from unialign.config import UserError, arg
@@ -266,3 +270,137 @@ def as_trl_reward(reward):
         return [x if math.isfinite(x) else None for x in reward(prompts, completions, columns).rewards_B.tolist()]
 
     return fn
+
+
+def reward_model_folder(cfg: Any, trainer_script: Path) -> Path:
+    """The reward model's folder: ``--reward_model_path``, else ``<output_dir>/reward_model/final``, trained there
+    first by ``trainer_script`` (scripts/train_reward_model.py: ``--max_steps`` from ``--reward_model_steps``; a killed run's checkpoints are
+    resumed) unless it exists. A failed training is a ``UserError`` naming the folder."""
+    if cfg.reward_model_path is not None:
+        if cfg.reward_model_steps is not None:
+            raise UserError("--reward_model_steps: trains the embedded reward model, and --reward_model_path names "
+                            "one to use as it is; pass one of them")
+        return Path(cfg.reward_model_path)
+    out = Path(cfg.output_dir) / "reward_model"
+    if (out / "final").exists():
+        if cfg.reward_model_steps is not None:
+            print(f"reusing the reward model in {out / 'final'} (--reward_model_steps applies to a new one)")
+        return out / "final"
+    print(f"no reward model in {out}: training the embedded one first", flush=True)
+    from unialign.trainers.rundir import list_checkpoints
+
+    resume = ["--resume_from_checkpoint", "latest"] if list_checkpoints(out) else []  # a killed one
+    steps = [] if cfg.reward_model_steps is None else ["--max_steps", str(cfg.reward_model_steps)]
+    code = subprocess.run([sys.executable, str(trainer_script), "--output_dir", str(out), "--report_to", "none",
+                           *steps, *resume]).returncode
+    if code:
+        raise UserError(f"training the embedded reward model into {out} failed (exit status {code}; its error is "
+                        "above); or pass --reward_model_path")
+    return out / "final"
+
+
+def train_greedy_rl(cfg: Any, policy, reward, scorer, metric: str, train_rows: list[dict], eval_rows: list[dict],
+                    data_info: dict[str, Any], start: float) -> dict[str, Any]:
+    """The online run of ``grpo_math`` / ``grpo_vision``: held-out greedy ``metric`` (``scorer``, a TRL-signature
+    reward) before, every ``--eval_steps`` and after ``OnlineTrainer`` optimises ``reward``; then ``final/`` and
+    ``summary.json`` (before / after, steps, wall time, held-out size, the data's info, the last training reward).
+    Returns the summary."""
+    from unialign.recipes.outputs import finish_run
+    from unialign.text import evaluate
+    from unialign.trainers import OnlineTrainer
+
+    held_out = evaluate.GreedyHeldOut(policy, eval_rows, {metric: scorer}, cfg.eval_batch_size)
+    trainer = OnlineTrainer(policy, reward, train_rows, cfg, evaluator=held_out)  # eval/<metric> every eval_steps
+    before = trainer.evaluate()[f"eval/{metric}"]
+    trainer.acc.print(f"held-out greedy {metric} before: {before:.3f}")
+    history = trainer.train()
+    after = trainer.evaluate()[f"eval/{metric}"]
+    trainer.acc.print(f"held-out greedy {metric} after:  {after:.3f}")
+    summary = {"metric": metric, "before": before, "after": after, "steps": trainer.step,
+               "wall_seconds": time.time() - start, "num_eval": len(eval_rows), **data_info,
+               "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
+    return finish_run(trainer.acc, cfg, summary, policy.save, trainer.counters)
+
+
+# ------------------------------------------------------------------ pair losses (dpo_text)
+PAIR_PARAM_FLAGS = {"gamma": "simpo_gamma"}  # a pair loss's parameter -> its flag (TRL's CPOConfig name)
+
+
+def pair_algorithms() -> tuple[str, ...]:
+    """``--algorithm`` of the text pair script: dpo (the ``--loss_type`` variant, against a reference) and every
+    reference-free pair loss."""
+    from unialign.algos.preference import REFERENCE_FREE_LOSSES
+
+    return ("dpo", *REFERENCE_FREE_LOSSES)
+
+
+def _pair_entry(algorithm: str, loss_type: str = "sigmoid"):
+    from unialign.algos.pair_losses import get_pair_loss
+
+    return get_pair_loss(loss_type if algorithm == "dpo" else algorithm)
+
+
+def pair_defaults(nll_weights: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per ``--algorithm``: ``beta`` and the loss's parameters (SimPO's gamma as ``simpo_gamma``) at the pair
+    loss's own defaults (``PairLoss.defaults``), and ``rpo_alpha``, the chosen side's NLL weight, from
+    ``nll_weights`` (a script's measured choice) or else the loss's own (``PairLoss.nll_coef``)."""
+    out = {}
+    for algorithm in pair_algorithms():
+        entry = _pair_entry(algorithm)
+        values = dict(entry.defaults)
+        knobs = {"beta": values["beta"]}
+        knobs.update({PAIR_PARAM_FLAGS.get(p, p): values[p] for p in entry.params if p != "label_smoothing"})
+        knobs["rpo_alpha"] = nll_weights.get(algorithm, entry.nll_coef)
+        out[algorithm] = knobs
+    return out
+
+
+def defaults_help(defaults: dict[str, dict[str, float]], key: str) -> str:
+    """``"default: dpo 0.1, simpo 2.0, orpo 0.1"``: a knob's default per algorithm, for its help line."""
+    return "default: " + ", ".join(f"{a} {d[key]}" for a, d in defaults.items() if key in d)
+
+
+def pair_loss(cfg: Any, defaults: dict[str, dict[str, float]]) -> tuple[str, dict, dict]:
+    """(registered pair loss, its knobs with the algorithm's ``defaults`` filled in, the loss's own parameters),
+    checked before any model loads: a parameter flag of another algorithm's loss, or ``--loss_type`` beside a
+    reference-free algorithm, is a ``UserError`` naming the flag."""
+    from unialign.algos.pair_losses import check_pair_loss_params
+
+    knobs = {k: v if getattr(cfg, k) is None else getattr(cfg, k) for k, v in defaults[cfg.algorithm].items()}
+    for flag in PAIR_PARAM_FLAGS.values():
+        if getattr(cfg, flag, None) is not None and flag not in knobs:
+            owner = next(a for a, d in defaults.items() if flag in d)
+            raise UserError(f"--{flag}: applies to --algorithm {owner}, not {cfg.algorithm}")
+    if cfg.algorithm != "dpo" and cfg.loss_type != "sigmoid":
+        raise UserError(f"--loss_type: chooses the DPO variant of --algorithm dpo, not of {cfg.algorithm}")
+    entry = _pair_entry(cfg.algorithm, cfg.loss_type)
+    params = {p: knobs[PAIR_PARAM_FLAGS.get(p, p)] for p in entry.params if PAIR_PARAM_FLAGS.get(p, p) in knobs}
+    check_pair_loss_params(entry.name, cfg.label_smoothing, **params)
+    return entry.name, knobs, params
+
+
+def train_pair_run(cfg: Any, objective, train: list[dict], held_out: list[dict], data_info: dict[str, Any],
+                   start: float, task_score=None, head: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run of ``dpo_text``: the reference's log-probs scored once up front with ``--precompute_ref_log_probs``
+    (cached under ``output_dir``), ``PreferenceTrainer`` on ``train`` with the held-out pairs' curve, and the
+    summary: ``task_score()`` (a built-in task's greedy accuracy) or else the held-out implicit accuracy before /
+    after, the first logged losses, ``head`` (the loss and its knobs) after the metric. Returns the summary."""
+    from unialign.recipes.outputs import finish_run
+    from unialign.trainers.preference import PreferenceTrainer, fingerprint
+
+    policy = objective.policy
+    if cfg.precompute_ref_log_probs:
+        key = fingerprint(train, policy.model)
+        objective.precompute(train, cfg.eval_batch_size, Path(cfg.output_dir) / f"ref_cache-{key}.safetensors")
+    trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)  # --eval_steps: held-out curve
+    task_before, implicit_before = task_score and task_score(), trainer.evaluate(held_out)["implicit_accuracy"]
+    history = [h for h in trainer.train() if "loss" in h]  # training steps (held-out evaluations are eval/* rows)
+    task_after, implicit_after = task_score and task_score(), trainer.evaluate(held_out)["implicit_accuracy"]
+    summary = {"metric": "accuracy" if task_score else "implicit_accuracy", **(head or {}),
+               "before": task_before if task_score else implicit_before,
+               "after": task_after if task_score else implicit_after,
+               "implicit_accuracy_before": implicit_before, "implicit_accuracy_after": implicit_after,
+               "first_loss": history[0]["loss"] if history else None,
+               "first_nll_loss": history[0].get("nll_loss") if history else None, "steps": trainer.step,
+               "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out), **data_info}
+    return finish_run(trainer.acc, cfg, summary, policy.save)

@@ -1,15 +1,72 @@
-"""Named recipes of ``scripts/grpo_image.py`` (``--preset NAME``) as data: hub models with their papers' settings.
-Every one loads real weights, so offline each fails within seconds naming what it cannot reach."""
+"""The scripts' named recipes (``--preset NAME``) as data: hub models with their papers' or the peers' settings.
+Every one loads real weights, so offline each fails within seconds naming what it cannot reach. Each script's
+config holds its table as ``PRESETS``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "image" / "prompts"
 GENEVAL_PROMPTS = str(PROMPTS_DIR / "geneval_metadata.jsonl")  # GenEval's .jsonl format, a few rows of each tag
 OCR_PROMPTS = str(PROMPTS_DIR / "ocr_prompts.txt")              # Flow-GRPO's OCR format: the target in quotes
 
-GRPO_IMAGE_PRESETS: dict[str, dict] = {
+# ----------------------------------------------------------------------------- text
+SYSTEM_GSM8K = ("Solve the problem step by step. End your answer with a final line of the form "
+                "'#### <number>'.")
+
+GRPO_MATH: dict[str, dict] = {
+    # verl / TRL-style recipe for Qwen2.5-0.5B-Instruct on GSM8K (one GPU)
+    "qwen2.5-0.5b-gsm8k": dict(
+        model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="openai/gsm8k", dataset_config="main",
+        system_prompt=SYSTEM_GSM8K, chat_template="always", max_new_tokens=512, temperature=1.0, learning_rate=1e-6, beta=0.0,
+        prompts_per_step=32, num_generations=8, micro_batch_size=16, max_steps=500, num_eval=1319,
+        torch_dtype="bfloat16", warmup_steps=10, lr_scheduler_type="constant", eval_batch_size=64,
+        output_dir="outputs/grpo_qwen_gsm8k"),
+}
+
+PPO_RLHF: dict[str, dict] = {
+    "qwen2.5-0.5b-rm": dict(
+        model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="openai/gsm8k", dataset_config="main",
+        max_new_tokens=256, learning_rate=1e-6, beta=0.05, kl_target=6.0, prompts_per_step=64, micro_batch_size=8,
+        max_steps=300, torch_dtype="bfloat16", output_dir="outputs/ppo_qwen"),
+}
+
+
+GEOMETRY_PROMPT = ("{content} You FIRST think about the reasoning process as an internal monologue and then provide "
+                   "the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+                   "answer MUST BE put in \\boxed{}.")
+
+GRPO_VISION: dict[str, dict] = {
+    # EasyR1's examples/qwen2_5_vl_3b_geo3k_grpo.sh (hiyouga/EasyR1): Qwen2.5-VL-3B-Instruct on geometry3k
+    "qwen2.5-vl-3b-geometry3k": dict(
+        model_name_or_path="Qwen/Qwen2.5-VL-3B-Instruct", dataset_name="hiyouga/geometry3k", prompt_column="problem",
+        prompt_template=GEOMETRY_PROMPT,
+        eval_split="test", reward_funcs="math_accuracy", max_new_tokens=2048, max_prompt_length=2048,
+        max_pixels=1003520, min_pixels=262144, learning_rate=1e-6, beta=0.01, num_generations=5,
+        prompts_per_step=128, micro_batch_size=16, max_steps=100, torch_dtype="bfloat16", warmup_steps=0,
+        lr_scheduler_type="constant", num_eval=601, eval_batch_size=16, freeze_vision=True,
+        output_dir="outputs/grpo_qwen2.5_vl_geo3k"),
+}
+
+
+DPO_TEXT: dict[str, dict] = {
+    "qwen2.5-0.5b-ultrafeedback": dict(
+        model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="trl-lib/ultrafeedback_binarized",
+        rpo_alpha=0.0, learning_rate=5e-7, batch_size=64, micro_batch_size=4, max_steps=1000, torch_dtype="bfloat16",
+        warmup_steps=50, num_eval=512, output_dir="outputs/dpo_qwen_ultrafeedback"),
+}
+
+
+REWARD_MODEL: dict[str, dict] = {
+    "qwen2.5-0.5b-ultrafeedback": dict(
+        model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="trl-lib/ultrafeedback_binarized",
+        learning_rate=1e-5, batch_size=32, micro_batch_size=4, max_steps=1000, max_length=1024,
+        torch_dtype="bfloat16", output_dir="outputs/rm_qwen_ultrafeedback"),
+}
+
+
+# ----------------------------------------------------------------------------- images
+GRPO_IMAGE: dict[str, dict] = {
     # SD1.5, CLIP score on a prompt file, LoRA; the Flow-GRPO knobs that carry over to a DDIM UNet
     # (group of 16, clip 1e-4 on mean-reduced step log-probs, closed-form KL at beta 0.04)
     "sd15-clip": dict(
@@ -69,4 +126,28 @@ GRPO_IMAGE_PRESETS: dict[str, dict] = {
         lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
         train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
         num_threads=0, output_dir="outputs/grpo_flux_pickscore"),
+}
+
+DPO_SDXL: dict[str, dict] = {
+    # SalesforceAIResearch/DiffusionDPO launchers/sdxl.sh: beta 5000, fp16-fix VAE, effective lr 2.048e-5
+    "sdxl-pickapic": dict(
+        model_name_or_path="stabilityai/stable-diffusion-xl-base-1.0", vae_name_or_path="madebyollin/sdxl-vae-fp16-fix",
+        dataset_name="yuvalkirstain/pickapic_v2", eval_split="validation_unique", beta=5000.0, caption_dropout=0.2,
+        resolution=1024, lora_rank=64, learning_rate=2e-5, batch_size=64, micro_batch_size=1, max_steps=2000,
+        warmup_steps=200, lr_scheduler_type="constant", optim="adafactor", weight_decay=1e-2, gradient_checkpointing=True,
+        torch_dtype="float16",
+        num_threads=None, output_dir="outputs/dpo_sdxl_pickapic"),
+}
+
+DDPO_AESTHETIC: dict[str, dict] = {
+    # ddpo-pytorch config/dgx.py:aesthetic -- 50 DDIM steps, eta 1, CFG 5, LoRA, lr 3e-4, clip 1e-4, adv clip 5
+    "sd15-aesthetic": dict(
+        model_name_or_path="runwayml/stable-diffusion-v1-5", prompt_set="animals", reward_funcs="aesthetic",
+        reward_weights=None, num_steps=50, guidance_scale=5.0, eta=1.0, resolution=512, lora_rank=4,
+        learning_rate=3e-4, prompts_per_step=32, num_generations=8, micro_batch_size=4, train_chunk_size=4, max_steps=200,
+        num_eval=64,
+        torch_dtype="float16", timestep_fraction=1.0, min_step_std=0.0, num_mini_batches=1, epsilon=1e-4, beta=0.0,
+        lr_scheduler_type="constant",
+        eval_steps=50, num_threads=0,
+        output_dir="outputs/ddpo_sd15_aesthetic"),
 }

@@ -1,0 +1,101 @@
+"""The argument groups the scripts share, each declared once: a script's config composes the ones it needs and
+declares only what is its own (its defaults with ``unialign.config.default``, its own fields with ``arg``).
+
+    RunArgs           --preset (the script's ``PRESETS``) and --config (a YAML file)
+    TextModelArgs     the text policy: --model_name_or_path, --lora_rank, --torch_dtype
+    SystemPromptArgs  --system_prompt
+    GenerationCacheArgs  --generation_cache (transformers generate's KV cache)
+    TextSamplingArgs  how completions are sampled (``SamplingKnobs``): --max_new_tokens, --temperature, --top_p,
+                      --top_k, --min_p
+    RewardArgs        --reward_funcs, --reward_weights
+    RolloutEngineArgs --generation_backend, --vllm_gpu_memory_utilization, --rollout_dtype
+
+Put them first among a config's bases (``class C(RunArgs, ..., OnlineConfig)``): a dataclass orders fields from the
+last base to the first, so their flags come after the trainer's in each ``--help`` section, the groups listed last
+first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unialign.config import DTYPES, arg
+from unialign.text.sampling import SamplingKnobs
+
+
+@dataclass
+class RunArgs:
+    """Where a run's values come from besides the flags."""
+
+    preset: str | None = arg(None, "named recipe: {presets} (flags still override it)", group="config")
+    config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
+
+
+@dataclass
+class TextModelArgs:
+    """The text policy a script loads."""
+
+    model_name_or_path: str = arg("", "Hub id or local directory of the model", group="model")
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model", group="model", min=0)
+    torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
+
+
+@dataclass
+class SystemPromptArgs:
+    """A system message for chat-template prompts."""
+
+    system_prompt: str | None = arg(None, "system message put before every prompt (chat-template models)",
+                                    group="model")
+
+
+@dataclass
+class GenerationCacheArgs:
+    """The KV cache of transformers ``generate`` (a causal LM's rollouts)."""
+
+    generation_cache: str = arg("auto", "KV cache: auto (static on CUDA), dynamic, or static (fixed size: CUDA graphs)",
+                                group="model", choices=("auto", "dynamic", "static"))
+
+
+@dataclass
+class RolloutEngineArgs:
+    """Where rollouts come from: transformers or a colocated vLLM engine, and the rollout copy's dtype."""
+
+    generation_backend: str = arg("hf", "rollout engine: hf (transformers generate) or vllm (colocated; CUDA + pip "
+                                  "install 'unialign[vllm]')", group="model", choices=("hf", "vllm"))
+    vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes",
+                                             group="model", gt=0.0, max=1.0)
+    rollout_dtype: str | None = arg(None, "sample from a copy of the policy in this dtype (a rollout/trainer mismatch, "
+                                    "corrected by --rollout_correction); unset: sample from the trained model",
+                                    group="model", choices=DTYPES)
+
+    def rollout_kwargs(self, seed: int) -> dict:
+        """``CausalLMPolicy`` keywords of the rollout engine."""
+        return {"rollout_dtype": self.rollout_dtype, "generation_backend": self.generation_backend,
+                "vllm_options": {"gpu_memory_utilization": self.vllm_gpu_memory_utilization, "seed": seed}}
+
+
+@dataclass
+class TextSamplingArgs:
+    """How a text policy samples: the fields of ``unialign.text.sampling.SamplingKnobs``, one flag each."""
+
+    max_new_tokens: int = arg(64, "completion limit in tokens (sampling and evaluation)", group="algorithm", min=1)
+    temperature: float = arg(1.0, "sampling temperature (> 0)", group="algorithm", gt=0.0)
+    top_p: float = arg(1.0, "nucleus sampling: keep the smallest token set with this probability mass",
+                       group="algorithm", gt=0.0, max=1.0)
+    top_k: int = arg(0, "sample among the k most likely tokens (0: all)", group="algorithm", min=0)
+    min_p: float = arg(0.0, "min-p sampling: drop tokens below this share of the most likely token's probability "
+                       "(0: off)", group="algorithm", min=0.0, lt=1.0)
+
+    def sampling(self) -> SamplingKnobs:
+        """The policy's ``sampling`` value."""
+        return SamplingKnobs(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                             top_k=self.top_k, min_p=self.min_p)
+
+
+@dataclass
+class RewardArgs:
+    """The rewards a run optimises."""
+
+    reward_funcs: str = arg("math_accuracy", "comma-separated rewards: registry names, TRL's dotted "
+                            "package.module.function, module:function or path/file.py:function", group="algorithm")
+    reward_weights: str | None = arg(None, "comma-separated floats, one per reward (default: all 1)", group="algorithm")
