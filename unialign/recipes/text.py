@@ -274,8 +274,8 @@ def as_trl_reward(reward):
 
 def reward_model_folder(cfg: Any, trainer_script: Path) -> Path:
     """The reward model's folder: ``--reward_model_path``, else ``<output_dir>/reward_model/final``, trained there
-    first by ``trainer_script`` (scripts/train_reward_model.py: ``--max_steps`` from ``--reward_model_steps``; a killed run's checkpoints are
-    resumed) unless it exists. A failed training is a ``UserError`` naming the folder."""
+    first by ``trainer_script`` (scripts/train_reward_model.py: ``--max_steps`` from ``--reward_model_steps``; a
+    killed run's checkpoints are resumed) unless it exists. A failed training is a ``UserError`` naming the folder."""
     if cfg.reward_model_path is not None:
         if cfg.reward_model_steps is not None:
             raise UserError("--reward_model_steps: trains the embedded reward model, and --reward_model_path names "

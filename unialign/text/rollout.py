@@ -90,7 +90,7 @@ class HFRollout:
         was_training = model.training
         model.eval()
         eos = tokenizer.eos_token_id
-        knobs = policy.sampling.with_(max_new_tokens=max_new_tokens) if max_new_tokens else policy.sampling
+        knobs = policy.sampling.with_(max_new_tokens=max_new_tokens or policy.max_new_tokens)
         gen_kwargs = dict(**knobs.hf_kwargs(greedy), pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
         batch, prompt_width = enc["input_ids"].shape
         if self.uses_static_cache(policy, model):
@@ -212,7 +212,7 @@ class VLLMRollout:
         elif not self.fresh:
             self.engine.push_weights(unwrap(policy.model))
         self.fresh = False
-        knobs = policy.sampling.with_(max_new_tokens=max_new_tokens) if max_new_tokens else policy.sampling
+        knobs = policy.sampling.with_(max_new_tokens=max_new_tokens or policy.max_new_tokens)
         out = self.engine.generate(distinct, n, knobs, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id)
         self.engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
