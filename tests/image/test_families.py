@@ -149,7 +149,8 @@ def test_one_family_chosen_at_construction(make_policy, tokenizer_dir, kind):
     assert policy.is_sdxl == (kind == "sdxl")
     with pytest.raises(AttributeError):
         policy.is_sdxl = True  # read-only: the family decides
-    assert policy.text_encoder is family.text_encoder and policy.text_encoder_2 is family.text_encoder_2
+    assert policy.text_encoder is family.text_encoder and policy.text_encoder_2 is family.parts.get("text_encoder_2")
+    assert (policy.text_encoder_2 is None) == (kind == "sd")
     assert family.pipeline_class().__name__ == ("StableDiffusionXLPipeline" if kind == "sdxl" else
                                                 "StableDiffusionPipeline")
     if kind == "sdxl":  # an SDXL UNet without its second encoder

@@ -1,4 +1,5 @@
-"""The family table (``unialign.image.families``): everything that chooses by family reads its rows."""
+"""The family table (``unialign.image.families``): its rows are the adapter classes, and everything that chooses by
+family reads them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from unialign.image.families import COMMON_KNOBS, FAMILIES, FAMILY_CHOICES, PIPELINE_FAMILIES, resolve
+from unialign.image.kernels import KERNELS
 
 
 def test_choices_detection_and_policies_come_from_the_table(tmp_path):
@@ -18,13 +20,14 @@ def test_choices_detection_and_policies_come_from_the_table(tmp_path):
     field = next(f for f in dataclasses.fields(ImageRLConfig) if f.name == "model_family")
     assert tuple(field_rules(ImageRLConfig, field)["choices"]) == FAMILY_CHOICES == ("auto", *FAMILIES)
     for row in FAMILIES.values():
-        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": row.pipeline_class}))
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": row.pipeline}))
         assert resolve(str(tmp_path)) is row and family_of(str(tmp_path)) == row.name
-        assert PIPELINE_FAMILIES[row.pipeline_class] is row
-        assert hasattr(row.policy_class(), "from_pretrained")
+        assert PIPELINE_FAMILIES[row.pipeline] is row and row.pipeline_class().__name__ == row.pipeline
+        assert hasattr(row.policy_class(), "from_pretrained") and row.kernel in KERNELS
         for marker in row.markers:
             assert resolve(f"org/model-{marker}-base") is row
-    assert resolve("org/stable-diffusion-3-xl").name == "sd3"  # flow markers first, as before the table
+    assert resolve("org/stable-diffusion-3-xl").name == "sd3"  # the longest marker wins ("xl" is SDXL's)
+    assert resolve("Tongyi-MAI/Z-Image-Turbo").name == "zimage"
     assert resolve("org/anything").name == "sd"  # the family without markers
 
 
@@ -38,7 +41,8 @@ def test_the_knobs_follow_the_row():
         knobs = kw["knobs"]
         set_ = {f.name for f in dataclasses.fields(knobs) if getattr(knobs, f.name) is not None}
         assert set_ == {*COMMON_KNOBS, *row.knobs} - {"height", "width", "max_sequence_length", "sde_window_range"}
-        assert (knobs.noise_level is not None) == row.flow == (knobs.eta is None)
+        assert set(row.knobs) >= set(KERNELS[row.kernel].knobs)  # the step kernel's knobs, named by the row
+        assert (knobs.noise_level is not None) == (row.kernel == "flow_sde") == (knobs.eta is None)
         with pytest.raises(dataclasses.FrozenInstanceError):
             knobs.num_steps = 3
     with pytest.raises(ValueError, match="model_family"):
@@ -57,9 +61,10 @@ def test_load_denoiser_dispatches_on_the_row(tmp_path, monkeypatch):
             return "policy"
 
     for row in FAMILIES.values():
-        monkeypatch.setattr(type(row), "policy_class", lambda self: Fake)
+        monkeypatch.setattr(row, "policy", f"{__name__}:Fake")
+        monkeypatch.setitem(globals(), "Fake", Fake)
         assert recipe.load_denoiser("x", row.name, num_steps=3) == "policy"
-        assert seen.pop() == {"torch_dtype": None, **dict(row.load_kwargs), "num_steps": 3}
+        assert seen.pop() == {"torch_dtype": None, "family": row, "num_steps": 3}
     assert recipe.load_denoiser("x") == "policy" and seen.pop() == {"torch_dtype": None}  # auto: no sdxl=
 
 
@@ -94,8 +99,12 @@ def test_knobs_give_the_policy_the_keywords_do(make_policy, tokenizer_dir):
 def test_the_model_family_help_lists_the_table(monkeypatch):
     from unialign.image import families
 
-    assert families.family_names() == ("sd | sdxl (DDIM, DiffusionPolicy) | sd3 | flux (flow matching with "
+    assert families.family_names() == ("sd | sdxl (DDIM, DiffusionPolicy) | sd3 | flux | zimage (flow matching with "
                                        "Flow-GRPO's SDE step)")
-    row = families.Family("sana", "SANA", "SanaPipeline", "x:Y", flow=True, markers=("sana",))
-    monkeypatch.setattr(families, "FAMILIES", {**families.FAMILIES, "sana": row})
-    assert families.family_names(False) == "sd | sdxl | sd3 | flux | sana"
+
+    class SanaFamily(families.ImageFamily):
+        name, title, pipeline, kernel, markers = "sana", "SANA", "SanaPipeline", "flow_sde", ("sana",)
+
+    monkeypatch.setattr(families, "FAMILIES", {**families.FAMILIES, "sana": SanaFamily})
+    assert families.family_names(False) == "sd | sdxl | sd3 | flux | zimage | sana"
+    assert families.resolve("org/sana-1.6b") is SanaFamily

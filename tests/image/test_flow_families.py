@@ -1,6 +1,7 @@
-"""The flow families' adapters (``FlowFamily``: ``SD3Family``, ``FluxFamily``): chosen once from the transformer
-(over the flow rows of the family table) or given, pinned by ``FlowMatchingPolicy`` / ``FluxPolicy``, which refuse
-another family's transformer naming both; the family's defaults fill the keywords left None."""
+"""The flow families' adapters (``FlowFamily``: ``SD3Family``, ``FluxFamily``, ``ZImageFamily``): given to
+``FlowPolicyBase(family=...)`` (found from a transformer by ``families.choose_flow_family``), held by the names
+``FlowMatchingPolicy`` / ``FluxPolicy``; a transformer or text part that is not the family's is refused by name;
+the family's defaults fill the keywords left None."""
 
 from __future__ import annotations
 
@@ -10,28 +11,23 @@ import torch
 from tests.image.conftest import sd_components
 from tests.image.test_flow_policy import sd3_components
 from tests.image.test_flux_policy import FLUX_DEFAULTS, flux_components
-from unialign.image.families import FAMILIES
-from unialign.image.flow_policy import (
-    FlowMatchingPolicy,
-    FlowPolicyBase,
-    SD3Family,
-    choose_flow_family,
-    flow_families,
-)
+from unialign.image.families import FAMILIES, choose_flow_family, flow_families
+from unialign.image.flow_policy import FlowMatchingPolicy, FlowPolicyBase, SD3Family
 from unialign.image.flux_policy import FluxFamily, FluxPolicy
+from unialign.image.zimage import ZImageFamily
 
 SD3_OPTS = dict(num_steps=2, guidance_scale=3.0, max_sequence_length=4)
 
 
 def test_the_adapters_come_from_the_table_and_the_transformer_chooses(tokenizer_dir):
     families = flow_families()
-    assert list(families) == [SD3Family, FluxFamily]
-    assert [row.name for row in families.values()] == [r.name for r in FAMILIES.values() if r.flow] == ["sd3", "flux"]
-    assert all(f.name == row.name and row.policy_class().family_class is f for f, row in families.items())
+    assert families == (SD3Family, FluxFamily, ZImageFamily)
+    assert [f.name for f in families] == [r.name for r in FAMILIES.values() if r.kernel == "flow_sde"]
+    assert all(FAMILIES[f.name] is f and f.policy_class() is FlowPolicyBase for f in families)
     assert choose_flow_family(sd3_components(tokenizer_dir)["transformer"]) is SD3Family
     assert choose_flow_family(flux_components(tokenizer_dir)["transformer"]) is FluxFamily
-    with pytest.raises(ValueError, match=r"UNet2DConditionModel.*SD3Transformer2DModel \(SD3: .*FlowMatchingPolicy\)"
-                                         r".*FluxTransformer2DModel \(FLUX.1: .*FluxPolicy\)"):
+    with pytest.raises(ValueError, match=r"UNet2DConditionModel.*SD3Transformer2DModel \(SD3\)"
+                                         r".*FluxTransformer2DModel \(FLUX.1\).*ZImageTransformer2DModel \(Z-Image\)"):
         choose_flow_family(sd_components(tokenizer_dir)["unet"])
 
 
@@ -48,34 +44,47 @@ def test_the_pinned_policies_hold_their_adapter(tokenizer_dir):
         sd3.text_encoder = None  # read-only: the adapter holds the text parts
 
 
-def test_the_unpinned_base_chooses_from_the_transformer_and_samples_as_the_pinned_class(tokenizer_dir):
+def test_the_base_with_the_family_given_samples_as_the_named_class(tokenizer_dir):
     def latents(policy):
         return policy.sample(["a cat", "cat"], generator=torch.Generator().manual_seed(3)).payload["latents"]
 
     for cls, parts, opts, adapter in ((FlowMatchingPolicy, sd3_components, SD3_OPTS, SD3Family),
                                       (FluxPolicy, flux_components, FLUX_DEFAULTS, FluxFamily)):
-        chosen = FlowPolicyBase(**parts(tokenizer_dir), **opts)
+        components = parts(tokenizer_dir)
+        chosen = FlowPolicyBase(**components, **opts, family=choose_flow_family(components["transformer"]))
         given = FlowPolicyBase(**parts(tokenizer_dir), **opts, family=adapter)
-        pinned = cls(**parts(tokenizer_dir), **opts)
-        assert type(chosen.family) is type(given.family) is adapter
-        assert torch.equal(latents(chosen), latents(pinned)) and torch.equal(latents(given), latents(pinned))
+        named = cls(**parts(tokenizer_dir), **opts)
+        assert type(chosen.family) is type(given.family) is type(named.family) is adapter
+        assert torch.equal(latents(chosen), latents(named)) and torch.equal(latents(given), latents(named))
+    with pytest.raises(TypeError, match=r"FlowPolicyBase needs family= .*choose_flow_family\(FluxTransformer2DModel\)"):
+        FlowPolicyBase(**flux_components(tokenizer_dir), **FLUX_DEFAULTS)
 
 
-def test_a_pinned_policy_refuses_another_familys_transformer(tokenizer_dir):
-    with pytest.raises(ValueError, match=r"FluxPolicy runs the FLUX.1 family \(FluxTransformer2DModel\), not "
-                                         r"SD3Transformer2DModel \(the SD3 family's transformer\): build "
-                                         r"unialign.image.flow_policy:FlowMatchingPolicy for it"):
+def test_a_named_policy_refuses_another_familys_transformer_and_parts(tokenizer_dir):
+    with pytest.raises(ValueError, match=r"FluxPolicy with the FLUX.1 family runs a FluxTransformer2DModel, not "
+                                         r"SD3Transformer2DModel"):
         FluxPolicy(**sd3_components(tokenizer_dir), **SD3_OPTS)
-    with pytest.raises(ValueError, match=r"FlowMatchingPolicy runs the SD3 family .*not FluxTransformer2DModel.*"
-                                         r"FluxPolicy"):
+    with pytest.raises(ValueError, match=r"FlowMatchingPolicy with the SD3 family runs a SD3Transformer2DModel, not "
+                                         r"FluxTransformer2DModel"):
         FlowMatchingPolicy(**flux_components(tokenizer_dir), **FLUX_DEFAULTS)
-    with pytest.raises(ValueError, match="FluxPolicy runs the FLUX.1 family"):
+    with pytest.raises(ValueError, match=r"FlowPolicyBase with the SD3 family runs a SD3Transformer2DModel"):
+        FlowPolicyBase(**flux_components(tokenizer_dir), **FLUX_DEFAULTS, family=SD3Family)
+    with pytest.raises(ValueError, match=r"FluxPolicy runs the FLUX.1 family, not the SD3 family: build "
+                                         r"FlowPolicyBase\(family=SD3Family\)"):
         FluxPolicy(**flux_components(tokenizer_dir), **FLUX_DEFAULTS, family=SD3Family)
-    with pytest.raises(ValueError, match="text_encoder_3 / tokenizer_3 are SD3's"):
-        parts = flux_components(tokenizer_dir)
+    parts = flux_components(tokenizer_dir)
+    with pytest.raises(ValueError, match="FLUX.1 takes the text parts text_encoder, tokenizer, text_encoder_2, "
+                                         "tokenizer_2; text_encoder_3 is not one of them"):
         FluxPolicy(**parts, text_encoder_3=parts["text_encoder"], tokenizer_3=parts["tokenizer"], **FLUX_DEFAULTS)
+    with pytest.raises(ValueError, match="FLUX.1 takes the text parts .*; noise_levl is not one of them"):
+        FluxPolicy(**parts, noise_levl=0.5)  # a misspelt keyword is named, not swallowed
+    with pytest.raises(ValueError, match=r"FLUX.1 needs text_encoder_2 \(its text parts: text_encoder, tokenizer, "
+                                         r"text_encoder_2, tokenizer_2\)"):
+        FluxPolicy(**{**parts, "text_encoder_2": None}, **FLUX_DEFAULTS)
     with pytest.raises(ValueError, match="text_encoder_3 and tokenizer_3 go together"):
         FlowMatchingPolicy(**sd3_components(tokenizer_dir), tokenizer_3=object(), **SD3_OPTS)
+    with pytest.raises(TypeError, match="positional"):
+        FlowPolicyBase(*parts.values())  # the parts go by name
 
 
 def test_unset_keywords_take_the_familys_defaults(tokenizer_dir):
@@ -90,8 +99,8 @@ def test_unset_keywords_take_the_familys_defaults(tokenizer_dir):
     assert (set_.guidance_scale, set_.max_sequence_length, set_.height, set_.width) == (1.0, 6, 16, 8)
 
 
-def test_from_pretrained_is_the_pinned_familys(tmp_path):
-    with pytest.raises(TypeError, match=r"FlowPolicyBase.from_pretrained.*FlowMatchingPolicy.*FluxPolicy"):
+def test_from_pretrained_is_told_the_family(tmp_path):
+    with pytest.raises(TypeError, match=r"FlowPolicyBase.from_pretrained needs family= .*resolve\(path\)"):
         FlowPolicyBase.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="load_t5=False: FLUX.1 cannot leave T5 out"):
         FluxPolicy.from_pretrained(str(tmp_path), load_t5=False)

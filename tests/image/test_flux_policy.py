@@ -16,7 +16,7 @@ from PIL import Image
 from tests.image.conftest import _text_config, _tokenizer
 from unialign import algos
 from unialign.image.flow import sde_step_with_logprob
-from unialign.image.flux_policy import FluxPolicy, latent_image_ids, pack_latents, unpack_latents
+from unialign.image.flux_policy import FluxFamily, FluxPolicy, latent_image_ids, pack_latents, unpack_latents
 
 PROMPTS = ["a cat", "a red circle"]
 T5_TOKENS = 6
@@ -228,7 +228,7 @@ def test_identical_pair_gives_ln2(make_flux_policy):
 @pytest.mark.parametrize("uncond_grad", [None, False])
 def test_the_image_scripts_load_a_flux_folder_with_their_knobs(tokenizer_dir, tmp_path, uncond_grad):
     """``recipe.load_policy`` (grpo_image / ddpo_aesthetic's hub route, the flux.1-dev-pickscore preset's knobs)
-    detects FLUX from model_index.json and builds a FluxPolicy; --cfg_uncond_grad is accepted (FLUX has no CFG)."""
+    detects FLUX from model_index.json and builds the flow policy with FLUX's adapter; --cfg_uncond_grad is accepted (FLUX has no CFG)."""
     from diffusers import FluxPipeline
 
     from unialign.recipes.image import ImageRLConfig, load_policy
@@ -238,6 +238,6 @@ def test_the_image_scripts_load_a_flux_folder_with_their_knobs(tokenizer_dir, tm
                         max_sequence_length=T5_TOKENS, lora_rank=2, lora_alpha=4.0, sde_window_size=2,
                         sde_window_range="0,3", cfg_uncond_grad=uncond_grad, torch_dtype="float32")
     policy = load_policy(cfg)
-    assert isinstance(policy, FluxPolicy) and policy.sde_window_size == 2 and policy.lora_rank == 2
+    assert isinstance(policy.family, FluxFamily) and policy.sde_window_size == 2 and policy.lora_rank == 2
     traj = policy.sample(["a cat"], generator=torch.Generator().manual_seed(0))
     assert traj.mask_B_T.sum() == 2 and torch.isfinite(traj.old_logp_B_T).all()

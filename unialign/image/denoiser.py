@@ -48,6 +48,7 @@ from unialign.policy import ReferencePolicy
 from unialign.types import PreferenceBatch, Trajectory
 
 Tensor = torch.Tensor
+TEXT_PARTS = ("text_encoder", "tokenizer")  # the prefixes of the text parts' component names
 
 
 class DenoiserPolicy:
@@ -62,10 +63,31 @@ class DenoiserPolicy:
     #: the CFG unconditional branch uses zeros instead of the empty prompt's embeddings (stock SDXL's option)
     force_zeros_for_empty_prompt: bool = False
     denoiser_subfolder = "denoiser"
-    cond_keys: tuple[str, ...] = ()
-    text_keys: tuple[str, ...] = ()
     _uncond_cache: dict[str, Tensor] | None = None
     _frozen_denoiser: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ the family's parts
+    @property
+    def cond_keys(self) -> tuple[str, ...]:
+        """The conditioning a trajectory payload carries (the family adapter's)."""
+        return self.family.cond_keys
+
+    @property
+    def text_keys(self) -> tuple[str, ...]:
+        """The prompt-embedding part of ``cond_keys`` (the family adapter's)."""
+        return self.family.text_keys
+
+    def __getattr__(self, name: str) -> Any:
+        """A text part of the family by its diffusers component name (``policy.text_encoder``,
+        ``policy.tokenizer_2``: None where the family has no such part); read-only (the adapter holds it)."""
+        if name.startswith(TEXT_PARTS) and "family" in self.__dict__:
+            return self.family.parts.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith(TEXT_PARTS) and "family" in self.__dict__:
+            raise AttributeError(f"{name} is read-only: the family adapter holds the text parts")
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ set-up
     def _setup_denoiser(self, denoiser, frozen: tuple, *, lora_rank: int, lora_alpha: float | None,

@@ -1,8 +1,9 @@
 """Flow-matching policies behind the ``Policy`` protocol: ``FlowPolicyBase`` (the flow-matching step every family
-shares, and the one constructor) with one small family adapter chosen at construction, ``SD3Family`` (here) or
-``FluxFamily`` (``unialign.image.flux_policy``), both on one ``FlowFamily`` interface -- as ``DiffusionPolicy``
-holds ``SD1Family`` / ``SDXLFamily`` (``unialign.image.policy``). ``FlowMatchingPolicy`` (SD3 / SD3.5) and
-``unialign.image.flux_policy.FluxPolicy`` (FLUX.1) are ``FlowPolicyBase`` pinned to their family's adapter.
+shares, and the one constructor) with one family adapter given as ``family=``: ``SD3Family`` (here),
+``FluxFamily`` (``unialign.image.flux_policy``) or ``ZImageFamily`` (``unialign.image.zimage``), all on one
+``FlowFamily`` interface -- as ``DiffusionPolicy`` holds ``SD1Family`` / ``SDXLFamily``
+(``unialign.image.policy``). ``FlowMatchingPolicy`` (SD3 / SD3.5) and ``unialign.image.flux_policy.FluxPolicy``
+(FLUX.1) are ``FlowPolicyBase`` with their family's adapter, kept as names.
 
 A trajectory is the N steps x_1 -> ... -> x_0 of diffusers' ``FlowMatchEulerDiscreteScheduler`` made
 stochastic by Flow-GRPO's SDE step (``unialign.image.flow.sde_step_with_logprob``, "sde" or "cps"); the
@@ -18,9 +19,9 @@ are written once there). What differs per family is its adapter's (``self.family
 encoding (``encode_prompts``), the velocity of one transformer call (``velocity``: CFG, packing, the guidance
 embedding), the latent shape, the pixel multiple and the image-token count, the sampling sigmas
 (``set_timesteps``), the stock pipeline class, the LoRA target modules, the defaults of the guidance scale, the
-T5 length and the image size, and the text parts ``from_pretrained`` loads. The adapter is chosen once from the
-transformer's class (``choose_flow_family``, over the flow rows of ``unialign.image.families.FAMILIES``) or
-given; the shared code never asks which family it runs.
+text length and the image size, and the text parts ``from_pretrained`` loads. The adapter is given once
+(``unialign.image.families.choose_flow_family`` finds it from a transformer); the shared code never asks which
+family it runs.
 
 SD3 prompt encoding restates ``StableDiffusion3Pipeline.encode_prompt``: the penultimate hidden states of
 CLIP-L and CLIP-G concatenated on features and zero-padded to the T5 width, then concatenated on tokens
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
-from unialign.image.families import FAMILIES, Family, SamplerKnobs
+from unialign.image.family import ImageFamily, SamplerKnobs
 from unialign.image.kernels import FlowSDEKernel
 from unialign.types import Trajectory
 
@@ -61,29 +62,28 @@ SD3_LORA_TARGET_MODULES = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
-class FlowFamily:
+class FlowFamily(ImageFamily):
     """What ``FlowPolicyBase``'s shared flow-matching code asks of a transformer family (``SD3Family``,
-    ``FluxFamily``): the frozen text encoders and how to encode prompts, the velocity of one transformer call, the
-    latent geometry and the sampling sigmas, the stock diffusers pipeline class, the LoRA targets, the family's
-    defaults and the text parts ``from_pretrained`` loads. The geometry hooks read the transformer's config
-    (``self.config``, held from construction) and are told the sizes; ``velocity`` is given the policy (its
+    ``FluxFamily``, ``ZImageFamily``): the frozen text parts (held by name, ``ImageFamily``) and how to encode
+    prompts, the velocity of one transformer call, the latent geometry and the sampling sigmas, the LoRA targets,
+    the family's defaults and the text parts ``from_pretrained`` loads. The geometry hooks read the transformer's
+    config (``self.config``, held from construction) and are told the sizes; ``velocity`` is given the policy (its
     ``dtype``, ``guidance_scale`` and the CFG helpers ``_cfg``, ``_uncond``, ``_guided`` of ``DenoiserPolicy``).
 
-    Class attributes:
-        name, title: the family (its ``FAMILIES`` row's name, for callers; the shared code does not read it) and
-            how messages name it ("SD3").
+    Class attributes (beyond ``ImageFamily``'s, which are the family's row):
         transformer_class: the diffusers transformer class the family runs (``describes``, ``from_pretrained``).
-        text_keys: what ``encode_prompts`` returns (``prompt_embeds`` [B, L, D], ``pooled_prompt_embeds`` [B, P]).
+        text_keys: what ``encode_prompts`` returns (e.g. ``prompt_embeds`` [B, L, D], ``pooled_prompt_embeds``).
         cond_keys: the conditioning a trajectory payload carries (here: ``text_keys``).
         lora_target_modules: the transformer modules a LoRA adapts (diffusers' LoRA training script's default).
         guidance_scale, max_sequence_length: the defaults of the policy keywords of those names (the stock
             pipeline's), used when they are left None.
-        t5_optional: whether ``from_pretrained(load_t5=False)`` may leave T5 out.
+        t5_optional: whether ``from_pretrained(load_t5=False)`` may leave the optional text parts out.
         layout: the pipeline folder ``from_pretrained`` reads (for its error message).
     """
 
-    name: str = "flow"
-    title: str = "flow matching"
+    policy = "unialign.image.flow_policy:FlowPolicyBase"
+    kernel = "flow_sde"
+    knobs = (*FlowSDEKernel.knobs, "max_sequence_length")
     transformer_class: str = ""
     text_keys: tuple[str, ...] = COND_KEYS
     cond_keys: tuple[str, ...] = COND_KEYS
@@ -93,17 +93,9 @@ class FlowFamily:
     t5_optional: bool = False
     layout: str = ""
 
-    def __init__(self, transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
-                 tokenizer_3=None) -> None:
+    def __init__(self, transformer, **parts: Any) -> None:
         self.config = transformer.config
-        self.text_encoder, self.tokenizer = text_encoder, tokenizer
-        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
-
-    @property
-    def text_encoders(self) -> tuple:
-        """The text encoders the family uses (frozen by the policy)."""
-        return tuple(e for e in (self.text_encoder, self.text_encoder_2, self.text_encoder_3) if e is not None)
+        super().__init__(**parts)
 
     @classmethod
     def describes(cls, transformer) -> bool:
@@ -161,56 +153,27 @@ class FlowFamily:
         raise NotImplementedError
 
     @staticmethod
-    def pipeline_class():
-        """The stock diffusers pipeline of the family (``save_lora_weights``, a full fine-tune's folder)."""
-        raise NotImplementedError
-
-    @staticmethod
     def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any],
                         load_t5: bool) -> dict[str, Any]:
         """The text encoders and tokenizers of a pipeline folder, by constructor name (``from_pretrained``)."""
         raise NotImplementedError
 
 
-def flow_families() -> dict[type[FlowFamily], Family]:
-    """The adapter of each flow row of ``FAMILIES`` (its policy's ``family_class``; the policy classes are imported
-    now), with the row, in table order."""
-    adapters = {}
-    for row in FAMILIES.values():
-        adapter = row.policy_class().family_class if row.flow else None
-        if adapter is not None:
-            adapters[adapter] = row
-    return adapters
-
-
-def choose_flow_family(transformer) -> type[FlowFamily]:
-    """The adapter of the family whose ``transformer_class`` ``transformer`` is (``FlowFamily.describes``, over
-    ``flow_families``); ValueError naming the transformer's class and the classes the families run."""
-    families = flow_families()
-    for family in families:
-        if family.describes(transformer):
-            return family
-    runs = ", ".join(f"{f.transformer_class} ({f.title}: {row.policy})" for f, row in families.items())
-    raise ValueError(f"no flow-matching family runs {type(transformer).__name__}; the families run {runs}")
-
-
-def _family_part(name: str) -> property:
-    """A read-only property: the family adapter's ``name`` (its text parts and keys, as ``DiffusionPolicy``'s)."""
-    return property(lambda self: getattr(self.family, name), doc=f"The family adapter's ``{name}``.")
-
-
 class FlowPolicyBase(DenoiserPolicy):
     """A flow-matching policy: the flow-matching step on the shared denoiser part (``DenoiserPolicy``: module
-    docstring) and one family adapter, ``self.family`` (``FlowFamily``), chosen here once. ``family_class``
-    (a class attribute) pins the adapter: ``FlowMatchingPolicy`` (SD3) and ``FluxPolicy`` (FLUX.1) are this class
-    pinned to theirs; unpinned (None, this class) the transformer decides.
+    docstring) and one family adapter, ``self.family`` (``FlowFamily``), chosen here once: ``family=``, else the one
+    the transformer is. ``FlowMatchingPolicy`` (SD3) and ``FluxPolicy`` (FLUX.1) are this class with the family
+    given (``family_class``), kept as names.
 
     Args:
-        transformer: the family's diffusers transformer (``SD3Transformer2DModel``, ``FluxTransformer2DModel``).
+        transformer: the family's diffusers transformer (``SD3Transformer2DModel``, ``FluxTransformer2DModel``,
+            ``ZImageTransformer2DModel``).
         vae: ``AutoencoderKL`` (decoded in fp32).
-        text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3, tokenizer_3: the family's text parts
-            (``FlowMatchingPolicy`` / ``FluxPolicy`` say which; a family without a third encoder refuses one).
         scheduler: a ``FlowMatchEulerDiscreteScheduler`` (any other is converted with the same config).
+        **text_parts: the family's text encoders and tokenizers by their diffusers component names (its
+            ``text_parts`` and ``optional_parts``: SD3 ``text_encoder`` .. ``tokenizer_3``, FLUX.1 ``text_encoder``
+            .. ``tokenizer_2``, Z-Image ``text_encoder`` and ``tokenizer``); ValueError naming a part it does not
+            take or lacks.
         num_steps: N sampling steps.
         guidance_scale: the guidance weight w; None: the family's default (``FlowFamily.guidance_scale``: SD3 4.5,
             FLUX.1 3.5). SD3: CFG (> 1 turns it on, in sampling and in the recomputed log-prob, one doubled batch;
@@ -243,26 +206,21 @@ class FlowPolicyBase(DenoiserPolicy):
             FLUX.1 has no CFG: accepted for the image scripts' one interface.
         knobs: the sampler knobs as one frozen value (``unialign.image.families.SamplerKnobs``); its set fields
             replace the keywords of the same name (``self.knobs``: the values used, the family's defaults filled in).
-        family: the adapter class (a ``FlowFamily`` subclass); None: the one the transformer is
-            (``choose_flow_family``). A pinned class refuses an adapter that is not its ``family_class``.
+        family: the adapter class (a ``FlowFamily`` subclass: ``SD3Family``, ``FluxFamily``, ``ZImageFamily``); None:
+            ``family_class`` (``FlowMatchingPolicy``, ``FluxPolicy``). ``unialign.image.families.choose_flow_family``
+            finds it from a transformer. A class with ``family_class`` refuses another adapter.
     """
 
     denoiser_subfolder = "transformer"
-    #: the adapter this class is pinned to (None: chosen from the transformer)
+    #: the adapter a name for this class with its family given holds (None: ``family=`` or the transformer decides)
     family_class: type[FlowFamily] | None = None
 
     def __init__(
         self,
         transformer,
         vae,
-        text_encoder,
-        tokenizer,
-        text_encoder_2,
-        tokenizer_2,
-        scheduler,
-        text_encoder_3=None,
-        tokenizer_3=None,
         *,
+        scheduler,
         num_steps: int = 10,
         guidance_scale: float | None = None,
         noise_level: float = 0.7,
@@ -282,11 +240,11 @@ class FlowPolicyBase(DenoiserPolicy):
         cfg_uncond_grad: bool = False,
         knobs: SamplerKnobs | None = None,
         family: type[FlowFamily] | None = None,
+        **text_parts: Any,
     ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        self.family = self._choose_family(transformer, family)(transformer, text_encoder, tokenizer, text_encoder_2,
-                                                               tokenizer_2, text_encoder_3, tokenizer_3)
+        self.family = self._choose_family(transformer, family)(transformer, **text_parts)
         self.family.check_vae(vae)
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         k = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
@@ -319,15 +277,20 @@ class FlowPolicyBase(DenoiserPolicy):
                              train_chunk_size=train_chunk_size)
 
     def _choose_family(self, transformer, family: type[FlowFamily] | None) -> type[FlowFamily]:
-        """``family``, else the adapter the transformer is (``choose_flow_family``); ValueError when this class is
-        pinned (``family_class``) to another."""
-        chosen = family or choose_flow_family(transformer)
+        """``family``, else ``family_class``; TypeError without either, ValueError when the transformer is not the
+        adapter's or this class holds another."""
         pin = self.family_class
+        chosen = family or pin
+        if chosen is None:
+            raise TypeError(f"{type(self).__name__} needs family= (a FlowFamily: SD3Family, FluxFamily, ZImageFamily, "
+                            f"...; unialign.image.families.choose_flow_family({type(transformer).__name__}) finds it)")
         if pin is not None and not issubclass(chosen, pin):
-            policy = flow_families().get(chosen)
-            raise ValueError(f"{type(self).__name__} runs the {pin.title} family ({pin.transformer_class}), not "
-                             f"{type(transformer).__name__} (the {chosen.title} family's transformer)"
-                             + (f": build {policy.policy} for it" if policy else ""))
+            raise ValueError(f"{type(self).__name__} runs the {pin.title} family, not the {chosen.title} family: "
+                             f"build FlowPolicyBase(family={chosen.__name__}) for it")
+        if not chosen.describes(transformer):
+            raise ValueError(f"{type(self).__name__} with the {chosen.title} family runs a {chosen.transformer_class}, "
+                             f"not {type(transformer).__name__} (build FlowPolicyBase without family= for it: "
+                             f"the transformer chooses)")
         return chosen
 
     def _check_size(self) -> None:
@@ -342,17 +305,17 @@ class FlowPolicyBase(DenoiserPolicy):
     @classmethod
     def from_pretrained(cls, path_or_hub_id: str, lora_rank: int = 0, torch_dtype: torch.dtype | str | None = None,
                         device: str | torch.device | None = None, *, load_t5: bool = True, variant: str | None = None,
-                        **kwargs: Any) -> FlowPolicyBase:
-        """Load the parts of the family's stock pipeline folder or hub id (a pinned class: ``FlowMatchingPolicy``
-        a ``StableDiffusion3Pipeline``, ``FluxPolicy`` a ``FluxPipeline``): the transformer (the family's
-        ``transformer_class``), the VAE, the scheduler and the family's text parts (``load_text_parts``).
-        ``load_t5=False`` (or an SD3 folder without ``text_encoder_3``) leaves an optional T5 out (SD3: zeros, as
-        the stock pipeline allows). ``kwargs`` go to the constructor. Fails at once with a RuntimeError when the
-        weights are neither local nor downloadable (offline, unknown id, no network)."""
-        family = cls.family_class
+                        family: type[FlowFamily] | None = None, **kwargs: Any) -> FlowPolicyBase:
+        """Load the parts of the family's stock pipeline folder or hub id (``family``, else ``family_class``;
+        ``unialign.image.families.resolve`` finds it from the folder's ``model_index.json`` or the hub id):
+        the transformer (the family's ``transformer_class``), the VAE, the scheduler and the family's text parts
+        (``load_text_parts``). ``load_t5=False`` (or an SD3 folder without ``text_encoder_3``) leaves an optional
+        T5 out (SD3: zeros, as the stock pipeline allows). ``kwargs`` go to the constructor. Fails at once with a
+        RuntimeError when the weights are neither local nor downloadable (offline, unknown id, no network)."""
+        family = family or cls.family_class
         if family is None:
-            names = ", ".join(row.policy for row in flow_families().values())
-            raise TypeError(f"{cls.__name__}.from_pretrained: load a folder with its family's policy ({names})")
+            raise TypeError(f"{cls.__name__}.from_pretrained needs family= (unialign.image.families.resolve(path) "
+                            "finds it; ImageFamily.load(path) loads with it)")
         if not load_t5 and not family.t5_optional:
             raise ValueError(f"load_t5=False: {family.title} cannot leave T5 out (its prompt embeddings are T5's)")
 
@@ -369,14 +332,9 @@ class FlowPolicyBase(DenoiserPolicy):
             }
 
         parts = cls._load_parts(path_or_hub_id, build, family.title, family.layout, torch_dtype, variant, device)
-        return cls(**parts, lora_rank=lora_rank, **kwargs)
+        return cls(**parts, lora_rank=lora_rank, family=family, **kwargs)
 
     # ------------------------------------------------------------------ family
-    cond_keys, text_keys = _family_part("cond_keys"), _family_part("text_keys")
-    text_encoder, tokenizer = _family_part("text_encoder"), _family_part("tokenizer")
-    text_encoder_2, tokenizer_2 = _family_part("text_encoder_2"), _family_part("tokenizer_2")
-    text_encoder_3, tokenizer_3 = _family_part("text_encoder_3"), _family_part("tokenizer_3")  # None: no T5 / FLUX.1
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
         """``prompt_embeds`` [B, L, D] and ``pooled_prompt_embeds`` [B, P] (no grad): the family's
@@ -448,8 +406,6 @@ class FlowPolicyBase(DenoiserPolicy):
         return randn_tensor(self._latent_shape(batch), generator=generator, device=self.device, dtype=torch.float32)
 
     # ------------------------------------------------------------------ the forward process
-    is_flow_matching = True
-
     def _forward_process(self, x0: Tensor, eps: Tensor, t_R: Tensor) -> dict[str, Tensor]:
         """x_t = (1 - sigma) x0 + sigma eps at scheduler timesteps ``t_R`` [R] (sigma = t / num_train_timesteps, as
         ``FlowMatchEulerDiscreteScheduler`` sets them), the rectified-flow target eps - x0, alpha = 1 - sigma and
@@ -494,19 +450,16 @@ class SD3Family(FlowFamily):
     docstring); the transformer takes the latents [B, C, H, W] in p x p patches and the timestep sigma x 1000;
     classifier-free guidance is one doubled batch [uncond; cond] and u + w (c - u)."""
 
-    name, title = "sd3", "SD3"
+    name, title, pipeline = "sd3", "SD3", "StableDiffusion3Pipeline"
+    markers = ("stable-diffusion-3", "sd3")
+    text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    optional_parts = ("text_encoder_3", "tokenizer_3")  # T5; left out: zeros, as the stock pipeline
     transformer_class = "SD3Transformer2DModel"
     lora_target_modules = SD3_LORA_TARGET_MODULES
     guidance_scale, max_sequence_length = 4.5, 256  # StableDiffusion3Pipeline's defaults
     t5_optional = True
     layout = ("StableDiffusion3Pipeline (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, "
               "text_encoder_2/, tokenizer_2/, scheduler/[, text_encoder_3/, tokenizer_3/])")
-
-    def __init__(self, transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
-                 tokenizer_3=None) -> None:
-        if (text_encoder_3 is None) != (tokenizer_3 is None):
-            raise ValueError("text_encoder_3 and tokenizer_3 go together (both None: no T5, zeros as the stock pipeline)")
-        super().__init__(transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3, tokenizer_3)
 
     def default_size(self, vae_scale_factor: int) -> int:
         """The transformer's ``sample_size`` (latent pixels) x the VAE factor."""
@@ -584,12 +537,6 @@ class SD3Family(FlowFamily):
         return policy._guided(call, doubled, b)
 
     @staticmethod
-    def pipeline_class():
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline
-
-    @staticmethod
     def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any],
                         load_t5: bool) -> dict[str, Any]:
         """CLIP-L and CLIP-G (``CLIPTextModelWithProjection``) with their tokenizers, and T5 (``T5EncoderModel``)
@@ -615,19 +562,7 @@ class SD3Family(FlowFamily):
 
 
 class FlowMatchingPolicy(FlowPolicyBase):
-    """The SD3-family policy (Stable Diffusion 3 / 3.5): ``FlowPolicyBase`` pinned to ``SD3Family``, sampling with
-    a stochastic flow-matching step that records per-step log-probs.
-
-    Args (the others: ``FlowPolicyBase``'s):
-        transformer: ``SD3Transformer2DModel``.  vae: ``AutoencoderKL`` (decoded in fp32).
-        text_encoder, tokenizer / text_encoder_2, tokenizer_2: CLIP-L / CLIP-G
-            (``CLIPTextModelWithProjection``).  text_encoder_3, tokenizer_3: T5 encoder, or None (zeros).
-        guidance_scale: the CFG weight, None: 4.5 (the stock default).  max_sequence_length: T5 tokens, also the
-            zero block's length when T5 is None; None: 256 (the stock default).  height, width: None: the
-            transformer's sample_size x the VAE factor.
-        lora_rank: > 0: a LoRA on ``SD3_LORA_TARGET_MODULES``; ``save`` writes it for
-            ``StableDiffusion3Pipeline.load_lora_weights``, a full fine-tune as a whole ``StableDiffusion3Pipeline``
-            folder (without T5 when the policy has none).
-    """
+    """``FlowPolicyBase`` with ``family=SD3Family`` (Stable Diffusion 3 / 3.5), kept as a name: its text parts
+    CLIP-L, CLIP-G and an optional T5, its defaults and its saving are ``SD3Family``'s."""
 
     family_class = SD3Family

@@ -1,5 +1,5 @@
 """FLUX.1 (dev / schnell) behind the ``Policy`` protocol: the adapter ``FluxFamily`` (a
-``unialign.image.flow_policy.FlowFamily``) and ``FluxPolicy``, the flow policy ``FlowPolicyBase`` pinned to it
+``unialign.image.flow_policy.FlowFamily``) and ``FluxPolicy``, the flow policy ``FlowPolicyBase`` with it
 (sampling, step log-probs, KL, the Diffusion-DPO surrogate, reference and saving are the shared
 ``unialign.image.denoiser.DenoiserPolicy``'s; ``unialign.image.flow_policy`` explains the SDE step and the payload).
 
@@ -77,19 +77,14 @@ class FluxFamily(FlowFamily):
     ``prompt_embeds`` [B, max_sequence_length, D]; the tokenizer is only called); the transformer takes the latents
     packed 2x2 into tokens, timestep / 1000 and the guidance embedding, never CFG."""
 
-    name, title = "flux", "FLUX.1"
+    name, title, pipeline = "flux", "FLUX.1", "FluxPipeline"
+    markers = ("flux",)
+    text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")  # CLIP, T5
     transformer_class = "FluxTransformer2DModel"
     lora_target_modules = FLUX_LORA_TARGET_MODULES
     guidance_scale, max_sequence_length = 3.5, 512  # FluxPipeline's defaults
     layout = ("FluxPipeline (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, text_encoder_2/, "
               "tokenizer_2/, scheduler/)")
-
-    def __init__(self, transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
-                 tokenizer_3=None) -> None:
-        if text_encoder_3 is not None or tokenizer_3 is not None:
-            raise ValueError("FLUX.1 has two text encoders (CLIP, T5 as text_encoder_2); text_encoder_3 / "
-                             "tokenizer_3 are SD3's")
-        super().__init__(transformer, text_encoder, tokenizer, text_encoder_2, tokenizer_2)
 
     def check_vae(self, vae) -> None:
         if getattr(vae.config, "shift_factor", None) is None:
@@ -155,12 +150,6 @@ class FluxFamily(FlowFamily):
         return unpack_latents(out, h, w)
 
     @staticmethod
-    def pipeline_class():
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
-
-    @staticmethod
     def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any],
                         load_t5: bool) -> dict[str, Any]:
         """CLIP (``CLIPTextModel``, ``CLIPTokenizer``) and T5 (``T5EncoderModel``, ``AutoTokenizer``)."""
@@ -175,19 +164,7 @@ class FluxFamily(FlowFamily):
 
 
 class FluxPolicy(FlowPolicyBase):
-    """The FLUX.1 policy: ``FlowPolicyBase`` pinned to ``FluxFamily``, sampling with Flow-GRPO's stochastic step
-    (module docstring for the FLUX specifics).
-
-    Args (the others: ``FlowPolicyBase``'s):
-        transformer: ``FluxTransformer2DModel``.  vae: ``AutoencoderKL`` (fp32; needs ``shift_factor``).
-        text_encoder, tokenizer: CLIP (``CLIPTextModel``: its pooled output).  text_encoder_2, tokenizer_2:
-            T5 (``T5EncoderModel``: its last hidden state; the tokenizer is only called). No third encoder.
-        guidance_scale: the distilled guidance embedding (FLUX-dev), None: 3.5 (the stock default); ignored for a
-            transformer without ``guidance_embeds``. Never CFG (``cfg_uncond_grad`` has nothing to detach).
-        height, width: multiples of 2 x the VAE factor; None: the stock pipeline's 128 x VAE factor = 1024.
-        max_sequence_length: T5 tokens, None: 512 (the stock default).
-        lora_rank: > 0: a LoRA on ``FLUX_LORA_TARGET_MODULES``; ``save`` writes it with
-            ``FluxPipeline.save_lora_weights``, a full fine-tune as a whole ``FluxPipeline`` folder.
-    """
+    """``FlowPolicyBase`` with ``family=FluxFamily`` (FLUX.1), kept as a name: its text parts CLIP and T5 (as
+    ``text_encoder_2``), the guidance embedding (never CFG), its defaults and its saving are ``FluxFamily``'s."""
 
     family_class = FluxFamily

@@ -1,8 +1,9 @@
 """Step kernels: how a denoising policy turns its denoiser into trajectories and log-probs.
 
-A ``DenoiserPolicy`` is composed of a **family adapter** (the policy class itself: prompt encoding, the
-denoiser call with its guidance, the latent shape and initial noise, forward noising and the regression target,
-decode, the stock pipeline) and one **step kernel** (this module), held as ``policy.kernel``:
+A ``DenoiserPolicy`` is composed of a **family adapter** (``policy.family``: prompt encoding, the denoiser call
+with its guidance, the latent geometry, the stock pipeline), the policy's shared code (initial noise, forward
+noising and the regression target, decode) and one **step kernel** (this module), held as ``policy.kernel`` and
+named by the family (``ImageFamily.kernel``, a key of ``KERNELS``):
 
     GaussianStepKernel   the N steps x_T -> x_0 of a stochastic sampler whose every step is a Gaussian with a
                          theta-independent std; a trajectory's steps are its transitions, ``logp_B_T`` their
@@ -10,9 +11,9 @@ decode, the stock pipeline) and one **step kernel** (this module), held as ``pol
       DDIMKernel         DDIM with eta > 0 (DDPO, Black et al. 2023; ``unialign.image.ddim``)
       FlowSDEKernel      Flow-GRPO's SDE / CPS step with an optional stochastic window (``unialign.image.flow``)
 
-A kernel asks the family only for: ``device``, ``scheduler``, ``num_steps``, ``_cfg``, ``cond_keys``,
+A kernel asks the policy only for: ``device``, ``scheduler``, ``num_steps``, ``_cfg``, ``cond_keys``,
 ``_sampling_cond(prompts)``, ``_initial_latents(batch, generator)``, ``_denoise(model, x, t_B, cond, cfg)`` and
-``decode(latents)``; so a kernel is tested alone on a stand-in family (tests/image/test_kernels.py) and a new
+``decode(latents)``; so a kernel is tested alone on a stand-in policy (tests/image/test_kernels.py) and a new
 kernel never touches a family.
 """
 
@@ -47,46 +48,46 @@ class GaussianStepKernel:
     recomputed log-probs (with entropy and the closed-form KL) of the trained steps. A subclass gives the steps:
 
         window(generator)                                [start, end) of the stochastic steps
-        plan(family)                                     every step's coefficients (opaque here)
-        transition(family, i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B)
-        trained_mask(family, batch, generator, window, plan) -> mask_B_T
-        step_logprob(family, out, t_R, x_R, next_R) -> (logp_R, mean, std) of recorded steps
-        step_std(family, timesteps_B_T)                  the step Gaussian's std [B, N] (entropy)
+        plan(policy)                                     every step's coefficients (opaque here)
+        transition(policy, i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B)
+        trained_mask(policy, batch, generator, window, plan) -> mask_B_T
+        step_logprob(policy, out, t_R, x_R, next_R) -> (logp_R, mean, std) of recorded steps
+        step_std(policy, timesteps_B_T)                  the step Gaussian's std [B, N] (entropy)
         step_kl(mean, ref_mean, std)                     the closed-form KL [R]
     """
 
     estimator = "sampler"  # the log-prob is the sampler's own step density
     closed_form_kls: tuple[str, ...] = ("gaussian",)
 
-    def sample(self, family: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
+    def sample(self, policy: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
                record_logp: bool = True) -> Trajectory:
         """The N steps from x_T to x_0 with ``model`` (the policy's or the reference's). The log-probs come free
         with each step (``record_logp`` is ignored). The generator is drawn in this order: x_T, the stochastic
         window, each step's noise, the trained-steps mask."""
-        return self._sample(family, model, prompts, generator)
+        return self._sample(policy, model, prompts, generator)
 
-    def _sample(self, family: Any, model: torch.nn.Module, prompts: list[Any],
+    def _sample(self, policy: Any, model: torch.nn.Module, prompts: list[Any],
                 generator: torch.Generator | None) -> Trajectory:
         batch = len(prompts)
-        cond = family._sampling_cond(prompts)
-        latents = family._initial_latents(batch, generator)
+        cond = policy._sampling_cond(prompts)
+        latents = policy._initial_latents(batch, generator)
         start, end = self.window(generator)
-        timesteps = family.scheduler.timesteps.to(family.device)
-        plan = self.plan(family)
+        timesteps = policy.scheduler.timesteps.to(policy.device)
+        plan = self.plan(policy)
         all_latents, all_logps = [latents], []
         for i, t in enumerate(timesteps):
             t_B = t.expand(batch)
-            out = family._denoise(model, latents, t_B, cond, family._cfg)
-            latents, logp = self.transition(family, i, out, t_B, latents, generator, plan, start <= i < end)
+            out = policy._denoise(model, latents, t_B, cond, policy._cfg)
+            latents, logp = self.transition(policy, i, out, t_B, latents, generator, plan, start <= i < end)
             all_latents.append(latents)
             all_logps.append(logp)
         payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
-        return Trajectory(prompts=list(prompts), completions=family.decode(latents),
-                          mask_B_T=self.trained_mask(family, batch, generator, (start, end), plan),
+        return Trajectory(prompts=list(prompts), completions=policy.decode(latents),
+                          mask_B_T=self.trained_mask(policy, batch, generator, (start, end), plan),
                           old_logp_B_T=torch.stack(all_logps, dim=1),
-                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=family.device), payload=payload)
+                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=policy.device), payload=payload)
 
-    def log_prob(self, family: Any, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool,
+    def log_prob(self, policy: Any, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool,
                  reference: Any = None) -> Any:
         """``logp_B_T`` (with ``with_entropy``: and ``entropy_B_T``; with a ``reference``: and the closed-form
         ``kl_B_T`` to it) of the trained steps. Every trained (sample, step) pair of the batch in ONE model call
@@ -101,18 +102,18 @@ class GaussianStepKernel:
         rows, cols = (mask > 0).nonzero(as_tuple=True)
         if rows.numel() > 0:
             t_R, x_R, next_R = timesteps[rows, cols], latents[rows, cols], latents[rows, cols + 1]
-            cond = {k: payload[k][rows] for k in family.cond_keys}
-            out = family._denoise(model, x_R, t_R, cond, family._cfg)
-            logp, mean, std = self.step_logprob(family, out, t_R, x_R, next_R)
+            cond = {k: payload[k][rows] for k in policy.cond_keys}
+            out = policy._denoise(model, x_R, t_R, cond, policy._cfg)
+            logp, mean, std = self.step_logprob(policy, out, t_R, x_R, next_R)
             logp_B_T = logp_B_T.index_put((rows, cols), logp)
             if reference is not None:
                 with reference._frozen():
-                    ref_out = family._denoise(reference.model, x_R, t_R, cond, family._cfg)
-                    ref_mean = self.step_logprob(family, ref_out, t_R, x_R, next_R)[1]
+                    ref_out = policy._denoise(reference.model, x_R, t_R, cond, policy._cfg)
+                    ref_mean = self.step_logprob(policy, ref_out, t_R, x_R, next_R)[1]
                 kl_B_T = kl_B_T.index_put((rows, cols), self.step_kl(mean, ref_mean, std))
         if not with_entropy:
             return logp_B_T
-        std_B_T = self.step_std(family, timesteps).to(logp_B_T.device)
+        std_B_T = self.step_std(policy, timesteps).to(logp_B_T.device)
         live = (mask > 0) & (std_B_T > 0)
         entropy_B_T = torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
                                   torch.zeros_like(std_B_T))
@@ -126,9 +127,20 @@ class GaussianStepKernel:
 
 
 class DDIMKernel(GaussianStepKernel):
-    """The DDIM step with eta > 0 on the family's ``DDIMScheduler`` (``unialign.image.ddim``): every step is
+    """The DDIM step with eta > 0 on the policy's ``DDIMScheduler`` (``unialign.image.ddim``): every step is
     stochastic; K = max(1, int(M x ``timestep_fraction``)) of the M trainable steps (those whose std is at least
     ``min_step_std``) are trained per sample, chosen by an independent random permutation (ddpo-pytorch)."""
+
+    name = "ddim"
+    knobs = ("eta", "timestep_fraction", "min_step_std")  # the SamplerKnobs fields it reads
+    solvers = ("ddim", "dpmpp")  # the deterministic solvers ForwardKernel collects with on this schedule
+
+    @staticmethod
+    def check_knobs(knobs) -> None:
+        """What a config's ``SamplerKnobs`` must satisfy, checked before any model loads (ValueError naming the
+        field)."""
+        if not knobs.eta > 0:
+            raise ValueError(f"eta: must be > 0 for DDIM (the step log-probability needs sigma_t > 0), got {knobs.eta}")
 
     def __init__(self, scheduler, num_steps: int, eta: float, timestep_fraction: float = 1.0,
                  min_step_std: float = 0.0) -> None:
@@ -146,20 +158,20 @@ class DDIMKernel(GaussianStepKernel):
     def window(self, generator: torch.Generator | None) -> tuple[int, int]:
         return 0, self.num_steps  # every DDIM step (eta > 0) is stochastic; which are trained: trained_mask
 
-    def plan(self, family: Any) -> dict[str, Tensor]:
+    def plan(self, policy: Any) -> dict[str, Tensor]:
         # every step's coefficients at once (float64 on the host, then one copy): no host sync per step
-        coefs = ddim_step_coefficients(family.scheduler, family.scheduler.timesteps, self.eta)
-        return {k: v.to(family.device) for k, v in coefs.items()}
+        coefs = ddim_step_coefficients(policy.scheduler, policy.scheduler.timesteps, self.eta)
+        return {k: v.to(policy.device) for k, v in coefs.items()}
 
-    def transition(self, family: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
+    def transition(self, policy: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
                    generator: torch.Generator | None, plan: dict[str, Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
         batch = latents.shape[0]
-        return ddim_step_with_logprob(family.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
+        return ddim_step_with_logprob(policy.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
                                       coefficients={k: v[i].expand(batch) for k, v in plan.items()})
 
-    def trained_mask(self, family: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
+    def trained_mask(self, policy: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
                      plan: dict[str, Tensor]) -> Tensor:
-        return self.trained_steps_mask(batch, generator).to(family.device)
+        return self.trained_steps_mask(batch, generator).to(policy.device)
 
     def trained_steps_mask(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """mask_B_T: K = max(1, int(M * timestep_fraction)) of the M trainable steps per sample, chosen by an
@@ -175,23 +187,33 @@ class DDIMKernel(GaussianStepKernel):
             mask[i, steps[torch.randperm(len(steps), generator=generator, device=gen_device)[:k].cpu()]] = 1.0
         return mask
 
-    def step_logprob(self, family: Any, out: Tensor, t_R: Tensor, x_R: Tensor,
+    def step_logprob(self, policy: Any, out: Tensor, t_R: Tensor, x_R: Tensor,
                      next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        mean, std = ddim_step_mean(family.scheduler, out, t_R, x_R, self.eta)
+        mean, std = ddim_step_mean(policy.scheduler, out, t_R, x_R, self.eta)
         return gaussian_logprob_mean(next_R.detach().float(), mean, std), mean, std
 
-    def step_std(self, family: Any, timesteps_B_T: Tensor) -> Tensor:
-        return ddim_step_coefficients(family.scheduler, timesteps_B_T.reshape(-1), self.eta)["std"].view(
+    def step_std(self, policy: Any, timesteps_B_T: Tensor) -> Tensor:
+        return ddim_step_coefficients(policy.scheduler, timesteps_B_T.reshape(-1), self.eta)["std"].view(
             timesteps_B_T.shape)
 
 
 class FlowSDEKernel(GaussianStepKernel):
-    """Flow-GRPO's stochastic step (``sde_type`` "sde" or "cps", noise level eta) on the family's
+    """Flow-GRPO's stochastic step (``sde_type`` "sde" or "cps", noise level eta) on the policy's
     ``FlowMatchEulerDiscreteScheduler``; with ``sde_window_size`` k > 0 only a window of k consecutive steps per
     sampling call is stochastic and trained (Flow-GRPO-Fast), the others deterministic Euler steps. A step of std
     0 (the last "cps" step) is never trained."""
 
     closed_form_kls = ("gaussian", "gaussian_g2")
+    name = "flow_sde"
+    knobs = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")  # the SamplerKnobs fields it reads
+    solvers = ("euler",)  # the deterministic solver ForwardKernel collects with on this schedule
+
+    @staticmethod
+    def check_knobs(knobs) -> None:
+        """What a config's ``SamplerKnobs`` must satisfy, checked before any model loads (ValueError naming the
+        field)."""
+        check_noise_level(knobs.sde_type, knobs.noise_level)
+        sde_window_bounds(knobs.num_steps, knobs.sde_window_size, knobs.sde_window_range)
 
     def __init__(self, num_steps: int, noise_level: float, sde_type: str, sde_window_size: int = 0,
                  sde_window_range: tuple[int, int] | None = None) -> None:
@@ -211,56 +233,56 @@ class FlowSDEKernel(GaussianStepKernel):
                                        device=device).item())
         return start, start + self.sde_window_size
 
-    def plan(self, family: Any) -> tuple[dict[str, Tensor], Tensor]:
-        coefs = flow_step_coefficients(family.scheduler, family.scheduler.timesteps, self.num_steps, self.noise_level,
+    def plan(self, policy: Any) -> tuple[dict[str, Tensor], Tensor]:
+        coefs = flow_step_coefficients(policy.scheduler, policy.scheduler.timesteps, self.num_steps, self.noise_level,
                                        self.sde_type)
-        return coefs, family.scheduler.sigmas.to(family.device, torch.float32)
+        return coefs, policy.scheduler.sigmas.to(policy.device, torch.float32)
 
-    def transition(self, family: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
+    def transition(self, policy: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
                    generator: torch.Generator | None, plan: tuple[dict[str, Tensor], Tensor],
                    stochastic: bool) -> tuple[Tensor, Tensor]:
         coefs, sigmas = plan
         v, batch = out.float(), latents.shape[0]
         if stochastic:
             latents, logp, _, _ = sde_step_with_logprob(
-                family.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
+                policy.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
                 coefficients={k: c[i].expand(batch) for k, c in coefs.items()})
             return latents, logp
         # a deterministic Euler step (FlowMatchEulerDiscreteScheduler.step), not trained
-        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=family.device)
+        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=policy.device)
 
-    def trained_mask(self, family: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
+    def trained_mask(self, policy: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
                      plan: tuple[dict[str, Tensor], Tensor]) -> Tensor:
         start, end = window
-        mask = torch.zeros(batch, self.num_steps, device=family.device)
+        mask = torch.zeros(batch, self.num_steps, device=policy.device)
         mask[:, start:end] = 1.0
         # a step of std 0 (the last "cps" step, sigma' = 0) is deterministic: no Gaussian to train or to take
         # a KL of (Flow-GRPO trains int(0.99 N) steps, never the last)
-        mask[:, plan[0]["std"].to(family.device) <= 0] = 0.0
+        mask[:, plan[0]["std"].to(policy.device) <= 0] = 0.0
         return mask
 
-    def step_logprob(self, family: Any, out: Tensor, t_R: Tensor, x_R: Tensor,
+    def step_logprob(self, policy: Any, out: Tensor, t_R: Tensor, x_R: Tensor,
                      next_R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        _, logp, mean, std = sde_step_with_logprob(family.scheduler, out, t_R, x_R, self.noise_level,
+        _, logp, mean, std = sde_step_with_logprob(policy.scheduler, out, t_R, x_R, self.noise_level,
                                                    prev_sample=next_R, sde_type=self.sde_type)
         return logp, mean, std
 
-    def step_std(self, family: Any, timesteps_B_T: Tensor) -> Tensor:
-        std = flow_step_coefficients(family.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
+    def step_std(self, policy: Any, timesteps_B_T: Tensor) -> Tensor:
+        std = flow_step_coefficients(policy.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
                                      self.noise_level, self.sde_type)["std"]
         return std.view(timesteps_B_T.shape).to(torch.float32)
 
     def step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
         return flow_step_kl(mean, ref_mean, std)  # refuses a step of std 0
 
-    def kl_weights(self, family: Any, trajectory: Trajectory) -> Tensor:
+    def kl_weights(self, policy: Any, trajectory: Trajectory) -> Tensor:
         """[B, T] std^2 / g^2 of each step: the factor from the exact step KL to Flow-GRPO's, which divides the
         squared mean gap by the diffusion coefficient g^2 (``kl_estimator="gaussian_g2"``): |dt| for the SDE step
         (std = g sqrt(|dt|)), 1 for CPS (its KL divides by the step's own std^2)."""
         timesteps = trajectory.payload["timesteps"]
         if self.sde_type == "cps":
             return torch.ones(timesteps.shape, dtype=torch.float32)
-        dt = flow_step_coefficients(family.scheduler, timesteps.reshape(-1).cpu(), timesteps.numel(),
+        dt = flow_step_coefficients(policy.scheduler, timesteps.reshape(-1).cpu(), timesteps.numel(),
                                     self.noise_level, self.sde_type)["dt"]
         return dt.abs().view(timesteps.shape).to(torch.float32)
 
@@ -276,7 +298,7 @@ class ForwardKernel:
     """Forward-process trajectories (AWM, DiffusionNFT): a sample's steps are K training pairs (t, eps) at which
     the denoiser's own pre-training loss is evaluated, not the transitions of a sampler.
 
-    Collection: the N steps of a **deterministic** solver with the family's schedule and guidance (``sampler``:
+    Collection: the N steps of a **deterministic** solver with the policy's schedule and guidance (``sampler``:
     "auto" = Euler for flow matching, DDIM eta 0 for UNets; "dpmpp" = diffusers' DPM-Solver++ 2M for UNets),
     no log-density recorded; only the clean latent x0, the condition and the K pairs are kept. The K times are
     step indices of the solver's schedule within the first ``timestep_fraction`` of it: "stratified" (AWM's
@@ -285,7 +307,7 @@ class ForwardKernel:
     fresh per pair.
 
     ``log_prob``: the weighted matching log-prob of every pair ``unialign.algos.forward.matching_logprob`` at
-    x_t = alpha x0 + sigma eps (the family's ``_forward_process``: rectified flow's (1 - sigma) x0 + sigma eps with
+    x_t = alpha x0 + sigma eps (the policy's ``_forward_process``: rectified flow's (1 - sigma) x0 + sigma eps with
     target eps - x0; a UNet's scheduler with target eps / v / x0 by its ``prediction_type``), the weighting's time
     being the noise level sigma; no CFG in training (both papers train CFG-free). Its closed-form KL to the
     reference, ``prediction_mse``, is mean_D (pred - pred_ref)^2 (AWM's and NFT's "uniform" velocity KL).
@@ -324,33 +346,34 @@ class ForwardKernel:
 
     # ------------------------------------------------------------------ collection
     @staticmethod
-    def _solver_kind(sampler: str, flow: bool) -> str:
-        """The solver ``sampler`` names for a flow-matching (``flow``) or UNet family; ValueError when it has none."""
-        kind = sampler if sampler != "auto" else ("euler" if flow else "ddim")
-        if flow and kind != "euler":
-            raise ValueError(f"{kind!r}: flow-matching models collect with 'euler' (or 'auto')")
-        if not flow and kind == "euler":
-            raise ValueError("'euler' is the flow-matching solver; a UNet collects with 'ddim' or 'dpmpp'")
+    def _solver_kind(sampler: str, step_kernel: str) -> str:
+        """The solver ``sampler`` names for a family whose step kernel is ``step_kernel`` (a ``KERNELS`` key: its
+        ``solvers``, the first for "auto"); ValueError when that schedule has no such solver."""
+        solvers = KERNELS[step_kernel].solvers
+        kind = sampler if sampler != "auto" else solvers[0]
+        if kind not in solvers:
+            raise ValueError(f"{kind!r}: a family on the {step_kernel!r} step kernel collects with "
+                             f"{' or '.join(map(repr, solvers))} (or 'auto')")
         return kind
 
-    def _solver(self, family: Any):
-        """(kind, scheduler) of the collection sampler for ``family``."""
-        kind = self._solver_kind(self.sampler, getattr(family, "is_flow_matching", False))
+    def _solver(self, policy: Any):
+        """(kind, scheduler) of the collection sampler for ``policy``."""
+        kind = self._solver_kind(self.sampler, policy.family.kernel)
         if kind == "dpmpp":
             from diffusers import DPMSolverMultistepScheduler
 
-            solver = DPMSolverMultistepScheduler.from_config(family.scheduler.config, algorithm_type="dpmsolver++",
+            solver = DPMSolverMultistepScheduler.from_config(policy.scheduler.config, algorithm_type="dpmsolver++",
                                                              solver_order=2)
-            solver.set_timesteps(self.num_steps, device=family.device)
+            solver.set_timesteps(self.num_steps, device=policy.device)
             return kind, solver
-        return kind, family.scheduler
+        return kind, policy.scheduler
 
-    def schedule(self, family: Any) -> Tensor:
+    def schedule(self, policy: Any) -> Tensor:
         """The collection sampler's N timesteps (the model's time input at each step)."""
-        return self._solver(family)[1].timesteps
+        return self._solver(policy)[1].timesteps
 
     @torch.no_grad()
-    def sample(self, family: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
+    def sample(self, policy: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
                record_logp: bool = True) -> Trajectory:
         """x_T -> x0 with the deterministic solver (the old weights with ``sample_old``), then K (t, eps) pairs
         per sample. The generator is drawn in this order: x_T, one seed for the pairs' own generator (their step
@@ -360,15 +383,15 @@ class ForwardKernel:
         import contextlib
 
         batch = len(prompts)
-        cond = family._sampling_cond(prompts)
-        kind, solver = self._solver(family)
-        old = family._old_weights() if self.sample_old else contextlib.nullcontext()
+        cond = policy._sampling_cond(prompts)
+        kind, solver = self._solver(policy)
+        old = policy._old_weights() if self.sample_old else contextlib.nullcontext()
         with old:
-            x = family._initial_latents(batch, generator)
-            timesteps = solver.timesteps.to(family.device)
-            sigmas = solver.sigmas.to(family.device, torch.float32) if kind == "euler" else None
+            x = policy._initial_latents(batch, generator)
+            timesteps = solver.timesteps.to(policy.device)
+            sigmas = solver.sigmas.to(policy.device, torch.float32) if kind == "euler" else None
             for i, t in enumerate(timesteps):
-                out = family._denoise(model, x, t.expand(batch), cond, family._cfg)
+                out = policy._denoise(model, x, t.expand(batch), cond, policy._cfg)
                 if kind == "euler":
                     x = x + (sigmas[i + 1] - sigmas[i]) * out.float()
                 elif kind == "ddim":
@@ -382,14 +405,14 @@ class ForwardKernel:
             int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
         idx = self._draw_indices(batch, pairs)
         noise = torch.randn((batch, self.train_timesteps, *x0.shape[1:]), generator=pairs,
-                            dtype=torch.float32).to(family.device)
-        payload = {"x0": x0, "timesteps": timesteps[idx.to(timesteps.device)].to(family.device), "noise": noise,
+                            dtype=torch.float32).to(policy.device)
+        payload = {"x0": x0, "timesteps": timesteps[idx.to(timesteps.device)].to(policy.device), "noise": noise,
                    **cond}
-        traj = Trajectory(prompts=list(prompts), completions=family.decode(x0),
-                          mask_B_T=torch.ones(batch, self.train_timesteps, device=family.device), old_logp_B_T=None,
-                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=family.device), payload=payload)
+        traj = Trajectory(prompts=list(prompts), completions=policy.decode(x0),
+                          mask_B_T=torch.ones(batch, self.train_timesteps, device=policy.device), old_logp_B_T=None,
+                          truncated_B=torch.zeros(batch, dtype=torch.bool, device=policy.device), payload=payload)
         if record_logp:
-            traj.old_logp_B_T = self.log_prob(family, model, traj, False)
+            traj.old_logp_B_T = self.log_prob(policy, model, traj, False)
         return traj
 
     def _draw_indices(self, batch: int, generator: torch.Generator | None) -> Tensor:
@@ -403,7 +426,7 @@ class ForwardKernel:
         return lo + (u * (hi - lo)).long()
 
     # ------------------------------------------------------------------ training
-    def _pairs(self, family: Any, trajectory: Trajectory) -> dict[str, Any] | None:
+    def _pairs(self, policy: Any, trajectory: Trajectory) -> dict[str, Any] | None:
         """The trained pairs of ``trajectory`` (its mask) as rows: indices, forward-process values (x_t, target,
         alpha, sigma) and condition, for one model call over all of them. None when no pair is trained."""
         payload, mask = trajectory.payload, trajectory.mask_B_T
@@ -411,63 +434,67 @@ class ForwardKernel:
         if rows.numel() == 0:
             return None
         x0, eps, t = payload["x0"][rows], payload["noise"][rows, cols], payload["timesteps"][rows, cols]
-        fp = family._forward_process(x0, eps, t)
-        cond = {k: payload[k][rows] for k in family.cond_keys}
+        fp = policy._forward_process(x0, eps, t)
+        cond = {k: payload[k][rows] for k in policy.cond_keys}
         return {"rows": rows, "cols": cols, "x0": x0, "t": t, "cond": cond, **fp}
 
     def _scatter(self, trajectory: Trajectory, rows: Tensor, cols: Tensor, values: Tensor) -> Tensor:
         out = torch.zeros(trajectory.mask_B_T.shape, device=values.device, dtype=torch.float32)
         return out.index_put((rows.to(values.device), cols.to(values.device)), values.float())
 
-    def log_prob(self, family: Any, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool,
+    def log_prob(self, policy: Any, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool,
                  reference: Any = None) -> Any:
         """``logp_B_K`` (class docstring); with ``with_entropy`` and zeros for the entropy (no step Gaussian);
         with a ``reference`` also ``kl_B_K`` = mean_D (pred - pred_ref)^2, differentiable through pred."""
-        logp, kl, _ = self._evaluate(family, model, trajectory, reference, ())
+        logp, kl, _ = self._evaluate(policy, model, trajectory, reference, ())
         if not with_entropy:
             return logp
         entropy = torch.zeros_like(logp)
         return (logp, entropy) if reference is None else (logp, entropy, kl)
 
-    def terms(self, family: Any, model: torch.nn.Module, trajectory: Trajectory, names: tuple[str, ...],
+    def terms(self, policy: Any, model: torch.nn.Module, trajectory: Trajectory, names: tuple[str, ...],
               reference: Any = None) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Any]]:
         """(logp, entropy, kl or None, {name: ...}) in one model call; ``"nft"``: (old_err [B, K, C, H, W], delta
         [B, K, C, H, W]), the old weights' clean-image error x0_old - x0 and x0_theta - x0_old (differentiable), what
         ``unialign.algos.forward.nft_loss_terms`` reads (0 at untrained pairs)."""
-        logp, kl, extra = self._evaluate(family, model, trajectory, reference, names)
+        logp, kl, extra = self._evaluate(policy, model, trajectory, reference, names)
         return logp, torch.zeros_like(logp), (kl if reference is not None else None), extra
 
-    def _evaluate(self, family, model, trajectory, reference, names):
+    def _evaluate(self, policy, model, trajectory, reference, names):
         from unialign.algos.forward import matching_logprob
 
         unknown = sorted(set(names) - {"nft"})
         if unknown:
             raise ValueError(f"ForwardKernel.terms: unknown terms {unknown} (it offers 'nft')")
-        p = self._pairs(family, trajectory)
-        zeros = torch.zeros(trajectory.mask_B_T.shape, device=family.device, dtype=torch.float32)
+        p = self._pairs(policy, trajectory)
+        zeros = torch.zeros(trajectory.mask_B_T.shape, device=policy.device, dtype=torch.float32)
         if p is None:
             return zeros, zeros, {name: (zeros, zeros) for name in names}
         old = None
         if "nft" in names:  # before the differentiable call: the old weights are swapped into the same parameters
-            with torch.no_grad(), family._old_weights():
-                old = family._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
-        p["pred"] = family._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
+            with torch.no_grad(), policy._old_weights():
+                old = policy._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
+        p["pred"] = policy._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
         logp = matching_logprob(p["pred"], p["target"], p["sigma"], self.weighting, self.power)
         rows, cols = p["rows"], p["cols"]
         kl = zeros
         if reference is not None:
             with reference._frozen():
-                ref = family._denoise(reference.model, p["x_t"], p["t"], p["cond"], False).float()
+                ref = policy._denoise(reference.model, p["x_t"], p["t"], p["cond"], False).float()
             d = (p["pred"] - ref) ** 2
             kl = self._scatter(trajectory, rows, cols, d.reshape(d.shape[0], -1).mean(1))
         extra = {}
         if old is not None:
-            x0_old = family._x0_from(old, p)
+            x0_old = policy._x0_from(old, p)
             extra["nft"] = (self._scatter_D(trajectory, rows, cols, x0_old - p["x0"].float()),
-                            self._scatter_D(trajectory, rows, cols, family._x0_from(p["pred"], p) - x0_old))
+                            self._scatter_D(trajectory, rows, cols, policy._x0_from(p["pred"], p) - x0_old))
         return self._scatter(trajectory, rows, cols, logp), kl, extra
 
     def _scatter_D(self, trajectory: Trajectory, rows: Tensor, cols: Tensor, values_R_D: Tensor) -> Tensor:
         b, k = trajectory.mask_B_T.shape
         out = torch.zeros((b, k, *values_R_D.shape[1:]), device=values_R_D.device, dtype=torch.float32)
         return out.index_put((rows.to(values_R_D.device), cols.to(values_R_D.device)), values_R_D.float())
+
+
+# the step kernels by name: what a family's ``kernel`` attribute names (``unialign.image.family.ImageFamily``)
+KERNELS: dict[str, type[GaussianStepKernel]] = {k.name: k for k in (DDIMKernel, FlowSDEKernel)}

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from unialign.image.denoiser import DenoiserPolicy
-from unialign.image.families import SamplerKnobs
+from unialign.image.family import ImageFamily, SamplerKnobs
 from unialign.image.kernels import DDIMKernel
 from unialign.types import PreferenceBatch
 
@@ -51,31 +51,25 @@ def time_ids_from_rows(rows: list[list[int]], dtype: torch.dtype, device: torch.
     return torch.tensor(rows, dtype=dtype, device=device)
 
 
-class UNetFamily:
+class UNetFamily(ImageFamily):
     """What ``DiffusionPolicy``'s shared DDIM code asks of a pipeline family (``SD1Family``, ``SDXLFamily``):
     the frozen text encoders and how to encode prompts, the per-image size micro-conditioning, the UNet's
-    ``added_cond_kwargs``, the payload's condition keys and the stock diffusers pipeline class.
+    ``added_cond_kwargs`` and the payload's condition keys (the family's row: ``ImageFamily``'s class attributes).
 
-    Class attributes:
-        is_sdxl: which family (for callers; the shared code does not read it).
+    Class attributes (beyond ``ImageFamily``'s):
         text_keys: what ``encode_prompts`` returns (``prompt_embeds`` [B, L, D], ...).
         micro_keys: what ``micro_cond`` returns (per-image size conditioning).
         cond_keys: ``text_keys + micro_keys``, the conditioning a trajectory payload carries.
     """
 
-    is_sdxl: bool = False
+    policy = "unialign.image.policy:DiffusionPolicy"
+    kernel = "ddim"
+    knobs = DDIMKernel.knobs
+    replacement_vae = True
+    text_parts = ("text_encoder", "tokenizer")
     text_keys: tuple[str, ...] = ()
     micro_keys: tuple[str, ...] = ()
     cond_keys: tuple[str, ...] = ()
-
-    def __init__(self, text_encoder, tokenizer, text_encoder_2=None, tokenizer_2=None) -> None:
-        self.text_encoder, self.tokenizer = text_encoder, tokenizer
-        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-
-    @property
-    def text_encoders(self) -> tuple:
-        """The text encoders the family uses (frozen by the policy)."""
-        return tuple(e for e in (self.text_encoder, self.text_encoder_2) if e is not None)
 
     def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
         """``text_keys`` tensors for ``prompts``, each with leading B, in ``dtype`` on ``device``."""
@@ -91,9 +85,17 @@ class UNetFamily:
         raise NotImplementedError
 
     @staticmethod
-    def pipeline_class():
-        """The stock diffusers pipeline of the family (``save_lora_weights``)."""
+    def describes(unet, parts: dict[str, Any]) -> bool:
+        """Whether a UNet and the text parts given with it are this family's (``choose_family``)."""
         raise NotImplementedError
+
+    @classmethod
+    def load(cls, path_or_hub_id: str, guessed: bool = False, **kwargs: Any):
+        """``ImageFamily.load``; a guessed family is left to the folder's ``model_index.json`` (SD1.x or SDXL: a
+        hub id's name may not say)."""
+        if guessed:
+            return cls.policy_class().from_pretrained(path_or_hub_id, **kwargs)
+        return super().load(path_or_hub_id, **kwargs)
 
     @staticmethod
     def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any]) -> dict[str, Any]:
@@ -110,13 +112,15 @@ class SD1Family(UNetFamily):
     """Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``): one CLIP text encoder; the UNet takes
     ``encoder_hidden_states`` = ``prompt_embeds`` [B, L, D] and no ``added_cond_kwargs``."""
 
-    is_sdxl = False
+    name, title, pipeline = "sd", "SD1.x", "StableDiffusionPipeline"
     text_keys = ("prompt_embeds",)
     micro_keys = ()
     cond_keys = text_keys + micro_keys
 
-    def __init__(self, text_encoder, tokenizer) -> None:
-        super().__init__(text_encoder, tokenizer)
+    @staticmethod
+    def describes(unet, parts: dict[str, Any]) -> bool:
+        """Any UNet without SDXL's ``addition_embed_type="text_time"``, given one text encoder."""
+        return parts.get("text_encoder_2") is None and unet.config.get("addition_embed_type") != "text_time"
 
     def encode_prompts(self, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
         """``prompt_embeds`` [B, L, D]: the encoder's last hidden state."""
@@ -131,12 +135,6 @@ class SD1Family(UNetFamily):
         """None: the SD1.x UNet takes no added conditioning."""
         return None
 
-    @staticmethod
-    def pipeline_class():
-        from diffusers import StableDiffusionPipeline
-
-        return StableDiffusionPipeline
-
 
 class SDXLFamily(UNetFamily):
     """SDXL (``StableDiffusionXLPipeline``; Podell et al. 2023): two CLIP text encoders, the 2nd with a
@@ -144,18 +142,25 @@ class SDXLFamily(UNetFamily):
     the UNet also takes ``added_cond_kwargs`` = {"text_embeds": ``pooled_prompt_embeds`` [B, P] (the 2nd
     encoder's projected pooled output), "time_ids": [B, 6] (original size, crop top-left, target size)}."""
 
-    is_sdxl = True
+    name, title, pipeline = "sdxl", "SDXL", "StableDiffusionXLPipeline"
+    markers = ("xl",)
+    text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
     micro_keys = ("time_ids",)
     cond_keys = text_keys + micro_keys
 
-    def __init__(self, text_encoder, tokenizer, text_encoder_2, tokenizer_2) -> None:
-        if text_encoder_2 is None:
+    def __init__(self, **parts: Any) -> None:
+        if parts.get("text_encoder_2") is None:
             raise ValueError("an SDXL UNet (addition_embed_type='text_time') needs text_encoder_2 and tokenizer_2")
-        super().__init__(text_encoder, tokenizer, text_encoder_2, tokenizer_2)
+        super().__init__(**parts)
 
     @staticmethod
-    def describes(config: dict[str, Any]) -> bool:
+    def describes(unet, parts: dict[str, Any]) -> bool:
+        """A second text encoder given, or a UNet with SDXL's ``addition_embed_type="text_time"``."""
+        return parts.get("text_encoder_2") is not None or unet.config.get("addition_embed_type") == "text_time"
+
+    @staticmethod
+    def describes_folder(config: dict[str, Any]) -> bool:
         """Whether a pipeline folder's ``model_index.json`` is an SDXL one."""
         return "XL" in config.get("_class_name", "") or "text_encoder_2" in config
 
@@ -183,12 +188,6 @@ class SDXLFamily(UNetFamily):
         return {"text_embeds": text, "time_ids": time_ids}
 
     @staticmethod
-    def pipeline_class():
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline
-
-    @staticmethod
     def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any]) -> dict[str, Any]:
         """``text_encoder_2`` (``CLIPTextModelWithProjection``) and ``tokenizer_2``."""
         from transformers import CLIPTextModelWithProjection, CLIPTokenizer
@@ -203,12 +202,12 @@ class SDXLFamily(UNetFamily):
         return {"force_zeros_for_empty_prompt": config.get("force_zeros_for_empty_prompt", False)}
 
 
-def choose_family(unet, text_encoder, tokenizer, text_encoder_2=None, tokenizer_2=None) -> UNetFamily:
-    """``SDXLFamily`` when a second text encoder is given or the UNet has SDXL's
-    ``addition_embed_type="text_time"`` (which then needs ``text_encoder_2``), else ``SD1Family``."""
-    if text_encoder_2 is not None or unet.config.get("addition_embed_type") == "text_time":
-        return SDXLFamily(text_encoder, tokenizer, text_encoder_2, tokenizer_2)
-    return SD1Family(text_encoder, tokenizer)
+def choose_family(unet, family: type[UNetFamily] | None = None, **parts: Any) -> UNetFamily:
+    """The adapter of ``family``, else of the family the UNet and its parts are: ``SDXLFamily`` when a second text
+    encoder is given or the UNet has SDXL's ``addition_embed_type="text_time"`` (which then needs
+    ``text_encoder_2``), else ``SD1Family``; holding ``parts``."""
+    chosen = family or (SDXLFamily if SDXLFamily.describes(unet, parts) else SD1Family)
+    return chosen(**parts)
 
 
 class DiffusionPolicy(DenoiserPolicy):
@@ -252,6 +251,7 @@ class DiffusionPolicy(DenoiserPolicy):
             chunks draw their noise one after the other from the same generator.
         knobs: the sampler knobs as one frozen value (``unialign.image.families.SamplerKnobs``); its set fields
             replace the keywords of the same name (``self.knobs``: the values used, unset height / width None).
+        family: the adapter class (``SD1Family`` or ``SDXLFamily``); None: chosen from the UNet and the text parts.
     """
 
     denoiser_subfolder = "unet"
@@ -284,6 +284,7 @@ class DiffusionPolicy(DenoiserPolicy):
         sample_batch_size: int = 0,
         cfg_uncond_grad: bool = True,
         knobs: SamplerKnobs | None = None,
+        family: type[UNetFamily] | None = None,
     ) -> None:
         from diffusers import DDIMScheduler
 
@@ -299,7 +300,8 @@ class DiffusionPolicy(DenoiserPolicy):
         self.cfg_uncond_grad = cfg_uncond_grad
         # decode / encode in fp32 (half-precision SD VAEs overflow to NaN)
         self.vae = vae if vae.dtype == torch.float32 else vae.to(torch.float32)
-        self.family = choose_family(unet, text_encoder, tokenizer, text_encoder_2, tokenizer_2)
+        self.family = choose_family(unet, family, text_encoder=text_encoder, tokenizer=tokenizer,
+                                    text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
         self.scheduler = DDIMScheduler.from_config(scheduler.config)
         self.num_steps, self.guidance_scale = num_steps, guidance_scale
         self.scheduler.set_timesteps(num_steps)
@@ -333,11 +335,13 @@ class DiffusionPolicy(DenoiserPolicy):
         device: str | torch.device | None = None,
         variant: str | None = None,
         vae_name_or_path: str | None = None,
+        family: type[UNetFamily] | None = None,
         **kwargs: Any,
     ) -> DiffusionPolicy:
         """Load the components of a diffusers SD1.x / SDXL pipeline folder or hub id.
 
-        ``sdxl=None`` detects SDXL from ``model_index.json``. ``vae_name_or_path`` swaps in another VAE
+        ``family`` (``SD1Family`` / ``SDXLFamily``, or ``sdxl`` True / False) names the family; None detects it
+        from ``model_index.json``. ``vae_name_or_path`` swaps in another VAE
         (e.g. ``madebyollin/sdxl-vae-fp16-fix``). ``torch_dtype`` may be a name ("float16").
         ``kwargs`` go to the constructor.
         Fails at once with a RuntimeError when the weights are neither local nor downloadable
@@ -349,7 +353,9 @@ class DiffusionPolicy(DenoiserPolicy):
             from transformers import CLIPTextModel, CLIPTokenizer
 
             config = DiffusionPipeline.load_config(path_or_hub_id, **opts)
-            family = SDXLFamily if (SDXLFamily.describes(config) if sdxl is None else sdxl) else SD1Family
+            nonlocal family
+            if family is None:
+                family = SDXLFamily if (SDXLFamily.describes_folder(config) if sdxl is None else sdxl) else SD1Family
             parts = {
                 "unet": UNet2DConditionModel.from_pretrained(path_or_hub_id, subfolder="unet", **model_kw),
                 "vae": (AutoencoderKL.from_pretrained(vae_name_or_path, **opts) if vae_name_or_path
@@ -368,38 +374,14 @@ class DiffusionPolicy(DenoiserPolicy):
         parts = cls._load_parts(path_or_hub_id, build, "diffusion", layout, torch_dtype, variant, device,
                                 also_required=(vae_name_or_path,) if vae_name_or_path else (),
                                 sources={"vae": vae_name_or_path} if vae_name_or_path else None)
-        return cls(**parts, lora_rank=lora_rank, **kwargs)
+        return cls(**parts, lora_rank=lora_rank, family=family, **kwargs)
 
     # ------------------------------------------------------------------ family
     @property
     def is_sdxl(self) -> bool:
-        """Whether the family adapter is ``SDXLFamily`` (read-only; the shared code never branches on it)."""
-        return self.family.is_sdxl
-
-    @property
-    def cond_keys(self) -> tuple[str, ...]:
-        return self.family.cond_keys
-
-    @property
-    def text_keys(self) -> tuple[str, ...]:
-        return self.family.text_keys
-
-    @property
-    def text_encoder(self):
-        return self.family.text_encoder
-
-    @property
-    def tokenizer(self):
-        return self.family.tokenizer
-
-    @property
-    def text_encoder_2(self):
-        """SDXL's second text encoder (``CLIPTextModelWithProjection``); None for SD1.x."""
-        return self.family.text_encoder_2
-
-    @property
-    def tokenizer_2(self):
-        return self.family.tokenizer_2
+        """Whether the family adapter is ``SDXLFamily`` (read-only, for callers; the shared code never branches on
+        it)."""
+        return isinstance(self.family, SDXLFamily)
 
     def _tokenize(self, tokenizer, prompts: list[str]) -> Tensor:
         return tokenize(tokenizer, prompts, self.device)

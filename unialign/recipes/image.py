@@ -153,18 +153,18 @@ def model_family(cfg: ImageRLConfig) -> str:
 
 def load_denoiser(model_name_or_path: str, family: str = "auto", torch_dtype: str | None = None,
                   vae_name_or_path: str | None = None, **kwargs: Any):
-    """The policy of a hub id / diffusers folder for its family (``unialign.image.families.FAMILIES``: its
-    ``policy``, e.g. ``DiffusionPolicy`` for SD1.x / SDXL, ``FlowMatchingPolicy`` for SD3, ``FluxPolicy`` for
-    FLUX.1); ``kwargs`` go to its constructor. Each fails in seconds offline. ``vae_name_or_path`` (a replacement
-    VAE) is for the families that take one (SD1.x / SDXL)."""
+    """The policy of a hub id / diffusers folder for its family (``unialign.image.families.FAMILIES``: the
+    adapter's ``policy``, ``DiffusionPolicy`` for SD1.x / SDXL, ``FlowPolicyBase`` for the flow families, told the
+    family when ``family`` names one); ``kwargs`` go to its constructor. Each fails in seconds offline.
+    ``vae_name_or_path`` (a replacement VAE) is for the families that take one (SD1.x / SDXL)."""
     row = resolve(model_name_or_path, family)
-    extra = {} if family == "auto" else dict(row.load_kwargs)  # auto: the policy reads the parts
+    extra = {}
     if vae_name_or_path is not None:
         if not row.replacement_vae:
             takes = " / ".join(f.title for f in FAMILIES.values() if f.replacement_vae)
             raise ValueError(f"vae_name_or_path: a replacement VAE is for {takes}, not {row.name}")
         extra["vae_name_or_path"] = vae_name_or_path
-    return row.policy_class().from_pretrained(model_name_or_path, torch_dtype=torch_dtype, **extra, **kwargs)
+    return row.load(model_name_or_path, guessed=family == "auto", torch_dtype=torch_dtype, **extra, **kwargs)
 
 
 def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
@@ -180,23 +180,17 @@ def window_range(cfg: ImageRLConfig) -> tuple[int, int] | None:
 
 def check_sampling_knobs(cfg: ImageRLConfig, family: str | Family) -> None:
     """The sampling knobs a ``family`` policy checks (a name or a ``FAMILIES`` row), checked from ``cfg`` alone
-    before any model loads (one ValueError naming the field): the SDE window against ``num_steps`` and eta for
-    its step type (flow families), DDIM's eta > 0 (the others)."""
-    window = window_range(cfg)
-    flow = get_family(family).flow
-    if flow:
-        from unialign.image.flow import check_noise_level, sde_window_bounds
+    before any model loads (one ValueError naming the field): those of the family's step kernel (its
+    ``check_knobs``: the SDE window against ``num_steps`` and eta for its step type, DDIM's eta > 0) and the
+    forward-process solver."""
+    from unialign.image.kernels import KERNELS, ForwardKernel
 
-        check_noise_level(cfg.sde_type, cfg.noise_level)
-        sde_window_bounds(cfg.num_steps, cfg.sde_window_size, window)
-    elif not cfg.eta > 0:
-        raise ValueError(f"eta: must be > 0 for DDIM (the step log-probability needs sigma_t > 0), got {cfg.eta}")
+    row = get_family(family)
+    KERNELS[row.kernel].check_knobs(sampler_knobs(cfg, row))
     forward = forward_process_kwargs(cfg)
     if forward is not None:
-        from unialign.image.kernels import ForwardKernel
-
         try:  # a solver for the family
-            ForwardKernel._solver_kind(forward["sampler"], flow)
+            ForwardKernel._solver_kind(forward["sampler"], row.kernel)
         except ValueError as err:
             raise ValueError(f"sampler: {err}") from None
 

@@ -126,6 +126,16 @@ GRPO_IMAGE: dict[str, dict] = {
         lr_scheduler_type="constant", prompts_per_step=4, num_generations=24, num_mini_batches=2, micro_batch_size=4,
         train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16",
         num_threads=0, output_dir="outputs/grpo_flux_pickscore"),
+    # Z-Image-Turbo (Tongyi-MAI, the distilled Z-Image; diffusers' ZImagePipeline, unialign.image.zimage) on
+    # PickScore with the FLUX recipe above: its stock sampling (9 steps, no CFG: its g = 0 is guidance_scale 1
+    # here), Qwen3 prompts of up to 512 tokens, LoRA r32 / a64 on the attention projections.
+    "z-image-turbo-pickscore": dict(
+        model_name_or_path="Tongyi-MAI/Z-Image-Turbo", model_family="zimage", prompt_set="animals",
+        reward_funcs="pickscore", algorithm="flow_grpo", beta=0.01, num_steps=9, guidance_scale=1.0, noise_level=0.7,
+        sde_type="sde", sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=512, lora_rank=32,
+        lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant", prompts_per_step=4, num_generations=24,
+        num_mini_batches=2, micro_batch_size=4, train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64,
+        eval_steps=60, torch_dtype="bfloat16", num_threads=0, output_dir="outputs/grpo_zimage_pickscore"),
 }
 
 DPO_SDXL: dict[str, dict] = {
