@@ -106,3 +106,15 @@ def make_policy(tokenizer_dir):
         return DiffusionPolicy(**parts, **{**POLICY_DEFAULTS, **kwargs})
 
     return factory
+
+
+def log_probs_around_a_lora_move(policy, reference, trajectory, by: float = 0.3):
+    """(reference log-probs before, policy's after, reference's after) of ``trajectory`` around adding ``by`` to
+    every LoRA B matrix of the policy's denoiser (all zero at construction: the policy then differs from its
+    reference, which must not move)."""
+    with torch.no_grad():
+        before = reference.log_prob(trajectory)
+        for name, p in policy.denoiser.named_parameters():
+            if "lora_B" in name:
+                p.add_(by)
+        return before, policy.log_prob(trajectory), reference.log_prob(trajectory)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.image.conftest import _tokenizer
+from tests.image.conftest import _tokenizer, log_probs_around_a_lora_move
 from unialign.image.flow_policy import FlowPolicyBase
 from unialign.image.zimage import ZImageFamily
 
@@ -124,12 +124,7 @@ def test_lora_reference_save_and_stock_load_lora_weights(make_zimage, tokenizer_
     names = [n for n, p in policy.transformer.named_parameters() if p.requires_grad]
     assert names and all("lora" in n for n in names) and any("attention.to_q" in n for n in names)
     traj = policy.sample(PROMPTS, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        before = ref.log_prob(traj)
-        for n, p in policy.transformer.named_parameters():
-            if "lora_B" in n:
-                p.add_(0.3)
-        after, ref_after = policy.log_prob(traj), ref.log_prob(traj)
+    before, after, ref_after = log_probs_around_a_lora_move(policy, ref, traj)
     torch.testing.assert_close(ref_after, before, atol=1e-6, rtol=0)
     assert (after - ref_after).abs().max() > 1e-4
     policy.save(str(tmp_path / "lora"))

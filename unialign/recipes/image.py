@@ -67,8 +67,8 @@ class ImageRLConfig(RunArgs, OnlineConfig):
 
     ALIASES = {"reward": "reward_funcs"}  # --reward: another name of --reward_funcs (unialign.trl_compat)
 
-    model_name_or_path: str = arg("runwayml/stable-diffusion-v1-5", "SD1.x / SDXL / SD3 / FLUX.1 hub id or local "
-                                  "diffusers folder", group="model")
+    model_name_or_path: str = arg("runwayml/stable-diffusion-v1-5", "SD1.x / SDXL / SD3 / FLUX.1 / Z-Image hub id or "
+                                  "local diffusers folder", group="model")
     model_family: str = arg("auto", "auto (a folder's model_index.json, else the hub id's name) | " + family_names(),
                             group="model", choices=FAMILY_CHOICES)
     prompt_set: str = arg("animals", "'animals' (ddpo-pytorch's list), a .txt file (one prompt per line) or a "
