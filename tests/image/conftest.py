@@ -118,3 +118,23 @@ def log_probs_around_a_lora_move(policy, reference, trajectory, by: float = 0.3)
             if "lora_B" in name:
                 p.add_(by)
         return before, policy.log_prob(trajectory), reference.log_prob(trajectory)
+
+
+def colour_pairs(prompts: list[str], n: int = 3, rejected_size: tuple[int, int] = (24, 16)) -> list[dict]:
+    """``n`` preference rows cycling ``prompts``: a 16x16 reddish chosen image and a greenish rejected one of
+    ``rejected_size`` (not square: the resize / crop path runs)."""
+    from PIL import Image
+
+    return [{"prompt": prompts[i % len(prompts)], "chosen": Image.new("RGB", (16, 16), (200, 30 * i, 30)),
+             "rejected": Image.new("RGB", rejected_size, (40, 90, 10 * i))} for i in range(n)]
+
+
+def stock_pipeline(tokenizer_dir, kind: str, seed: int = 0):
+    """The stock diffusers pipeline of the tiny ``kind`` ("sd" / "sdxl") components of ``seed`` (SD1.x without its
+    safety checker)."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    if kind == "sd":
+        return StableDiffusionPipeline(**sd_components(tokenizer_dir, seed=seed), safety_checker=None,
+                                       feature_extractor=None, requires_safety_checker=False)
+    return StableDiffusionXLPipeline(**sdxl_components(tokenizer_dir, seed=seed))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.image.conftest import _text_config, _tokenizer, _vae
+from tests.image.conftest import _text_config, _tokenizer, _vae, colour_pairs
 from unialign.image.flow import sde_step_with_logprob
 from unialign.image.flow_policy import FlowMatchingPolicy
 from unialign.trainers import OnlineConfig, OnlineTrainer
@@ -237,10 +237,7 @@ def test_bad_window_and_offline_load_fail_clearly(make_flow_policy, monkeypatch)
 
 
 def dpo_pairs(n: int = 3) -> list[dict]:
-    from PIL import Image
-
-    return [{"prompt": PROMPTS[i % 2], "chosen": Image.new("RGB", (16, 16), (200, 30 * i, 30)),
-             "rejected": Image.new("RGB", (24, 16), (40, 90, 10 * i))} for i in range(n)]
+    return colour_pairs(PROMPTS, n)
 
 
 def test_dpo_surrogate_against_a_hand_restatement(make_flow_policy):

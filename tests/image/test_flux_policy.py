@@ -11,9 +11,8 @@ import math
 
 import pytest
 import torch
-from PIL import Image
 
-from tests.image.conftest import _text_config, _tokenizer, log_probs_around_a_lora_move
+from tests.image.conftest import _text_config, _tokenizer, colour_pairs, log_probs_around_a_lora_move
 from unialign import algos
 from unialign.image.flow import sde_step_with_logprob
 from unialign.image.flux_policy import FluxFamily, FluxPolicy, latent_image_ids, pack_latents, unpack_latents
@@ -180,8 +179,7 @@ def test_from_pretrained_loads_a_stock_flux_folder(tokenizer_dir, tmp_path, monk
 
 
 def pairs(n: int = 3) -> list[dict]:
-    return [{"prompt": PROMPTS[i % 2], "chosen": Image.new("RGB", (16, 16), (200, 30 * i, 30)),
-             "rejected": Image.new("RGB", (20, 16), (40, 90, 10 * i))} for i in range(n)]
+    return colour_pairs(PROMPTS, n, rejected_size=(20, 16))
 
 
 def test_dpo_surrogate_against_a_hand_restatement(make_flux_policy):

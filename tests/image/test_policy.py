@@ -258,18 +258,12 @@ def test_encode_images_roundtrip_shapes(make_policy):
 # ---------------------------------------------------------------- saving / loading
 @pytest.mark.parametrize("kind", ["sd", "sdxl"])
 def test_lora_save_loads_in_stock_pipeline(make_policy, tokenizer_dir, tmp_path, kind):
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    from tests.image.conftest import sd_components, sdxl_components
+    from tests.image.conftest import stock_pipeline
 
     policy = make_policy(kind, seed=2, lora_rank=2, lora_alpha=4)  # alpha != rank: the scale must survive
     _perturb_lora(policy)
     policy.save(str(tmp_path))
-    if kind == "sd":
-        pipe = StableDiffusionPipeline(**sd_components(tokenizer_dir, seed=2), safety_checker=None,
-                                       feature_extractor=None, requires_safety_checker=False)
-    else:
-        pipe = StableDiffusionXLPipeline(**sdxl_components(tokenizer_dir, seed=2))
+    pipe = stock_pipeline(tokenizer_dir, kind, seed=2)
     pipe.load_lora_weights(str(tmp_path))
 
     g = torch.Generator().manual_seed(0)
@@ -311,15 +305,9 @@ def test_from_pretrained_offline_missing_id_fails_fast(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["sd", "sdxl"])
 def test_from_pretrained_local_folder(make_policy, tokenizer_dir, tmp_path, kind):
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from tests.image.conftest import stock_pipeline
 
-    from tests.image.conftest import sd_components, sdxl_components
-
-    if kind == "sd":
-        pipe = StableDiffusionPipeline(**sd_components(tokenizer_dir, seed=4), safety_checker=None,
-                                       feature_extractor=None, requires_safety_checker=False)
-    else:
-        pipe = StableDiffusionXLPipeline(**sdxl_components(tokenizer_dir, seed=4))
+    pipe = stock_pipeline(tokenizer_dir, kind, seed=4)
     pipe.save_pretrained(str(tmp_path))
     policy = DiffusionPolicy.from_pretrained(str(tmp_path), lora_rank=2, num_steps=2, guidance_scale=1.0)
     assert policy.is_sdxl == (kind == "sdxl")
