@@ -161,9 +161,9 @@ class FlowFamily(ImageFamily):
 
 class FlowPolicyBase(DenoiserPolicy):
     """A flow-matching policy: the flow-matching step on the shared denoiser part (``DenoiserPolicy``: module
-    docstring) and one family adapter, ``self.family`` (``FlowFamily``), chosen here once: ``family=``, else the one
-    the transformer is. ``FlowMatchingPolicy`` (SD3) and ``FluxPolicy`` (FLUX.1) are this class with the family
-    given (``family_class``), kept as names.
+    docstring) and one family adapter, ``self.family`` (``FlowFamily``), given once as ``family=``.
+    ``FlowMatchingPolicy`` (SD3) and ``FluxPolicy`` (FLUX.1) are this class with the family given
+    (``family_class``), kept as names.
 
     Args:
         transformer: the family's diffusers transformer (``SD3Transformer2DModel``, ``FluxTransformer2DModel``,
@@ -212,7 +212,7 @@ class FlowPolicyBase(DenoiserPolicy):
     """
 
     denoiser_subfolder = "transformer"
-    #: the adapter a name for this class with its family given holds (None: ``family=`` or the transformer decides)
+    #: the adapter a subclass kept as a family's name gives (None: ``family=`` says)
     family_class: type[FlowFamily] | None = None
 
     def __init__(
@@ -289,8 +289,8 @@ class FlowPolicyBase(DenoiserPolicy):
                              f"build FlowPolicyBase(family={chosen.__name__}) for it")
         if not chosen.describes(transformer):
             raise ValueError(f"{type(self).__name__} with the {chosen.title} family runs a {chosen.transformer_class}, "
-                             f"not {type(transformer).__name__} (build FlowPolicyBase without family= for it: "
-                             f"the transformer chooses)")
+                             f"not {type(transformer).__name__} (unialign.image.families.choose_flow_family finds "
+                             f"the family of a transformer)")
         return chosen
 
     def _check_size(self) -> None:

@@ -203,11 +203,15 @@ class SDXLFamily(UNetFamily):
 
 
 def choose_family(unet, family: type[UNetFamily] | None = None, **parts: Any) -> UNetFamily:
-    """The adapter of ``family``, else of the family the UNet and its parts are: ``SDXLFamily`` when a second text
-    encoder is given or the UNet has SDXL's ``addition_embed_type="text_time"`` (which then needs
-    ``text_encoder_2``), else ``SD1Family``; holding ``parts``."""
-    chosen = family or (SDXLFamily if SDXLFamily.describes(unet, parts) else SD1Family)
+    """The adapter of ``family``, else of the first family (``UNET_FAMILIES``, most specific first) that
+    ``describes`` the UNet and its parts: ``SDXLFamily`` when a second text encoder is given or the UNet has SDXL's
+    ``addition_embed_type="text_time"`` (which then needs ``text_encoder_2``), else ``SD1Family``; holding
+    ``parts``."""
+    chosen = family or next(f for f in UNET_FAMILIES if f.describes(unet, parts))
     return chosen(**parts)
+
+
+UNET_FAMILIES = (SDXLFamily, SD1Family)  # the order choose_family asks them in
 
 
 class DiffusionPolicy(DenoiserPolicy):
