@@ -47,16 +47,7 @@ import time
 
 import torch
 
-from benchmarks import sd_parts
-from benchmarks.common import (
-    error_row,
-    median,
-    peak_rss_bytes,
-    reset_peak_rss,
-    row,
-    rss_bytes,
-    rss_tracks_tensors,
-)
+from benchmarks import common, sd_parts
 
 # the transformer (see the module docstring); TEXT_TOKENS: the zero "T5" block's length (max_sequence_length)
 SIZE = dict(sample_size=32, num_layers=4, num_attention_heads=4, attention_head_dim=32)
@@ -169,12 +160,12 @@ def measure_sampling(batch: int = 4, steps: int = 10, guidance: float = 4.5, noi
         for h in hooks:
             h.remove()
     outside = {k: [a - b for a, b in zip(times[k], model[k])] for k in times}
-    return {"ours_s": median(times["ours"]), "stock_s": median(times["stock"]), "times": times,
+    return {"ours_s": common.median(times["ours"]), "stock_s": common.median(times["stock"]), "times": times,
             "ours_min_s": min(times["ours"]), "stock_min_s": min(times["stock"]),
-            "pair_ratio_median": median([a / b for a, b in zip(times["ours"], times["stock"])]),
-            "cpu_s": cpu, "cpu_ratio": median(cpu["ours"]) / median(cpu["stock"]),
-            "transformer_s": model, "transformer_share": median([b / a for a, b in zip(times["stock"], model["stock"])]),
-            "outside_transformer_s": {k: median(v) for k, v in outside.items()}, "recorded_logp_shape": list(traj.old_logp_B_T.shape),
+            "pair_ratio_median": common.median([a / b for a, b in zip(times["ours"], times["stock"])]),
+            "cpu_s": cpu, "cpu_ratio": common.median(cpu["ours"]) / common.median(cpu["stock"]),
+            "transformer_s": model, "transformer_share": common.median([b / a for a, b in zip(times["stock"], model["stock"])]),
+            "outside_transformer_s": {k: common.median(v) for k, v in outside.items()}, "recorded_logp_shape": list(traj.old_logp_B_T.shape),
             "latents_shape": list(traj.payload["latents"].shape), "images": [len(traj.completions), len(images)],
             "image_size": list(traj.completions[0].size),
             "transformer_params": sum(p.numel() for p in policy.transformer.parameters()),
@@ -198,10 +189,10 @@ def p10a_rows(quick: bool) -> list[dict]:
                  f"{r['outside_transformer_s']['stock'] * 1e3:.1f} ms a call (medians); noise check: min-time ratio "
                  f"{r['ours_min_s'] / r['stock_min_s']:.3f}, median of per-pair ratios {r['pair_ratio_median']:.3f}, "
                  f"process CPU-time ratio (medians) {r['cpu_ratio']:.3f}")
-        return [row("P10a", "SD3 sampling wall time (ours records per-step SDE log-probs)", r["ours_s"], r["stock_s"],
+        return [common.row("P10a", "SD3 sampling wall time (ours records per-step SDE log-probs)", r["ours_s"], r["stock_s"],
                     "s", "lower", 1.03, notes, raw=r)]
     except Exception as e:  # noqa: BLE001
-        return [error_row("P10a", "SD3 sampling wall time", e)]
+        return [common.error_row("P10a", "SD3 sampling wall time", e)]
 
 
 # ----------------------------------------------------------------------------- P10b
@@ -238,15 +229,15 @@ def _timed_step(trainer, memory: bool = False) -> dict:
         finally:
             spent["collect"] = time.perf_counter() - t0
             if memory:
-                spent["collect_peak"] = peak_rss_bytes()
+                spent["collect_peak"] = common.peak_rss_bytes()
 
     trainer.collect = collect
     try:
         gc.collect()
         if memory:
             _malloc_trim()
-            start = rss_bytes()
-            reset_peak_rss()
+            start = common.rss_bytes()
+            common.reset_peak_rss()
         t0 = time.perf_counter()
         stats = trainer.train_step()
         total = time.perf_counter() - t0
@@ -257,7 +248,7 @@ def _timed_step(trainer, memory: bool = False) -> dict:
     out = {"step_s": total, "collect_s": spent["collect"], "update_s": total - spent["collect"],
            "trained_steps": float(stats.get("completion_length", float("nan")))}
     if memory:
-        out.update(mem_bytes=peak_rss_bytes() - start, collect_mem_bytes=spent["collect_peak"] - start)
+        out.update(mem_bytes=common.peak_rss_bytes() - start, collect_mem_bytes=spent["collect_peak"] - start)
     return out
 
 
@@ -284,7 +275,7 @@ def measure_training(steps: int = 10, window: int = 2, prompts: int = 2, per_pro
         for i in range(repeats):
             for name in (("window", "all") if i % 2 == 0 else ("all", "window")):
                 res[name]["times"].append(_timed_step(trainers[name]))
-        rss_tracks_tensors()
+        common.rss_tracks_tensors()
         _malloc_trim()
         for i in range(mem_repeats):
             for name in (("window", "all") if i % 2 == 0 else ("all", "window")):
@@ -293,11 +284,11 @@ def measure_training(steps: int = 10, window: int = 2, prompts: int = 2, per_pro
            "lora_params": sum(p.numel() for p in trainers["all"].policy.trainable_parameters())}
     for name in ("window", "all"):
         t = res[name]["times"]
-        out[name] = {key: median([x[key] for x in t]) for key in ("step_s", "collect_s", "update_s", "trained_steps")}
+        out[name] = {key: common.median([x[key] for x in t]) for key in ("step_s", "collect_s", "update_s", "trained_steps")}
         m = res[name]["mem"]
-        out[name].update(steps=t, warmup=res[name]["warmup"], mem_bytes=median([x["mem_bytes"] for x in m]),
-                         collect_mem_bytes=median([x["collect_mem_bytes"] for x in m]), mem_steps=m)
-    out["pair_ratio_median"] = median([a["step_s"] / b["step_s"] for a, b in zip(res["window"]["times"],
+        out[name].update(steps=t, warmup=res[name]["warmup"], mem_bytes=common.median([x["mem_bytes"] for x in m]),
+                         collect_mem_bytes=common.median([x["collect_mem_bytes"] for x in m]), mem_steps=m)
+    out["pair_ratio_median"] = common.median([a["step_s"] / b["step_s"] for a, b in zip(res["window"]["times"],
                                                                                    res["all"]["times"])])
     return out
 
@@ -326,12 +317,12 @@ def p10b_rows(quick: bool) -> list[dict]:
                      f"step's start, median of {mem_repeats} interleaved steps per side after the timed ones; of it "
                      f"sampling alone {w['collect_mem_bytes'] / mib:.0f} vs {a['collect_mem_bytes'] / mib:.0f} MiB; "
                      f"informative")
-        return [row("P10b-time", "GRPO step time, SDE window 2 vs all steps", w["step_s"], a["step_s"], "s", "lower",
+        return [common.row("P10b-time", "GRPO step time, SDE window 2 vs all steps", w["step_s"], a["step_s"], "s", "lower",
                     None, time_notes, raw=r),
-                row("P10b-mem", "GRPO step working memory, SDE window 2 vs all steps", w["mem_bytes"], a["mem_bytes"],
+                common.row("P10b-mem", "GRPO step working memory, SDE window 2 vs all steps", w["mem_bytes"], a["mem_bytes"],
                     "bytes", "lower", None, mem_notes)]
     except Exception as e:  # noqa: BLE001
-        return [error_row("P10b", "GRPO step, SDE window vs all steps", e)]
+        return [common.error_row("P10b", "GRPO step, SDE window vs all steps", e)]
 
 
 def run(quick: bool = False, rows: str = "ab") -> list[dict]:

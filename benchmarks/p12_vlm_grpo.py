@@ -57,16 +57,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (
-    error_row,
-    median,
-    peak_rss_bytes,
-    reset_peak_rss,
-    row,
-    rss_bytes,
-    rss_tracks_tensors,
-    run_child,
-)
+from benchmarks import common
 from benchmarks.p2_grpo import _interleave_callback, ours_step
 
 LR = 1e-3  # scripts/grpo_vision.py's default
@@ -244,10 +235,10 @@ def throughput(kind: str, P: int, G: int, L: int, steps: int, evaluate: bool = F
             res["acc_trl"] = held_out_accuracy(trainer.model, processor, test)
             res["eval_rows"] = len(test)
     res.update(trl_times=trl_times, trl_tokens=trl_tokens, ours_times=ours_times, ours_tokens=ours_tokens)
-    res["ours_tok_s"] = median(_tok_s(ours_times, ours_tokens))
-    res["trl_tok_s"] = median(_tok_s(trl_times, trl_tokens))
-    res["ours_step_s"] = median(ours_times[1:])
-    res["trl_step_s"] = median(trl_times[1:])
+    res["ours_tok_s"] = common.median(_tok_s(ours_times, ours_tokens))
+    res["trl_tok_s"] = common.median(_tok_s(trl_times, trl_tokens))
+    res["ours_step_s"] = common.median(ours_times[1:])
+    res["trl_step_s"] = common.median(trl_times[1:])
     return res
 
 
@@ -259,14 +250,14 @@ def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed:
     torch.manual_seed(seed)
     _imports()
     rows = train_rows(kind)
-    rss_tracks_tensors()
+    common.rss_tracks_tensors()
     gc.collect()
-    rss0 = rss_bytes()
-    reset_peak_rss()
+    rss0 = common.rss_bytes()
+    common.reset_peak_rss()
     base, processor = build_model(kind, seed)
     with tempfile.TemporaryDirectory() as d:
         {"ours": train_ours, "trl": train_trl}[impl](base, processor, rows, P, G, L, steps, d, seed, reward_fn(kind))
-    peak = peak_rss_bytes()
+    peak = common.peak_rss_bytes()
     return {"impl": impl, "peak_rss_bytes": peak, "rss_after_imports": rss0, "peak_delta_bytes": peak - rss0}
 
 
@@ -310,16 +301,16 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
             trl_tps = [x for r in runs for x in _tok_s(r["trl_times"], r["trl_tokens"])]
             per_seed = [r["ours_tok_s"] / r["trl_tok_s"] for r in runs]
             notes = common + ("; per-seed ratios " + ", ".join(f"{x:.3f}" for x in per_seed) if len(runs) > 1 else "")
-            rows.append(row(f"{tag}-tput", "VLM GRPO completion tokens/s (sample+score+update)", median(ours_tps),
-                            median(trl_tps), "tok/s", "higher", 1.3, notes,
-                            ours_step_s=median([t for r in runs for t in r["ours_times"][1:]]),
-                            baseline_step_s=median([t for r in runs for t in r["trl_times"][1:]]),
+            rows.append(common.row(f"{tag}-tput", "VLM GRPO completion tokens/s (sample+score+update)", common.median(ours_tps),
+                            common.median(trl_tps), "tok/s", "higher", 1.3, notes,
+                            ours_step_s=common.median([t for r in runs for t in r["ours_times"][1:]]),
+                            baseline_step_s=common.median([t for r in runs for t in r["trl_times"][1:]]),
                             per_seed_ratios=per_seed, raw=runs))
             if kind == "embedded":
                 ours_acc = sum(r["acc_ours"] for r in runs) / len(runs)
                 trl_acc = sum(r["acc_trl"] for r in runs) / len(runs)
                 pairs = ", ".join(f"seed {r['seed']}: {r['acc_ours']:.3f} vs {r['acc_trl']:.3f}" for r in runs)
-                acc = row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({runs[0]['eval_rows']} rows"
+                acc = common.row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({runs[0]['eval_rows']} rows"
                           + (f", mean of {len(runs)} seeds)" if len(runs) > 1 else ")"), ours_acc, trl_acc, "frac",
                           "higher", None,
                           f"before training: {runs[0]['acc_before']:.3f}; {pairs}; target |ours - TRL| <= "
@@ -330,15 +321,15 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
                 acc["met"] = abs(ours_acc - trl_acc) <= ACC_TOLERANCE
                 rows.append(acc)
         except Exception as e:  # noqa: BLE001
-            rows.append(error_row(f"{tag}-tput", "VLM GRPO completion tokens/s", e))
+            rows.append(common.error_row(f"{tag}-tput", "VLM GRPO completion tokens/s", e))
         mem_steps = 1 if quick else 3
-        m = {impl: run_child("p12_vlm_grpo", "memory_child",
+        m = {impl: common.run_child("p12_vlm_grpo", "memory_child",
                              dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps)) for impl in ("ours", "trl")}
         if any("error" in v for v in m.values()):
-            rows.append(error_row(f"{tag}-mem", "VLM GRPO peak RSS",
+            rows.append(common.error_row(f"{tag}-mem", "VLM GRPO peak RSS",
                                   "; ".join(v.get("error", "") for v in m.values())))
         else:
-            rows.append(row(f"{tag}-mem", "VLM GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
+            rows.append(common.row(f"{tag}-mem", "VLM GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
                             m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
                             f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM "
                             "minus RSS after importing both libraries and reading the rows; informative (no target)",

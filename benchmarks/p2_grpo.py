@@ -39,16 +39,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (
-    error_row,
-    median,
-    peak_rss_bytes,
-    reset_peak_rss,
-    row,
-    rss_bytes,
-    rss_tracks_tensors,
-    run_child,
-)
+from benchmarks import common
 
 LR = 3e-4  # the embedded default's GRPO lr (scripts/grpo_math.py)
 RANDOM_DIMS = dict(hidden=128, layers=4, heads=4, intermediate=512)  # the arith_lm architecture
@@ -217,10 +208,10 @@ def throughput(kind: str, P: int, G: int, L: int, steps: int, eval_rows: int = 0
             res["eval_rows"] = len(test)
     res.update(trl_times=trl_times, trl_tokens=trl_tokens, ours_times=ours_times, ours_tokens=ours_tokens)
     tps = lambda ts, ns: [n / t for t, n in zip(ts[1:], ns[1:]) if t > 0]  # noqa: E731  (drop warm-up)
-    res["ours_tok_s"] = median(tps(ours_times, ours_tokens))
-    res["trl_tok_s"] = median(tps(trl_times, trl_tokens))
-    res["ours_step_s"] = median(ours_times[1:])
-    res["trl_step_s"] = median(trl_times[1:])
+    res["ours_tok_s"] = common.median(tps(ours_times, ours_tokens))
+    res["trl_tok_s"] = common.median(tps(trl_times, trl_tokens))
+    res["ours_step_s"] = common.median(ours_times[1:])
+    res["trl_step_s"] = common.median(trl_times[1:])
     return res
 
 
@@ -229,14 +220,14 @@ def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed:
     torch.manual_seed(seed)
     _imports()
     rows = train_rows()
-    rss_tracks_tensors()
+    common.rss_tracks_tensors()
     gc.collect()
-    rss0 = rss_bytes()
-    reset_peak_rss()
+    rss0 = common.rss_bytes()
+    common.reset_peak_rss()
     base, tok = build_model(kind, seed)
     with tempfile.TemporaryDirectory() as d:
         {"ours": train_ours, "trl": train_trl}[impl](base, tok, rows, P, G, L, steps, d, seed)
-    peak = peak_rss_bytes()
+    peak = common.peak_rss_bytes()
     return {"impl": impl, "peak_rss_bytes": peak, "rss_after_imports": rss0, "peak_delta_bytes": peak - rss0}
 
 
@@ -270,24 +261,24 @@ def run(quick: bool = False) -> list[dict]:
                   f"lr {LR}, {st} steps (median of steps 2..{st}; interleaved in one process); CPU fp32")
         try:
             r = throughput(kind, P, G, L, st, eval_rows=eval_rows)
-            rows.append(row(f"{tag}-tput", "GRPO completion tokens/s (sample+score+update)", r["ours_tok_s"],
+            rows.append(common.row(f"{tag}-tput", "GRPO completion tokens/s (sample+score+update)", r["ours_tok_s"],
                             r["trl_tok_s"], "tok/s", "higher", 1.5, common,
                             ours_step_s=r["ours_step_s"], baseline_step_s=r["trl_step_s"], raw=r))
             if eval_rows:
-                rows.append(row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({r['eval_rows']} rows)",
+                rows.append(common.row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({r['eval_rows']} rows)",
                                 r["acc_ours"], r["acc_trl"], "frac", "higher", None,
                                 f"before training: {r['acc_before']:.3f}; few steps on CPU, so this only checks "
                                 "that both learn comparably (data order differs: TRL shuffles its own way; seed "
                                 "noise is large, see benchmarks/README.md)"))
         except Exception as e:  # noqa: BLE001
-            rows.append(error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
+            rows.append(common.error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
         mem_steps = 1 if quick else 3
-        m = {impl: run_child("p2_grpo", "memory_child", dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps))
+        m = {impl: common.run_child("p2_grpo", "memory_child", dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps))
              for impl in ("ours", "trl")}
         if any("error" in v for v in m.values()):
-            rows.append(error_row(f"{tag}-mem", "GRPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
+            rows.append(common.error_row(f"{tag}-mem", "GRPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
         else:
-            rows.append(row(f"{tag}-mem", "GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
+            rows.append(common.row(f"{tag}-mem", "GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
                             m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
                             f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus "
                             "RSS after importing both libraries; informative (no target)",

@@ -29,16 +29,7 @@ import time
 
 import torch
 
-from benchmarks.common import (
-    error_row,
-    median,
-    peak_rss_bytes,
-    reset_peak_rss,
-    row,
-    rss_bytes,
-    rss_tracks_tensors,
-    run_child,
-)
+from benchmarks import common
 from benchmarks.p2_grpo import RANDOM_DIMS, build_model
 
 LR = 1e-5
@@ -145,7 +136,7 @@ def step_times(B: int, steps: int, seed: int = 0) -> dict:
         tr.add_callback(Interleave())
         tr.train()
     return {"ours_times": ours_t, "trl_times": trl_t, "ours_losses": ours_loss, "trl_losses": trl_loss,
-            "ours_step_s": median(ours_t[1:]), "trl_step_s": median(trl_t[1:])}
+            "ours_step_s": common.median(ours_t[1:]), "trl_step_s": common.median(trl_t[1:])}
 
 
 def memory_child(impl: str, B: int, steps: int, seed: int = 0) -> dict:
@@ -158,14 +149,14 @@ def memory_child(impl: str, B: int, steps: int, seed: int = 0) -> dict:
 
     torch.manual_seed(seed)
     rows = pairs()
-    rss_tracks_tensors()
+    common.rss_tracks_tensors()
     gc.collect()
-    rss0 = rss_bytes()
-    reset_peak_rss()
+    rss0 = common.rss_bytes()
+    common.reset_peak_rss()
     base, tok = build_model("random", seed)
     with tempfile.TemporaryDirectory() as d:
         {"ours": train_ours, "trl": train_trl}[impl](base, tok, rows, B, steps, d, seed)
-    peak = peak_rss_bytes()
+    peak = common.peak_rss_bytes()
     return {"impl": impl, "peak_rss_bytes": peak, "peak_delta_bytes": peak - rss0}
 
 
@@ -177,23 +168,23 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     try:
         r = step_times(B, steps)
-        rows.append(row("P3-time", "DPO optimizer-step time", r["ours_step_s"], r["trl_step_s"], "s", "lower", None,
+        rows.append(common.row("P3-time", "DPO optimizer-step time", r["ours_step_s"], r["trl_step_s"], "s", "lower", None,
                         f"{desc}; median of steps 2..{steps}, interleaved in one process; informative (no target)",
                         raw=r))
         lo, lt = (r["ours_losses"] or [None])[0], (r["trl_losses"] or [None])[0]
         diff = abs(lo - lt) if lo is not None and lt is not None else None
-        rows.append(row("P3-loss0", "first-step DPO loss (ln 2 = 0.693147 expected)", lo, lt, "nats", "lower", None,
+        rows.append(common.row("P3-loss0", "first-step DPO loss (ln 2 = 0.693147 expected)", lo, lt, "nats", "lower", None,
                         f"|ours - TRL| = {diff:.3g}; |ours - ln2| = {abs(lo - math.log(2)):.3g}; "
                         f"|TRL - ln2| = {abs(lt - math.log(2)):.3g}" if diff is not None else "loss missing",
                         abs_diff=diff, ln2=math.log(2)))
     except Exception as e:  # noqa: BLE001
-        rows.append(error_row("P3-time", "DPO optimizer-step time", e))
+        rows.append(common.error_row("P3-time", "DPO optimizer-step time", e))
     mem_steps = 1 if quick else 3
-    m = {impl: run_child("p3_dpo", "memory_child", dict(impl=impl, B=B, steps=mem_steps)) for impl in ("ours", "trl")}
+    m = {impl: common.run_child("p3_dpo", "memory_child", dict(impl=impl, B=B, steps=mem_steps)) for impl in ("ours", "trl")}
     if any("error" in v for v in m.values()):
-        rows.append(error_row("P3-mem", "DPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
+        rows.append(common.error_row("P3-mem", "DPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
     else:
-        rows.append(row("P3-mem", "DPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
+        rows.append(common.row("P3-mem", "DPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
                         m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
                         f"each trainer alone in a fresh process, {mem_steps} steps; informative (no target)",
                         ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))

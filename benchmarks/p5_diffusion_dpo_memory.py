@@ -21,16 +21,7 @@ import sys
 
 import torch
 
-from benchmarks import sd_parts
-from benchmarks.common import (
-    error_row,
-    peak_rss_bytes,
-    reset_peak_rss,
-    row,
-    rss_bytes,
-    rss_tracks_tensors,
-    run_child,
-)
+from benchmarks import common, sd_parts
 
 BETA = 5000.0
 
@@ -80,7 +71,7 @@ def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pair
 
     cuda = device.startswith("cuda")
     if not cuda:
-        rss_tracks_tensors()
+        common.rss_tracks_tensors()
     torch.manual_seed(seed)
     te, vae, tok = sd_parts.text_encoder(cross_attention_dim).to(device), sd_parts.vae().to(device), sd_parts.tokenizer()
     from diffusers import DDIMScheduler
@@ -98,8 +89,8 @@ def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pair
         torch.cuda.reset_peak_memory_stats()
         base0 = torch.cuda.memory_allocated()
     else:
-        base0 = rss_bytes()
-        reset_peak_rss()
+        base0 = common.rss_bytes()
+        common.reset_peak_rss()
     torch.manual_seed(seed + 1)
     unet = sd_parts.unet(block_out_channels, sample_size, cross_attention_dim).to(device)
 
@@ -127,7 +118,7 @@ def dpo_child(impl: str, block_out_channels=(64, 128, 256), sample_size=16, pair
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base0
     else:
-        peak = peak_rss_bytes() - base0
+        peak = common.peak_rss_bytes() - base0
     return {"impl": impl, "peak_bytes": peak, "losses": losses,
             "unet_bytes": sum(p.numel() * p.element_size() for n, p in unet.named_parameters() if "lora" not in n),
             "lora_params": sum(p.numel() for p in params), "method": "cuda.max_memory_allocated" if cuda else "VmHWM-RSS0"}
@@ -142,10 +133,10 @@ def run(quick: bool = False) -> list[dict]:
     res = {"ours": [], "copy": []}
     for _ in range(repeats):
         for impl in ("ours", "copy"):
-            res[impl].append(run_child("p5_diffusion_dpo_memory", "dpo_child", dict(impl=impl, **kw)))
+            res[impl].append(common.run_child("p5_diffusion_dpo_memory", "dpo_child", dict(impl=impl, **kw)))
     errs = [r["error"] for v in res.values() for r in v if "error" in r]
     if errs:
-        return [error_row("P5", "Diffusion-DPO peak memory", "; ".join(errs))]
+        return [common.error_row("P5", "Diffusion-DPO peak memory", "; ".join(errs))]
     ours = min(r["peak_bytes"] for r in res["ours"])  # min over fresh processes: least background heap noise
     base = min(r["peak_bytes"] for r in res["copy"])
     o, b = res["ours"][0], res["copy"][0]
@@ -154,9 +145,9 @@ def run(quick: bool = False) -> list[dict]:
              "checkpointing on both (DiffusionDPO's SDXL setting); peak RSS minus "
              f"RSS before building the UNet, min of {repeats} fresh processes each; CPU")
     l0o, l0b = o["losses"][0], b["losses"][0]
-    return [row("P5", "Diffusion-DPO peak memory (adapter-off ref vs frozen copy)", ours, base, "bytes", "lower", 0.6,
+    return [common.row("P5", "Diffusion-DPO peak memory (adapter-off ref vs frozen copy)", ours, base, "bytes", "lower", 0.6,
                 notes, raw=res),
-            row("P5-loss0", "Diffusion-DPO loss at init (ln 2 expected)", l0o, l0b, "nats", "lower", None,
+            common.row("P5-loss0", "Diffusion-DPO loss at init (ln 2 expected)", l0o, l0b, "nats", "lower", None,
                 f"|ours - copy| = {abs(l0o - l0b):.3g}; |ours - ln2| = {abs(l0o - math.log(2)):.3g}",
                 abs_diff=abs(l0o - l0b))]
 

@@ -40,17 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (
-    RESULT_MARK,
-    ROOT,
-    child_command,
-    error_row,
-    peak_rss_bytes,
-    reset_peak_rss,
-    row,
-    rss_bytes,
-    rss_tracks_tensors,
-)
+from benchmarks import common
 
 CACHE = Path(os.environ.get("UNIALIGN_BENCH_CACHE", Path.home() / ".cache" / "unialign-bench"))
 TRL_ENV = CACHE / "trl023"
@@ -133,7 +123,7 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
     rewards. ``uncond_grad`` False (ours only): CFG's unconditional branch under no_grad in training
     (``cfg_uncond_grad``, Flow-GRPO's layout). ``settings``: overrides of ``SETTINGS`` (the quick mode's smaller
     epoch). Both sides share this frame: the same imports before the base RSS, the same timers, the same result."""
-    rss_tracks_tensors()
+    common.rss_tracks_tensors()
     import torch
 
     if which == "ours":
@@ -150,8 +140,8 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    base = rss_bytes()
-    reset_peak_rss()
+    base = common.rss_bytes()
+    common.reset_peak_rss()
     s, times = {**SETTINGS, **(settings or {})}, {"epoch": [], "sample": [], "train": []}
     tmp = tempfile.mkdtemp(prefix="p9_")
     rewards: list = []
@@ -159,7 +149,7 @@ def side(which: str, folder: str, lora: bool, epochs: int, threads: int, seed: i
         loaded = side_ours(folder, lora, epochs, threads, seed, chunk, uncond_grad, s, times, rewards, tmp, base)
     else:
         loaded = side_trl(folder, lora, epochs, seed, s, times, rewards, tmp, base)
-    peak = peak_rss_bytes() - base
+    peak = common.peak_rss_bytes() - base
     timed_ = {k: statistics.median(v[1:]) for k, v in times.items()}
     return {"which": which, "lora": lora, "epoch_s": timed_["epoch"], "sample_s": timed_["sample"],
             "train_s": timed_["train"], "peak_bytes": peak, "loaded_bytes": loaded, "times": times, "rewards": rewards,
@@ -196,7 +186,7 @@ def side_ours(folder: str, lora: bool, epochs: int, threads: int, seed: int, chu
                        num_threads=threads)
     trainer = OnlineTrainer(policy, CombinedReward([get_reward("jpeg_compressibility")]),
                             [{"prompt": p} for p in PROMPTS], cfg)
-    loaded = rss_bytes() - base
+    loaded = common.rss_bytes() - base
     policy.sample = _timed(times, "sample", policy.sample)
     trainer.update = _timed(times, "train", trainer.update)
     for _ in range(epochs + 1):
@@ -237,7 +227,7 @@ def side_trl(folder: str, lora: bool, epochs: int, seed: int, s: dict, times: di
                      mixed_precision="no", save_freq=10**6, log_with=None, seed=seed,
                      project_kwargs={"project_dir": tmp, "logging_dir": tmp})
     trainer = DDPOTrainer(cfg, reward_fn, prompt_fn, pipe)
-    loaded = rss_bytes() - base
+    loaded = common.rss_bytes() - base
     trainer._generate_samples = _timed(times, "sample", trainer._generate_samples)
     trainer._train_batched_samples = _timed(times, "train", trainer._train_batched_samples)
     orig_rewards = trainer.compute_rewards
@@ -261,7 +251,7 @@ def _start(python: Path, kwargs: dict, cpu: int | None = None) -> subprocess.Pop
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
                PYTHONWARNINGS="ignore")
     env.pop("PYTHONPATH", None)  # TRL's environment sees only itself and the checkout (its cwd)
-    return subprocess.Popen(child_command(python, "p9_ddpo", "side", kwargs, cpu), cwd=str(ROOT), env=env,
+    return subprocess.Popen(common.child_command(python, "p9_ddpo", "side", kwargs, cpu), cwd=str(common.ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -272,8 +262,8 @@ def _result(p: subprocess.Popen, which: str, timeout: float = 600) -> dict:
         p.kill()
         out, err = p.communicate()
     for line in out.splitlines()[::-1]:
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
+        if line.startswith(common.RESULT_MARK):
+            return json.loads(line[len(common.RESULT_MARK):])
     raise RuntimeError(f"{which} side exited {p.returncode}: {(err or out)[-2000:]}")
 
 
@@ -325,7 +315,7 @@ def run(quick: bool = False) -> list[dict]:
     try:
         folder = str(build_pipeline(Path(tempfile.mkdtemp(prefix="p9_pipe_")) / "pipe"))
     except Exception as e:  # noqa: BLE001
-        return [error_row("P9", "DDPO vs TRL DDPOTrainer", e)]
+        return [common.error_row("P9", "DDPO vs TRL DDPOTrainer", e)]
     for lora in (False, True):
         tag = "lora" if lora else "full"
         try:
@@ -344,24 +334,24 @@ def run(quick: bool = False) -> list[dict]:
                      f"{', '.join(f'{x:.3f}' for x in r['pair_ratios'])}")
             # target: parity at DDPO's exact gradient (restated from 0.8: both sides run the same UNet kernels on
             # the same rows, 0.97x measured; the 0.8 lever drops a term of the gradient, see benchmarks/README.md)
-            rows += [row(f"P9-{tag}-time", f"DDPO time per epoch ({tag})", o["epoch_s"], t["epoch_s"], "s", "lower", 1.0,
+            rows += [common.row(f"P9-{tag}-time", f"DDPO time per epoch ({tag})", o["epoch_s"], t["epoch_s"], "s", "lower", 1.0,
                          note + split, raw=r),
-                     row(f"P9-{tag}-sample", f"DDPO sampling time per epoch ({tag})", o["sample_s"], t["sample_s"], "s",
+                     common.row(f"P9-{tag}-sample", f"DDPO sampling time per epoch ({tag})", o["sample_s"], t["sample_s"], "s",
                          "lower", None, note),
-                     row(f"P9-{tag}-train", f"DDPO training time per epoch ({tag})", o["train_s"], t["train_s"], "s",
+                     common.row(f"P9-{tag}-train", f"DDPO training time per epoch ({tag})", o["train_s"], t["train_s"], "s",
                          "lower", None, note),
-                     row(f"P9-{tag}-mem", f"DDPO peak RSS over imports ({tag})", o["peak_bytes"], t["peak_bytes"],
+                     common.row(f"P9-{tag}-mem", f"DDPO peak RSS over imports ({tag})", o["peak_bytes"], t["peak_bytes"],
                          "bytes", "lower", 1.0, note)]
             d, td = r["median"]["ours_detached"], r["median"]["trl_beside_detached"]
             detached = (note + "; ours with --cfg_uncond_grad false: CFG's unconditional branch under no_grad in "
                         "training (Flow-GRPO's layout; NOT DDPO's gradient, which also flows through it); this row: one pair, "
                         "ours so beside TRL")
-            rows += [row(f"P9-{tag}-detached-time", f"DDPO time per epoch, uncond no_grad ({tag})", d["epoch_s"],
+            rows += [common.row(f"P9-{tag}-detached-time", f"DDPO time per epoch, uncond no_grad ({tag})", d["epoch_s"],
                          td["epoch_s"], "s", "lower", None, detached + f"; training {d['train_s']:.2f} s"),
-                     row(f"P9-{tag}-detached-mem", f"DDPO peak RSS, uncond no_grad ({tag})", d["peak_bytes"],
+                     common.row(f"P9-{tag}-detached-mem", f"DDPO peak RSS, uncond no_grad ({tag})", d["peak_bytes"],
                          td["peak_bytes"], "bytes", "lower", None, detached)]
         except Exception as e:  # noqa: BLE001
-            rows.append(error_row(f"P9-{tag}", f"DDPO vs TRL DDPOTrainer ({tag})", e))
+            rows.append(common.error_row(f"P9-{tag}", f"DDPO vs TRL DDPOTrainer ({tag})", e))
     return rows
 
 
