@@ -190,7 +190,7 @@ def p10a_rows(quick: bool) -> list[dict]:
                  f"{r['ours_min_s'] / r['stock_min_s']:.3f}, median of per-pair ratios {r['pair_ratio_median']:.3f}, "
                  f"process CPU-time ratio (medians) {r['cpu_ratio']:.3f}")
         return [common.row("P10a", "SD3 sampling wall time (ours records per-step SDE log-probs)", r["ours_s"], r["stock_s"],
-                    "s", "lower", 1.03, notes, raw=r)]
+                           "s", "lower", 1.03, notes, raw=r)]
     except Exception as e:  # noqa: BLE001
         return [common.error_row("P10a", "SD3 sampling wall time", e)]
 
@@ -318,9 +318,9 @@ def p10b_rows(quick: bool) -> list[dict]:
                      f"sampling alone {w['collect_mem_bytes'] / mib:.0f} vs {a['collect_mem_bytes'] / mib:.0f} MiB; "
                      f"informative")
         return [common.row("P10b-time", "GRPO step time, SDE window 2 vs all steps", w["step_s"], a["step_s"], "s", "lower",
-                    None, time_notes, raw=r),
+                           None, time_notes, raw=r),
                 common.row("P10b-mem", "GRPO step working memory, SDE window 2 vs all steps", w["mem_bytes"], a["mem_bytes"],
-                    "bytes", "lower", None, mem_notes)]
+                           "bytes", "lower", None, mem_notes)]
     except Exception as e:  # noqa: BLE001
         return [common.error_row("P10b", "GRPO step, SDE window vs all steps", e)]
 

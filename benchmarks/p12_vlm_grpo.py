@@ -302,16 +302,16 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
             per_seed = [r["ours_tok_s"] / r["trl_tok_s"] for r in runs]
             notes = common + ("; per-seed ratios " + ", ".join(f"{x:.3f}" for x in per_seed) if len(runs) > 1 else "")
             rows.append(common.row(f"{tag}-tput", "VLM GRPO completion tokens/s (sample+score+update)", common.median(ours_tps),
-                            common.median(trl_tps), "tok/s", "higher", 1.3, notes,
-                            ours_step_s=common.median([t for r in runs for t in r["ours_times"][1:]]),
-                            baseline_step_s=common.median([t for r in runs for t in r["trl_times"][1:]]),
-                            per_seed_ratios=per_seed, raw=runs))
+                                   common.median(trl_tps), "tok/s", "higher", 1.3, notes,
+                                   ours_step_s=common.median([t for r in runs for t in r["ours_times"][1:]]),
+                                   baseline_step_s=common.median([t for r in runs for t in r["trl_times"][1:]]),
+                                   per_seed_ratios=per_seed, raw=runs))
             if kind == "embedded":
                 ours_acc = sum(r["acc_ours"] for r in runs) / len(runs)
                 trl_acc = sum(r["acc_trl"] for r in runs) / len(runs)
                 pairs = ", ".join(f"seed {r['seed']}: {r['acc_ours']:.3f} vs {r['acc_trl']:.3f}" for r in runs)
                 acc = common.row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({runs[0]['eval_rows']} rows"
-                          + (f", mean of {len(runs)} seeds)" if len(runs) > 1 else ")"), ours_acc, trl_acc, "frac",
+                                 + (f", mean of {len(runs)} seeds)" if len(runs) > 1 else ")"), ours_acc, trl_acc, "frac",
                           "higher", None,
                           f"before training: {runs[0]['acc_before']:.3f}; {pairs}; target |ours - TRL| <= "
                           f"{ACC_TOLERANCE} (the mean's difference; 'met' says so); test split, vlm.accuracy_reward, "
@@ -324,16 +324,16 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
             rows.append(common.error_row(f"{tag}-tput", "VLM GRPO completion tokens/s", e))
         mem_steps = 1 if quick else 3
         m = {impl: common.run_child("p12_vlm_grpo", "memory_child",
-                             dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps)) for impl in ("ours", "trl")}
+                                    dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps)) for impl in ("ours", "trl")}
         if any("error" in v for v in m.values()):
             rows.append(common.error_row(f"{tag}-mem", "VLM GRPO peak RSS",
-                                  "; ".join(v.get("error", "") for v in m.values())))
+                                         "; ".join(v.get("error", "") for v in m.values())))
         else:
             rows.append(common.row(f"{tag}-mem", "VLM GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
-                            m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
-                            f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM "
-                            "minus RSS after importing both libraries and reading the rows; informative (no target)",
-                            ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+                                   m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
+                                   f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM "
+                                   "minus RSS after importing both libraries and reading the rows; informative (no target)",
+                                   ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
     return rows
 
 

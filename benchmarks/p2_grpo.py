@@ -262,14 +262,14 @@ def run(quick: bool = False) -> list[dict]:
         try:
             r = throughput(kind, P, G, L, st, eval_rows=eval_rows)
             rows.append(common.row(f"{tag}-tput", "GRPO completion tokens/s (sample+score+update)", r["ours_tok_s"],
-                            r["trl_tok_s"], "tok/s", "higher", 1.5, common,
-                            ours_step_s=r["ours_step_s"], baseline_step_s=r["trl_step_s"], raw=r))
+                                   r["trl_tok_s"], "tok/s", "higher", 1.5, common,
+                                   ours_step_s=r["ours_step_s"], baseline_step_s=r["trl_step_s"], raw=r))
             if eval_rows:
                 rows.append(common.row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({r['eval_rows']} rows)",
-                                r["acc_ours"], r["acc_trl"], "frac", "higher", None,
-                                f"before training: {r['acc_before']:.3f}; few steps on CPU, so this only checks "
-                                "that both learn comparably (data order differs: TRL shuffles its own way; seed "
-                                "noise is large, see benchmarks/README.md)"))
+                                       r["acc_ours"], r["acc_trl"], "frac", "higher", None,
+                                       f"before training: {r['acc_before']:.3f}; few steps on CPU, so this only checks "
+                                       "that both learn comparably (data order differs: TRL shuffles its own way; seed "
+                                       "noise is large, see benchmarks/README.md)"))
         except Exception as e:  # noqa: BLE001
             rows.append(common.error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
         mem_steps = 1 if quick else 3
@@ -279,10 +279,10 @@ def run(quick: bool = False) -> list[dict]:
             rows.append(common.error_row(f"{tag}-mem", "GRPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
         else:
             rows.append(common.row(f"{tag}-mem", "GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
-                            m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
-                            f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus "
-                            "RSS after importing both libraries; informative (no target)",
-                            ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+                                   m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
+                                   f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus "
+                                   "RSS after importing both libraries; informative (no target)",
+                                   ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
     return rows
 
 

@@ -169,14 +169,14 @@ def run(quick: bool = False) -> list[dict]:
     try:
         r = step_times(B, steps)
         rows.append(common.row("P3-time", "DPO optimizer-step time", r["ours_step_s"], r["trl_step_s"], "s", "lower", None,
-                        f"{desc}; median of steps 2..{steps}, interleaved in one process; informative (no target)",
-                        raw=r))
+                               f"{desc}; median of steps 2..{steps}, interleaved in one process; informative (no target)",
+                               raw=r))
         lo, lt = (r["ours_losses"] or [None])[0], (r["trl_losses"] or [None])[0]
         diff = abs(lo - lt) if lo is not None and lt is not None else None
         rows.append(common.row("P3-loss0", "first-step DPO loss (ln 2 = 0.693147 expected)", lo, lt, "nats", "lower", None,
-                        f"|ours - TRL| = {diff:.3g}; |ours - ln2| = {abs(lo - math.log(2)):.3g}; "
-                        f"|TRL - ln2| = {abs(lt - math.log(2)):.3g}" if diff is not None else "loss missing",
-                        abs_diff=diff, ln2=math.log(2)))
+                               f"|ours - TRL| = {diff:.3g}; |ours - ln2| = {abs(lo - math.log(2)):.3g}; "
+                               f"|TRL - ln2| = {abs(lt - math.log(2)):.3g}" if diff is not None else "loss missing",
+                               abs_diff=diff, ln2=math.log(2)))
     except Exception as e:  # noqa: BLE001
         rows.append(common.error_row("P3-time", "DPO optimizer-step time", e))
     mem_steps = 1 if quick else 3
@@ -185,9 +185,9 @@ def run(quick: bool = False) -> list[dict]:
         rows.append(common.error_row("P3-mem", "DPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
     else:
         rows.append(common.row("P3-mem", "DPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
-                        m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
-                        f"each trainer alone in a fresh process, {mem_steps} steps; informative (no target)",
-                        ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+                               m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
+                               f"each trainer alone in a fresh process, {mem_steps} steps; informative (no target)",
+                               ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
     return rows
 
 

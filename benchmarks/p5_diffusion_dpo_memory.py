@@ -146,10 +146,10 @@ def run(quick: bool = False) -> list[dict]:
              f"RSS before building the UNet, min of {repeats} fresh processes each; CPU")
     l0o, l0b = o["losses"][0], b["losses"][0]
     return [common.row("P5", "Diffusion-DPO peak memory (adapter-off ref vs frozen copy)", ours, base, "bytes", "lower", 0.6,
-                notes, raw=res),
+                       notes, raw=res),
             common.row("P5-loss0", "Diffusion-DPO loss at init (ln 2 expected)", l0o, l0b, "nats", "lower", None,
-                f"|ours - copy| = {abs(l0o - l0b):.3g}; |ours - ln2| = {abs(l0o - math.log(2)):.3g}",
-                abs_diff=abs(l0o - l0b))]
+                       f"|ours - copy| = {abs(l0o - l0b):.3g}; |ours - ln2| = {abs(l0o - math.log(2)):.3g}",
+                       abs_diff=abs(l0o - l0b))]
 
 
 if __name__ == "__main__":

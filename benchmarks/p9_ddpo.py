@@ -335,21 +335,21 @@ def run(quick: bool = False) -> list[dict]:
             # target: parity at DDPO's exact gradient (restated from 0.8: both sides run the same UNet kernels on
             # the same rows, 0.97x measured; the 0.8 lever drops a term of the gradient, see benchmarks/README.md)
             rows += [common.row(f"P9-{tag}-time", f"DDPO time per epoch ({tag})", o["epoch_s"], t["epoch_s"], "s", "lower", 1.0,
-                         note + split, raw=r),
+                                note + split, raw=r),
                      common.row(f"P9-{tag}-sample", f"DDPO sampling time per epoch ({tag})", o["sample_s"], t["sample_s"], "s",
-                         "lower", None, note),
+                                "lower", None, note),
                      common.row(f"P9-{tag}-train", f"DDPO training time per epoch ({tag})", o["train_s"], t["train_s"], "s",
-                         "lower", None, note),
+                                "lower", None, note),
                      common.row(f"P9-{tag}-mem", f"DDPO peak RSS over imports ({tag})", o["peak_bytes"], t["peak_bytes"],
-                         "bytes", "lower", 1.0, note)]
+                                "bytes", "lower", 1.0, note)]
             d, td = r["median"]["ours_detached"], r["median"]["trl_beside_detached"]
             detached = (note + "; ours with --cfg_uncond_grad false: CFG's unconditional branch under no_grad in "
                         "training (Flow-GRPO's layout; NOT DDPO's gradient, which also flows through it); this row: one pair, "
                         "ours so beside TRL")
             rows += [common.row(f"P9-{tag}-detached-time", f"DDPO time per epoch, uncond no_grad ({tag})", d["epoch_s"],
-                         td["epoch_s"], "s", "lower", None, detached + f"; training {d['train_s']:.2f} s"),
+                                td["epoch_s"], "s", "lower", None, detached + f"; training {d['train_s']:.2f} s"),
                      common.row(f"P9-{tag}-detached-mem", f"DDPO peak RSS, uncond no_grad ({tag})", d["peak_bytes"],
-                         td["peak_bytes"], "bytes", "lower", None, detached)]
+                                td["peak_bytes"], "bytes", "lower", None, detached)]
         except Exception as e:  # noqa: BLE001
             rows.append(common.error_row(f"P9-{tag}", f"DDPO vs TRL DDPOTrainer ({tag})", e))
     return rows
