@@ -21,7 +21,7 @@ from unialign.algos.preference import DPO_LOSS_TYPES
 from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import NAME, model_path, register
 from unialign.recipes import presets
-from unialign.recipes.args import RunArgs, TextModelArgs
+from unialign.recipes.args import EmbeddedPairArgs, RunArgs, TextModelArgs
 from unialign.recipes.text import (
     TextDataArgs,
     defaults_help,
@@ -44,14 +44,8 @@ ALGORITHM_DEFAULTS = pair_defaults({"dpo": 1.0, "simpo": 2.0})
 
 
 @dataclass
-class DPOTextConfig(RunArgs, TextModelArgs, TextDataArgs, VisionTowerArgs, PreferenceConfig):
+class DPOTextConfig(EmbeddedPairArgs, RunArgs, TextModelArgs, TextDataArgs, VisionTowerArgs, PreferenceConfig):
     PRESETS: ClassVar[dict] = PRESETS
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
-                                  group="model")
-    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
-                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
-    max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
-                                            "longer pairs are refused", group="data", min=1)
     algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), or the "
                          "reference-free simpo / orpo (no reference model)", group="algorithm", choices=pair_algorithms)
     beta: float | None = arg(None, "temperature (DPO: strength of the implicit KL to the reference; ORPO: weight of "

@@ -21,13 +21,14 @@ from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
 from unialign.recipes import presets
 from unialign.recipes.args import (
+    EmbeddedTaskArgs,
     GenerationCacheArgs,
     RewardArgs,
     RolloutEngineArgs,
     RunArgs,
     SystemPromptArgs,
     TextModelArgs,
-    TextSamplingArgs,
+    TextRLArgs,
 )
 from unialign.recipes.text import (
     TextDataArgs,
@@ -40,7 +41,6 @@ from unialign.recipes.text import (
     load_prompt_data,
     train_greedy_rl,
 )
-from unialign.registry import algorithms_for
 from unialign.text import CausalLMPolicy
 from unialign.trainers import OnlineConfig
 
@@ -48,14 +48,9 @@ PRESETS = presets.GRPO_MATH
 
 
 @dataclass
-class GRPOMathConfig(RunArgs, RewardArgs, TextSamplingArgs, RolloutEngineArgs, GenerationCacheArgs, SystemPromptArgs,
+class GRPOMathConfig(EmbeddedTaskArgs, RunArgs, RewardArgs, TextRLArgs, RolloutEngineArgs, GenerationCacheArgs, SystemPromptArgs,
                      TextModelArgs, TextDataArgs, OnlineConfig):
     PRESETS: ClassVar[dict] = PRESETS
-    ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length (unialign.trl_compat)
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
-                                  group="model")
-    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
-                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch", group="logging", min=1)
     # 32 leaves DAPO's overlong buffer (the last 20 %) beyond the embedded task's correct answers (docs/text.md)
     max_new_tokens: int = default(32)
@@ -63,7 +58,6 @@ class GRPOMathConfig(RunArgs, RewardArgs, TextSamplingArgs, RolloutEngineArgs, G
                                   "rows have an 'answer' or 'solution' column, else the training reward)",
                                   group="algorithm")
     # the embedded default's training knobs (measured: docs/text.md)
-    algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)", choices=algorithms_for("text"))
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
     learning_rate: float = default(3e-4)
     warmup_steps: int = default(5)

@@ -20,7 +20,7 @@ from typing import ClassVar
 from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
 from unialign.recipes import presets
-from unialign.recipes.args import RewardArgs, RunArgs, SystemPromptArgs, TextModelArgs, TextSamplingArgs
+from unialign.recipes.args import RewardArgs, RunArgs, SystemPromptArgs, TextModelArgs, TextRLArgs
 from unialign.recipes.text import (
     TextDataArgs,
     as_trl_reward,
@@ -32,7 +32,6 @@ from unialign.recipes.text import (
     train_greedy_rl,
 )
 from unialign.recipes.vision import VisionArgs, processor_kwargs, with_images
-from unialign.registry import algorithms_for
 from unialign.trainers import OnlineConfig
 from unialign.vision import VisionLanguagePolicy
 
@@ -40,10 +39,9 @@ PRESETS = presets.GRPO_VISION
 
 
 @dataclass
-class GRPOVisionConfig(RunArgs, RewardArgs, TextSamplingArgs, SystemPromptArgs, TextModelArgs, VisionArgs, TextDataArgs,
+class GRPOVisionConfig(RunArgs, RewardArgs, TextRLArgs, SystemPromptArgs, TextModelArgs, VisionArgs, TextDataArgs,
                        OnlineConfig):
     PRESETS: ClassVar[dict] = PRESETS
-    ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length
     model_name_or_path: str = arg("embedded-vlm", "Hub id, local directory, or 'embedded-vlm' (the shipped tiny "
                                   "Qwen2-VL-architecture model)", group="model")
     dataset_name: str = arg("embedded-vlm", "'embedded-vlm' (questions about shapes-world images), a Hub id, a local "
@@ -54,7 +52,6 @@ class GRPOVisionConfig(RunArgs, RewardArgs, TextSamplingArgs, SystemPromptArgs, 
     reward_funcs: str = default("vlm_accuracy")
     eval_reward: str | None = arg(None, "reward of the held-out greedy evaluation (default: the training reward)",
                                   group="algorithm")
-    algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)", choices=algorithms_for("text"))
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
     learning_rate: float = default(1e-3)
     warmup_steps: int = default(5)

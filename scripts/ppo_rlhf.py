@@ -21,15 +21,15 @@ from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
 from unialign.recipes import presets
 from unialign.recipes.args import (
+    EmbeddedTaskArgs,
     GenerationCacheArgs,
     RunArgs,
     SystemPromptArgs,
     TextModelArgs,
-    TextSamplingArgs,
+    TextRLArgs,
 )
 from unialign.recipes.outputs import finish_run
 from unialign.recipes.text import TextDataArgs, columns_of, fit_prompts, load_prompt_data, reward_model_folder
-from unialign.registry import algorithms_for
 from unialign.rewards import get_reward
 from unialign.text import CausalLMPolicy, evaluate
 from unialign.trainers import OnlineConfig, OnlineTrainer
@@ -38,14 +38,9 @@ PRESETS = presets.PPO_RLHF
 
 
 @dataclass
-class PPOConfig(RunArgs, TextSamplingArgs, GenerationCacheArgs, SystemPromptArgs, TextModelArgs, TextDataArgs,
+class PPOConfig(EmbeddedTaskArgs, RunArgs, TextRLArgs, GenerationCacheArgs, SystemPromptArgs, TextModelArgs, TextDataArgs,
                 OnlineConfig):
     PRESETS: ClassVar[dict] = PRESETS
-    ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length (unialign.trl_compat)
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
-                                  group="model")
-    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
-                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
     reward_model_path: str | None = arg(None, "reward-model checkpoint (unset: the embedded one, trained on first use "
                                         "into <output_dir>/reward_model)", group="model")
     reward_model_steps: int | None = arg(None, "optimizer steps of the embedded reward model when it is trained here "
@@ -54,7 +49,7 @@ class PPOConfig(RunArgs, TextSamplingArgs, GenerationCacheArgs, SystemPromptArgs
     max_new_tokens: int = default(24)
     value_head: str = arg("shared", "critic: 'shared' (head on the policy backbone), 'separate' (own backbone copy) or "
                           "a sequence-classification checkpoint such as the reward model", group="model")
-    algorithm: str = arg("ppo", "algorithm preset (its knobs can be overridden one by one)", choices=algorithms_for("text"))
+    algorithm: str = default("ppo")
     num_generations: int = default(1)
     prompts_per_step: int = default(64)
     micro_batch_size: int = default(64)

@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from unialign.config import DTYPES, arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
 from unialign.recipes import presets
-from unialign.recipes.args import RunArgs
+from unialign.recipes.args import EmbeddedPairArgs, RunArgs
 from unialign.recipes.outputs import finish_run
 from unialign.recipes.text import TextDataArgs, fit_pairs, load_pair_data
 from unialign.text.data import bounded_counts, max_token_bytes
@@ -31,14 +31,8 @@ PRESETS = presets.REWARD_MODEL
 
 
 @dataclass
-class RewardModelConfig(RunArgs, TextDataArgs, PreferenceConfig):
+class RewardModelConfig(EmbeddedPairArgs, RunArgs, TextDataArgs, PreferenceConfig):
     PRESETS: ClassVar[dict] = PRESETS
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
-                                  group="model")
-    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
-                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
-    max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
-                                            "longer pairs are refused", group="data", min=1)
     center_coef: float = arg(0.01, "weight of the reward-centring term (mean reward pulled to 0)",
                              group="algorithm", min=0.0)
     max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring",

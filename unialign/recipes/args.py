@@ -2,6 +2,9 @@
 declares only what is its own (its defaults with ``unialign.config.default``, its own fields with ``arg``).
 
     RunArgs           --preset (the script's ``PRESETS``) and --config (a YAML file)
+    EmbeddedTaskArgs  --model_name_or_path / --dataset_name defaulting to the shipped arithmetic world
+    EmbeddedPairArgs  the same and --max_completion_length, for the pair scripts (DPO, reward model)
+    TextRLArgs        the online text scripts' sampling (``TextSamplingArgs``) and --algorithm (text presets)
     TextModelArgs     the text policy: --model_name_or_path, --lora_rank, --torch_dtype
     SystemPromptArgs  --system_prompt
     GenerationCacheArgs  --generation_cache (transformers generate's KV cache)
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unialign.config import DTYPES, arg
+from unialign.registry import algorithms_for
 from unialign.text.sampling import SamplingKnobs
 
 
@@ -29,6 +33,25 @@ class RunArgs:
 
     preset: str | None = arg(None, "named recipe: {presets} (flags still override it)", group="config")
     config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
+
+
+@dataclass
+class EmbeddedTaskArgs:
+    """A text script's model and data, by default the shipped arithmetic world ('embedded'). Put it first among the
+    bases: it declares again fields of ``TextModelArgs`` / ``TextDataArgs``."""
+
+    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
+                                  group="model")
+    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
+                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
+
+
+@dataclass
+class EmbeddedPairArgs(EmbeddedTaskArgs):
+    """``EmbeddedTaskArgs`` and the longest completion of a preference pair."""
+
+    max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
+                                            "longer pairs are refused", group="data", min=1)
 
 
 @dataclass
@@ -90,6 +113,15 @@ class TextSamplingArgs:
         """The policy's ``sampling`` value."""
         return SamplingKnobs(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                              top_k=self.top_k, min_p=self.min_p)
+
+
+@dataclass
+class TextRLArgs(TextSamplingArgs):
+    """The online text scripts' sampling and algorithm: ``TextSamplingArgs``, TRL's ``--max_completion_length`` for
+    ``--max_new_tokens``, and ``--algorithm`` among the text presets (a script sets its default with ``default``)."""
+
+    ALIASES = {"max_completion_length": "max_new_tokens"}  # TRL's name of the generation length (unialign.trl_compat)
+    algorithm: str = arg("grpo", "algorithm preset (its knobs can be overridden one by one)", choices=algorithms_for("text"))
 
 
 @dataclass
