@@ -30,13 +30,13 @@ from typing import ClassVar
 from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import parts, register
 from unialign.recipes import presets
-from unialign.recipes.image import ImageRLConfig
+from unialign.recipes.image import ImageRLDefaults
 
 PRESETS = presets.DDPO_AESTHETIC
 
 
 @dataclass
-class DDPOAestheticConfig(ImageRLConfig):
+class DDPOAestheticConfig(ImageRLDefaults):
     PRESETS: ClassVar[dict] = PRESETS
     model_name_or_path: str = arg("embedded", "SD1.x / SDXL hub id or local diffusers folder, or 'embedded' (the "
                                   "shipped tiny model)")
@@ -46,24 +46,11 @@ class DDPOAestheticConfig(ImageRLConfig):
                             "clip_score, shape_verifier[_partial], jpeg_compressibility, ...)")
     reward_weights: str | None = default("1,0.3")
     algorithm: str = arg("ddpo", "ddpo | grpo | awm | nft | dapo | dr_grpo | gspo | rloo | reinforce")
-    guidance_scale: float = default(1.0)
-    timestep_fraction: float = default(0.5)
     beta: float | None = arg(0.02, "KL coefficient (0: no reference model)")
-    kl_estimator: str | None = arg("gaussian", "gaussian (the exact closed-form step KL, the image default) | "
-                                   "gaussian_g2 (Flow-GRPO's: the exact KL x |dt|, flow matching) | k1 | k2 | k3")
-    epsilon: float | None = default(1e-2)
-    learning_rate: float = default(1e-4)
-    lr_scheduler_type: str = default("cosine")
-    prompts_per_step: int = default(4)
     num_generations: int = arg(16, "images per prompt (>= the ddpo preset's stat_min_count 16: per-prompt statistics "
                                "from the start)")
-    num_mini_batches: int = default(2)
-    micro_batch_size: int = default(32)
     max_steps: int = default(300)
-    eval_steps: int = default(50)
     output_dir: str = default("outputs/ddpo_aesthetic")
-
-
 
 
 def main(cfg: DDPOAestheticConfig) -> dict:

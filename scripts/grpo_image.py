@@ -31,13 +31,13 @@ from typing import Any, ClassVar
 from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import parts, register
 from unialign.recipes import presets
-from unialign.recipes.image import ImageRLConfig
+from unialign.recipes.image import ImageRLDefaults
 
 PRESETS = presets.GRPO_IMAGE
 
 
 @dataclass
-class GRPOImageConfig(ImageRLConfig):
+class GRPOImageConfig(ImageRLDefaults):
     PRESETS: ClassVar[dict] = PRESETS
     # the embedded default: every choice below was measured on held-out fidelity (docs/images.md, "The embedded
     # defaults, measured"); another --algorithm takes its published knobs but for these (ALGORITHM_DEFAULTS)
@@ -51,25 +51,14 @@ class GRPOImageConfig(ImageRLConfig):
                             "geneval, ocr, aesthetic, clip_score, pickscore, jpeg_compressibility, ...)")
     algorithm: str = arg("grpo", "grpo | flow_grpo | pref_grpo | awm | nft | dapo | dr_grpo | gspo | gspo_token | rloo "
                          "| reinforce")
-    guidance_scale: float = default(1.0)
-    timestep_fraction: float = default(0.5)
     sde_window_size: int = arg(3, "flow matching: only a window of this many consecutive steps per sampling call is "
                                "stochastic and trained, the rest deterministic Euler steps (Flow-GRPO-Fast / MixGRPO); "
                                "0: every step")
     sde_window_range: str | None = arg("0,6", "flow matching: 'lo,hi' -- the window starts uniformly in [lo, hi - "
                                        "size] (unset: 0,num_steps)")
     beta: float | None = arg(0.1, "KL coefficient (0: no reference model)")
-    kl_estimator: str | None = arg("gaussian", "gaussian (the exact closed-form step KL, the image default) | "
-                                   "gaussian_g2 (Flow-GRPO's: the exact KL x |dt|, flow matching) | k1 | k2 | k3")
-    epsilon: float | None = default(1e-2)
-    learning_rate: float = default(1e-4)
-    lr_scheduler_type: str = default("cosine")
-    prompts_per_step: int = default(4)
     num_generations: int = arg(16, "images per prompt (G, the group)")
-    num_mini_batches: int = default(2)
-    micro_batch_size: int = default(32)
     max_steps: int = default(350)
-    eval_steps: int = default(50)
     output_dir: str = default("outputs/grpo_image")
     ALGORITHM_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"awm": {"beta": 0.03},
                                                                "nft": {"nft_beta": 0.1, "beta": 0.03}}

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from unialign.config import DTYPES, arg
+from unialign.config import DTYPES, arg, default
 from unialign.data import ENCODING_ERRORS
 from unialign.image.evaluate import HeldOutImages
 from unialign.image.families import (
@@ -139,6 +139,25 @@ class ImageRLConfig(RunArgs, OnlineConfig):
     eval_steps: int = arg(10, "held-out evaluation every N steps (curves, TensorBoard)")
     num_threads: int = arg(1, "torch CPU threads (tiny models: 1 is fastest; <= 0 leaves torch's choice)")
 
+
+
+@dataclass
+class ImageRLDefaults(ImageRLConfig):
+    """``ImageRLConfig`` with the defaults the online image scripts (grpo_image.py, ddpo_aesthetic.py) share, measured
+    on the embedded world (docs/images.md, "The embedded defaults, measured"); each script sets its own beta,
+    algorithm, rewards and steps."""
+
+    guidance_scale: float = default(1.0)
+    timestep_fraction: float = default(0.5)
+    kl_estimator: str | None = arg("gaussian", "gaussian (the exact closed-form step KL, the image default) | "
+                                   "gaussian_g2 (Flow-GRPO's: the exact KL x |dt|, flow matching) | k1 | k2 | k3")
+    epsilon: float | None = default(1e-2)
+    learning_rate: float = default(1e-4)
+    lr_scheduler_type: str = default("cosine")
+    prompts_per_step: int = default(4)
+    num_mini_batches: int = default(2)
+    micro_batch_size: int = default(32)
+    eval_steps: int = default(50)
 
 def family_of(model_name_or_path: str, family: str = "auto") -> str:
     """The name of the family of ``model_name_or_path`` (``unialign.image.families.resolve``: ``family``, or with
