@@ -290,7 +290,7 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
                       "length reward" if kind == "tiny" else "embedded VLM (unialign/embedded/assets/vlm), accuracy_reward")
         st = 2 if quick else (TINY_STEPS if kind == "tiny" else EMBEDDED_STEPS)
         kind_seeds = seeds if kind == "embedded" else seeds[:1]
-        common = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, grpo/seq-mean-token-mean, "
+        setting = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, grpo/seq-mean-token-mean, "
                   f"lr {LR} constant, {st} steps (median of steps 2..{st}"
                   + (f", pooled over seeds {'/'.join(map(str, kind_seeds))}" if len(kind_seeds) > 1 else "")
                   + f"; interleaved in one process); CPU fp32, {THREADS} torch thread")
@@ -300,7 +300,7 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
             ours_tps = [x for r in runs for x in _tok_s(r["ours_times"], r["ours_tokens"])]
             trl_tps = [x for r in runs for x in _tok_s(r["trl_times"], r["trl_tokens"])]
             per_seed = [r["ours_tok_s"] / r["trl_tok_s"] for r in runs]
-            notes = common + ("; per-seed ratios " + ", ".join(f"{x:.3f}" for x in per_seed) if len(runs) > 1 else "")
+            notes = setting + ("; per-seed ratios " + ", ".join(f"{x:.3f}" for x in per_seed) if len(runs) > 1 else "")
             rows.append(common.row(f"{tag}-tput", "VLM GRPO completion tokens/s (sample+score+update)", common.median(ours_tps),
                                    common.median(trl_tps), "tok/s", "higher", 1.3, notes,
                                    ours_step_s=common.median([t for r in runs for t in r["ours_times"][1:]]),

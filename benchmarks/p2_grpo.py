@@ -257,12 +257,12 @@ def run(quick: bool = False) -> list[dict]:
                       else "embedded arith_lm")
         eval_rows = 0 if kind == "random" else (16 if quick else 256)
         st = steps if kind == "random" else (2 if quick else 20)
-        common = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, dapo/token-mean, "
+        setting = (f"{model_desc}; P={P} prompts x G={G}, max {L} new tokens, beta=0, dapo/token-mean, "
                   f"lr {LR}, {st} steps (median of steps 2..{st}; interleaved in one process); CPU fp32")
         try:
             r = throughput(kind, P, G, L, st, eval_rows=eval_rows)
             rows.append(common.row(f"{tag}-tput", "GRPO completion tokens/s (sample+score+update)", r["ours_tok_s"],
-                                   r["trl_tok_s"], "tok/s", "higher", 1.5, common,
+                                   r["trl_tok_s"], "tok/s", "higher", 1.5, setting,
                                    ours_step_s=r["ours_step_s"], baseline_step_s=r["trl_step_s"], raw=r))
             if eval_rows:
                 rows.append(common.row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({r['eval_rows']} rows)",
