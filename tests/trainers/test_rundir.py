@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainers.conftest import tmpfs
 from tests.trainers.test_online import make, params
 from unialign.config import UserError, exit_on_user_error
 from unialign.files import DiskFullError
@@ -225,12 +226,8 @@ def test_disk_full_is_one_line_the_partial_copy_is_removed_and_the_last_good_one
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    with tmpfs(tmp_path, "3m") as mount:
+        yield mount
 
 
 def test_a_real_full_disk(small_disk):

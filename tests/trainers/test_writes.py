@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.trainers.conftest import full_disk_os, tmpfs
 from tests.trainers.test_online import make
 from unialign.config import exit_on_user_error
 from unialign.files import PARTIAL_RE, DiskFullError, LinkError, append_text, partial_name, write_text
@@ -174,18 +175,7 @@ def test_completions_table(tmp_path, monkeypatch, capsys, disk_full_for, when):
         trainer.evaluate()
         trainer.train()  # step 2's rows appended
         before = path.read_bytes()
-        real_write = os.write
-
-        class FullOS:  # unialign.files' os, whose write runs out of space half-way
-            def __getattr__(self, name):
-                return getattr(os, name)
-
-            @staticmethod
-            def write(fd, data):
-                real_write(fd, bytes(data[:7]))
-                raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr("unialign.files.os", FullOS())
+        monkeypatch.setattr("unialign.files.os", full_disk_os(7))  # its write runs out of space half-way
         trainer.step = 3
         line = one_line(capsys, trainer.evaluate)
         assert path.read_bytes() == before  # cut back: no half line
@@ -259,12 +249,8 @@ def test_an_unwrapped_full_disk_is_still_one_line(capsys):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+    with tmpfs(tmp_path, "2m") as mount:
+        yield mount
 
 
 @pytest.mark.slow
@@ -330,18 +316,7 @@ def test_debris_of_a_killed_save_of_this_run_is_removed_on_resume(tmp_path):
 def test_append_text_cuts_a_failed_write_back(tmp_path, monkeypatch):
     path = tmp_path / "t.jsonl"
     append_text(path, "one\n")
-    real_write = os.write
-
-    class FullOS:
-        def __getattr__(self, name):
-            return getattr(os, name)
-
-        @staticmethod
-        def write(fd, data):
-            real_write(fd, bytes(data[:3]))
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr("unialign.files.os", FullOS())
+    monkeypatch.setattr("unialign.files.os", full_disk_os(3))
     with pytest.raises(DiskFullError):
         append_text(path, "two\n")
     assert path.read_text() == "one\n"
