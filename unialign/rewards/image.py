@@ -178,13 +178,20 @@ def _load_open_clip(model_name: str, pretrained: str, device: torch.device):
         else:  # weights only at a URL: offline is still offline
             require_hub(f"open_clip:{model_name}/{pretrained}")
     model = open_clip.create_model(model_name, pretrained=pretrained, device=device)
+    size, mean, std = open_clip_preprocess(model, f"{model_name}/{pretrained}", "only shortest-side bicubic resize "
+                                           "+ center crop is implemented (pinned)")
+    return model.eval().requires_grad_(False), size, mean, std
+
+
+def open_clip_preprocess(model, what: str, only: str) -> tuple[int, tuple, tuple]:
+    """(image side, mean, std) of an open_clip model's ``preprocess_cfg``; ValueError naming ``what`` and saying
+    ``only`` when it asks for other than the pinned shortest-side bicubic resize + center crop."""
     pre = model.visual.preprocess_cfg
     size = pre.get("size", model.visual.image_size)
     size = size[0] if isinstance(size, (tuple, list)) else size
     if pre.get("resize_mode", "shortest") != "shortest" or pre.get("interpolation", "bicubic") != "bicubic":
-        raise ValueError(f"{model_name}/{pretrained} wants preprocessing {pre}; only shortest-side bicubic resize "
-                         "+ center crop is implemented (pinned)")
-    return model.eval().requires_grad_(False), int(size), tuple(pre["mean"]), tuple(pre["std"])
+        raise ValueError(f"{what} wants preprocessing {pre}; {only}")
+    return int(size), tuple(pre["mean"]), tuple(pre["std"])
 
 
 class _ClipReward:
@@ -488,14 +495,10 @@ class HpsReward(_ClipReward):
         if missing or unexpected:
             raise ValueError(f"hps: checkpoint {file} does not fit open_clip {model_name!r}: missing keys "
                              f"{list(missing)[:5]}, unexpected keys {list(unexpected)[:5]}")
-        pre = model.visual.preprocess_cfg
-        size = pre.get("size", model.visual.image_size)
-        size = size[0] if isinstance(size, (tuple, list)) else size
-        if pre.get("resize_mode", "shortest") != "shortest" or pre.get("interpolation", "bicubic") != "bicubic":
-            raise ValueError(f"hps: {model_name} wants preprocessing {pre}; HPSv2's is shortest-side bicubic "
-                             "resize + center crop")
-        super().__init__(model.eval().requires_grad_(False), open_clip.get_tokenizer(model_name), int(size),
-                         pre["mean"], pre["std"], device, batch_size)
+        size, mean, std = open_clip_preprocess(model, f"hps: {model_name}", "HPSv2's is shortest-side bicubic resize "
+                                               "+ center crop")
+        super().__init__(model.eval().requires_grad_(False), open_clip.get_tokenizer(model_name), size, mean, std,
+                         device, batch_size)
 
     @torch.no_grad()
     def scores(self, prompts: list[Any], images: Any) -> Tensor:
