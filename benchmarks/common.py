@@ -148,6 +148,18 @@ def error_row(id: str, measure: str, err: BaseException | str) -> dict:
             "target_ratio": None, "better": None, "met": None, "notes": f"ERROR {msg}", "traceback": tb}
 
 
+def peak_memory_row(id: str, what: str, module: str, kwargs: dict, notes: str) -> dict:
+    """``what``'s peak RSS over imports, ours against the baseline, each side alone in a fresh process
+    (``module``'s ``memory_child(impl="ours" / "trl", **kwargs)``, whose ``peak_delta_bytes`` / ``peak_rss_bytes`` it
+    reads); an error row naming both sides' errors when either failed. Informative: no target."""
+    m = {impl: run_child(module, "memory_child", dict(impl=impl, **kwargs)) for impl in ("ours", "trl")}
+    if any("error" in v for v in m.values()):
+        return error_row(id, f"{what} peak RSS", "; ".join(v.get("error", "") for v in m.values()))
+    return row(id, f"{what} peak RSS over imports", m["ours"]["peak_delta_bytes"], m["trl"]["peak_delta_bytes"],
+               "bytes", "lower", None, notes, ours_peak_abs=m["ours"]["peak_rss_bytes"],
+               baseline_peak_abs=m["trl"]["peak_rss_bytes"])
+
+
 def fmt(v, unit: str | None = None) -> str:
     if v is None:
         return "-"

@@ -312,28 +312,22 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
                 pairs = ", ".join(f"seed {r['seed']}: {r['acc_ours']:.3f} vs {r['acc_trl']:.3f}" for r in runs)
                 acc = common.row(f"{tag}-acc", f"held-out greedy accuracy after {st} steps ({runs[0]['eval_rows']} rows"
                                  + (f", mean of {len(runs)} seeds)" if len(runs) > 1 else ")"), ours_acc, trl_acc, "frac",
-                          "higher", None,
-                          f"before training: {runs[0]['acc_before']:.3f}; {pairs}; target |ours - TRL| <= "
-                          f"{ACC_TOLERANCE} (the mean's difference; 'met' says so); test split, vlm.accuracy_reward, "
-                          "both models decoded by vlm.generate_answers (data order differs: TRL shuffles its own way)",
-                          diff=ours_acc - trl_acc, acc_tolerance=ACC_TOLERANCE,
-                          per_seed=[{"seed": r["seed"], "ours": r["acc_ours"], "trl": r["acc_trl"]} for r in runs])
+                                 "higher", None,
+                                 f"before training: {runs[0]['acc_before']:.3f}; {pairs}; target |ours - TRL| <= "
+                                 f"{ACC_TOLERANCE} (the mean's difference; 'met' says so); test split, "
+                                 "vlm.accuracy_reward, both models decoded by vlm.generate_answers (data order "
+                                 "differs: TRL shuffles its own way)",
+                                 diff=ours_acc - trl_acc, acc_tolerance=ACC_TOLERANCE,
+                                 per_seed=[{"seed": r["seed"], "ours": r["acc_ours"], "trl": r["acc_trl"]} for r in runs])
                 acc["met"] = abs(ours_acc - trl_acc) <= ACC_TOLERANCE
                 rows.append(acc)
         except Exception as e:  # noqa: BLE001
             rows.append(common.error_row(f"{tag}-tput", "VLM GRPO completion tokens/s", e))
         mem_steps = 1 if quick else 3
-        m = {impl: common.run_child("p12_vlm_grpo", "memory_child",
-                                    dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps)) for impl in ("ours", "trl")}
-        if any("error" in v for v in m.values()):
-            rows.append(common.error_row(f"{tag}-mem", "VLM GRPO peak RSS",
-                                         "; ".join(v.get("error", "") for v in m.values())))
-        else:
-            rows.append(common.row(f"{tag}-mem", "VLM GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
-                                   m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
-                                   f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM "
-                                   "minus RSS after importing both libraries and reading the rows; informative (no target)",
-                                   ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+        rows.append(common.peak_memory_row(
+            f"{tag}-mem", "VLM GRPO", "p12_vlm_grpo", dict(kind=kind, P=P, G=G, L=L, steps=mem_steps),
+            f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus RSS after "
+            "importing both libraries and reading the rows; informative (no target)"))
     return rows
 
 

@@ -273,16 +273,10 @@ def run(quick: bool = False) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             rows.append(common.error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
         mem_steps = 1 if quick else 3
-        m = {impl: common.run_child("p2_grpo", "memory_child", dict(impl=impl, kind=kind, P=P, G=G, L=L, steps=mem_steps))
-             for impl in ("ours", "trl")}
-        if any("error" in v for v in m.values()):
-            rows.append(common.error_row(f"{tag}-mem", "GRPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
-        else:
-            rows.append(common.row(f"{tag}-mem", "GRPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
-                                   m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
-                                   f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus "
-                                   "RSS after importing both libraries; informative (no target)",
-                                   ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+        rows.append(common.peak_memory_row(
+            f"{tag}-mem", "GRPO", "p2_grpo", dict(kind=kind, P=P, G=G, L=L, steps=mem_steps),
+            f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus RSS after "
+            "importing both libraries; informative (no target)"))
     return rows
 
 

@@ -180,14 +180,9 @@ def run(quick: bool = False) -> list[dict]:
     except Exception as e:  # noqa: BLE001
         rows.append(common.error_row("P3-time", "DPO optimizer-step time", e))
     mem_steps = 1 if quick else 3
-    m = {impl: common.run_child("p3_dpo", "memory_child", dict(impl=impl, B=B, steps=mem_steps)) for impl in ("ours", "trl")}
-    if any("error" in v for v in m.values()):
-        rows.append(common.error_row("P3-mem", "DPO peak RSS", "; ".join(v.get("error", "") for v in m.values())))
-    else:
-        rows.append(common.row("P3-mem", "DPO peak RSS over imports", m["ours"]["peak_delta_bytes"],
-                               m["trl"]["peak_delta_bytes"], "bytes", "lower", None,
-                               f"each trainer alone in a fresh process, {mem_steps} steps; informative (no target)",
-                               ours_peak_abs=m["ours"]["peak_rss_bytes"], baseline_peak_abs=m["trl"]["peak_rss_bytes"]))
+    rows.append(common.peak_memory_row("P3-mem", "DPO", "p3_dpo", dict(B=B, steps=mem_steps),
+                                       f"each trainer alone in a fresh process, {mem_steps} steps; informative (no "
+                                       "target)"))
     return rows
 
 
