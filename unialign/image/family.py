@@ -121,7 +121,7 @@ class ImageFamily:
     @classmethod
     def load(cls, path_or_hub_id: str, guessed: bool = False, **kwargs: Any):
         """Its policy on a pipeline folder or hub id: ``policy_class().from_pretrained(path, family=cls, ...)``.
-        ``guessed``: the family was told by the folder or the hub id's name, not by the user (``families.resolve``
-        with "auto"); a policy that reads its family from the folder itself may then be left to
-        (``UNetFamily``)."""
+        ``guessed``: the family was read from the folder or the hub id's name, not named by the user
+        (``families.resolve`` with "auto"); an adapter whose policy reads its family from the folder itself then
+        leaves the choice to it (``UNetFamily``: SD1.x or SDXL from ``model_index.json``)."""
         return cls.policy_class().from_pretrained(path_or_hub_id, family=cls, **kwargs)
