@@ -19,9 +19,9 @@ from typing import ClassVar
 
 from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
+from unialign.embedded.args import EmbeddedTaskArgs
 from unialign.recipes import presets
 from unialign.recipes.args import (
-    EmbeddedTaskArgs,
     GenerationCacheArgs,
     RunArgs,
     SystemPromptArgs,

@@ -2,8 +2,6 @@
 declares only what is its own (its defaults with ``unialign.config.default``, its own fields with ``arg``).
 
     RunArgs           --preset (the script's ``PRESETS``) and --config (a YAML file)
-    EmbeddedTaskArgs  --model_name_or_path / --dataset_name defaulting to the shipped arithmetic world
-    EmbeddedPairArgs  the same and --max_completion_length, for the pair scripts (DPO, reward model)
     TextRLArgs        the online text scripts' sampling (``TextSamplingArgs``) and --algorithm (text presets)
     TextModelArgs     the text policy: --model_name_or_path, --lora_rank, --torch_dtype
     SystemPromptArgs  --system_prompt
@@ -15,7 +13,7 @@ declares only what is its own (its defaults with ``unialign.config.default``, it
 
 Put them first among a config's bases (``class C(RunArgs, ..., OnlineConfig)``): a dataclass orders fields from the
 last base to the first, so their flags come after the trainer's in each ``--help`` section, the groups listed last
-first.
+first. The defaults naming the shipped demo worlds are the demo package's (``unialign.embedded.args``).
 """
 
 from __future__ import annotations
@@ -33,25 +31,6 @@ class RunArgs:
 
     preset: str | None = arg(None, "named recipe: {presets} (flags still override it)", group="config")
     config: str | None = arg(None, "YAML file of field values (flags override it)", group="config")
-
-
-@dataclass
-class EmbeddedTaskArgs:
-    """A text script's model and data, by default the shipped arithmetic world ('embedded'). Put it first among the
-    bases: it declares again fields of ``TextModelArgs`` / ``TextDataArgs``."""
-
-    model_name_or_path: str = arg("embedded", "Hub id, local directory, or 'embedded' (the shipped arithmetic model)",
-                                  group="model")
-    dataset_name: str = arg("embedded", "'embedded' (the shipped arithmetic task), a Hub id, a local .jsonl/.json/"
-                            ".parquet file, or a folder of split files (train.jsonl, test.jsonl, ...)", group="data")
-
-
-@dataclass
-class EmbeddedPairArgs(EmbeddedTaskArgs):
-    """``EmbeddedTaskArgs`` and the longest completion of a preference pair."""
-
-    max_completion_length: int | None = arg(1024, "longest chosen / rejected completion in tokens (EOS included); "
-                                            "longer pairs are refused", group="data", min=1)
 
 
 @dataclass

@@ -1,0 +1,30 @@
+"""The scripts' argument groups whose defaults are the shipped demo worlds (unialign.embedded.args)."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from unialign.config import parse_config
+from unialign.embedded import ARITH_LM_DIR, NAME, model_path
+from unialign.embedded.args import EmbeddedPairArgs, EmbeddedTaskArgs
+from unialign.errors import UserError
+from unialign.recipes.args import RunArgs, TextModelArgs
+
+
+@dataclass
+class PairConfig(EmbeddedPairArgs, RunArgs, TextModelArgs):
+    pass
+
+
+def test_the_defaults_are_the_arithmetic_world_and_override_the_core_groups():
+    cfg = parse_config(PairConfig, [])
+    assert (cfg.model_name_or_path, cfg.dataset_name, cfg.max_completion_length) == (NAME, NAME, 1024)
+    assert model_path(cfg.model_name_or_path) == str(ARITH_LM_DIR) and (ARITH_LM_DIR / "config.json").is_file()
+    assert parse_config(PairConfig, ["--model_name_or_path", "Qwen/Qwen2.5-0.5B"]).model_name_or_path \
+        == "Qwen/Qwen2.5-0.5B"
+    assert not hasattr(parse_config(type("C", (EmbeddedTaskArgs,), {}), []), "max_completion_length")
+
+
+def test_a_pair_length_below_one_is_refused_naming_the_field():
+    with pytest.raises(UserError, match="max_completion_length"):
+        parse_config(PairConfig, ["--max_completion_length", "0"])
