@@ -24,7 +24,7 @@ import pytest
 SNAPSHOT = Path(__file__).parent / "data" / "config_snapshot.json"
 SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic")
 WIDTH = "100"  # COLUMNS: argparse wraps --help to the terminal's width
-RULE_KEYS = ("help", "group", "choices", "min", "max", "gt", "lt")  # the rules unialign.config documents
+RULE_KEYS = ("help", "group", "choices", "min", "max", "gt", "lt", "check")  # the rules unialign.config documents
 
 
 def _plain(value: Any) -> Any:
@@ -35,6 +35,8 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if callable(value):  # a field's check: its name (a repr would hold an address)
+        return f"{value.__module__}.{value.__qualname__}"
     return repr(value)
 
 

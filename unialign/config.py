@@ -5,7 +5,8 @@ field's rules, beside it::
 
     num_generations: int = arg(8, "samples per prompt (the group size G)", group="algorithm", min=1)
 
-``group`` (the ``--help`` section: one of ``GROUPS``), ``choices`` (the allowed values: a tuple, or a registry --
+``group`` (the ``--help`` section: one of ``GROUPS``), ``check`` (a function of the value that raises ValueError
+when the value does not read, e.g. a list written in a string), ``choices`` (the allowed values: a tuple, or a registry --
 a dict, or a function returning the names -- read when checked, so names registered later count), ``min`` / ``max``
 (inclusive bounds), ``gt`` / ``lt`` (exclusive bounds), ``hint`` (for a value outside ``choices``, a function of
 (value, choices) giving the message instead of the plain refusal, or None). A class that declares a field again (a
@@ -58,13 +59,14 @@ REPORT_TO = ("tensorboard", "wandb", "mlflow", "comet_ml", "all", "none")
 
 def arg(default: Any, help: str, *, group: str | None = None, choices: Any = None,  # noqa: A002 - argparse's word
         min: float | None = None, max: float | None = None, gt: float | None = None, lt: float | None = None,  # noqa: A002
-        hint: Callable[[Any, tuple], str | None] | None = None) -> Any:
+        hint: Callable[[Any, tuple], str | None] | None = None, check: Callable[[Any], Any] | None = None) -> Any:
     """A config field: its default, its ``--help`` line and its rules (module docstring), e.g.
     ``x: int = arg(8, "samples per prompt", group="algorithm", min=1)``. A rule left None is not set: a field
     declared again in a subclass keeps that rule of the field it overrides."""
     if group is not None and group not in GROUPS:
         raise ValueError(f"arg: group {group!r} is not one of {', '.join(GROUPS)}")
-    rules = {"group": group, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "hint": hint}
+    rules = {"group": group, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "hint": hint,
+             "check": check}
     return dataclasses.field(default=default, metadata={"help": help, **{k: v for k, v in rules.items() if v is not None}})
 
 
@@ -389,6 +391,11 @@ def check_tracker(report_to: str | None) -> None:
 
 
 def _check_rules(name: str, value: Any, rules: dict[str, Any]) -> None:
+    if rules.get("check"):
+        try:
+            rules["check"](value)
+        except ValueError as err:
+            raise UserError(f"--{name}: {err}") from None
     choices = rules.get("choices")
     if choices and value not in choices:
         from unialign.errors import did_you_mean

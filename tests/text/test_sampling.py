@@ -50,3 +50,98 @@ def test_every_knob_reaches_generate(tiny_policy, monkeypatch):
         dict(do_sample=True, max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=4, min_p=0.2)
     tiny_policy.generate(["1+1="], greedy=True, max_new_tokens=3)
     assert seen[-1]["do_sample"] is False and seen[-1]["max_new_tokens"] == 3 and "min_p" not in seen[-1]
+
+
+# ------------------------------------------------------------------ stop strings
+def test_a_stop_flag_reads_one_string_with_escapes_or_a_json_list():
+    from unialign.text.sampling import parse_stop
+
+    assert parse_stop(None) == parse_stop("") == ()
+    assert parse_stop(r"\n\nQuestion:") == ("\n\nQuestion:",) and parse_stop(r"a\\nb") == ("a\\nb",)
+    assert parse_stop('["\\n\\n", "Question:"]') == ("\n\n", "Question:")
+    assert parse_stop('{"a": 1}') == ('{"a": 1}',)  # only a value opening with [ is read as a list
+    for bad in ("[1]", "[", '[""]'):
+        with pytest.raises(ValueError):
+            parse_stop(bad)
+    assert SamplingKnobs(stop=["x"]).stop == ("x",)  # held as a tuple
+    for bad in ("x", [""], [3]):
+        with pytest.raises(ValueError, match="sampling: stop="):
+            SamplingKnobs(stop=bad)
+
+
+def test_stop_lengths_keep_the_token_that_completes_the_first_stop_string():
+    from unialign.text.sampling import stop_lengths
+
+    vocab = ["ab", "c\n", "\nQ", "d", "##", "e"]
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    rows = [[0, 1, 2, 3], [0, 3, 5], [4, 0, 4, 4], [1, 2]]
+    # row 0: "ab" "c\n" "\nQ": "\n\n" completes on token 2 -> 3 kept; row 1: none; row 2: "##" at token 0 -> 1;
+    # row 3: the earliest of two stop strings counts ("\n\n" ends at token 1, "Q" too) -> 2
+    assert stop_lengths(rows, decode, ("\n\n", "##")) == [3, None, 1, 2]
+    assert stop_lengths(rows, decode, ()) == [None] * 4
+    for row, k in zip(rows, stop_lengths(rows, decode, ("\n\n", "##"))):  # the shortest prefix, by brute force
+        if k is not None:
+            assert any(s in decode(row[:k]) for s in ("\n\n", "##"))
+            assert not any(s in decode(row[:k - 1]) for s in ("\n\n", "##"))
+
+
+def test_finish_completions_ends_rows_at_a_stop_string_as_at_eos(tiny_policy):
+    import torch
+
+    from unialign.text.rollout import finish_completions
+
+    tok = tiny_policy.tokenizer
+    ids = [tok.convert_tokens_to_ids(c) for c in "12=34"]
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    completion = torch.tensor([ids + [pad], ids[:2] + [eos, pad, pad, pad], [ids[0]] * 6])
+    mask = torch.tensor([[1] * 5 + [0], [1, 1, 1, 0, 0, 0], [1] * 6])
+    truncated = torch.tensor([True, False, True])
+    out = finish_completions(completion, mask, truncated, tok, ("=3",))
+    assert out["texts"] == ["12", "12", "111111"]
+    assert out["completion_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [1] * 6]
+    assert out["completion_ids"][0].tolist() == ids[:4] + [pad, pad]  # "=3" is kept in the tokens, 4 after it goes
+    assert out["truncated"].tolist() == [False, False, True]  # ended by the stop string, by EOS, by the limit
+    assert completion[0].tolist() == ids + [pad]  # the input is not changed
+    plain = finish_completions(completion, mask, truncated, tok, ())
+    assert plain["texts"] == ["12=34", "12", "111111"] and torch.equal(plain["completion_mask"], mask)
+
+
+def test_a_policy_with_stop_strings_samples_the_prefix_it_samples_without(tiny_policy, monkeypatch):
+    """Greedy decoding with a stop string gives the unstopped completion up to it: transformers is told
+    (``stop_strings`` with the tokenizer), the kept tokens end on the one completing it, the text before it."""
+    tiny_policy.sampling = SamplingKnobs(max_new_tokens=8)
+    free = tiny_policy.generate(["1+1=", "2+3="], greedy=True)
+    text = free["texts"][0]
+    assert len(text) >= 4, "the tiny model's greedy completion is too short for this test"
+    stop = text[2:4]
+    seen = []
+    real = tiny_policy.model.generate
+    monkeypatch.setattr(tiny_policy.model, "generate", lambda **kw: seen.append(kw) or real(**kw))
+    tiny_policy.sampling = SamplingKnobs(max_new_tokens=8, stop=(stop,))
+    cut = tiny_policy.generate(["1+1=", "2+3="], greedy=True)
+    assert seen[-1]["stop_strings"] == [stop] and seen[-1]["tokenizer"] is tiny_policy.tokenizer
+    assert cut["texts"][0] == text[:text.find(stop)] and not cut["truncated"][0]
+    k = int(cut["completion_mask"][0].sum())
+    assert cut["completion_ids"][0, :k].tolist() == free["completion_ids"][0, :k].tolist()
+    assert stop in tiny_policy.tokenizer.decode(cut["completion_ids"][0, :k])
+    assert stop not in tiny_policy.tokenizer.decode(cut["completion_ids"][0, :k - 1])
+
+
+def test_a_stop_flag_that_does_not_read_is_refused_naming_it_before_anything_loads():
+    from dataclasses import dataclass
+
+    from unialign.config import parse_config
+    from unialign.errors import UserError
+    from unialign.recipes.args import TextSamplingArgs
+
+    @dataclass
+    class C(TextSamplingArgs):
+        pass
+
+    assert parse_config(C, ["--stop", r"\n\n"]).sampling().stop == ("\n\n",)
+    assert parse_config(C, []).sampling().stop == ()
+    with pytest.raises(UserError, match="--stop: '\\[1' is not a JSON list"):
+        parse_config(C, ["--stop", "[1"])

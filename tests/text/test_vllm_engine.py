@@ -371,3 +371,28 @@ def test_policy_samples_through_the_engine_pushes_weights_and_records_rollout_lo
     assert [c for c in llm.calls if c[0] == "generate"][-1][2].n == 1 and len(uneven) == 3
     with pytest.raises(RuntimeError, match="CUDA"):
         CausalLMPolicy(model, tok, generation_backend="vllm")
+
+
+def test_the_vllm_path_ends_completions_at_stop_strings_itself():
+    """The engine runs without a tokenizer, so vLLM is not given the stop strings; the policy ends what it
+    returns at them, as on the HF path, and the cut tokens carry no rollout log-prob."""
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.text.rollout import VLLMRollout
+    from unialign.text.sampling import SamplingKnobs
+
+    model, tok = make_tiny_lm()
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+
+    def script(prompt_ids, k):
+        return [digits[k], digits[3], digits[5], tok.eos_token_id], [-0.5, -0.25, -0.125, -0.1]
+
+    policy = CausalLMPolicy(model, tok, sampling=SamplingKnobs(max_new_tokens=6, stop=("3",)))
+    policy.rollout = VLLMRollout({})
+    policy.rollout.engine, llm = build_engine(model, tok, script=script)
+    policy.rollout.fresh = True
+    traj = policy.sample(["1+2?"] * 2)
+    params = [c for c in llm.calls if c[0] == "generate"][-1][2]
+    assert not getattr(params, "stop", None) and params.detokenize is False
+    assert traj.completions == ["0", "1"] and not traj.truncated_B.any()
+    assert traj.mask_B_T.sum(-1).tolist() == [2.0, 2.0]
+    assert traj.rollout_logp_B_T.tolist() == [[-0.5, -0.25, 0.0, 0.0]] * 2

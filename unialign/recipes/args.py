@@ -7,7 +7,7 @@ declares only what is its own (its defaults with ``unialign.config.default``, it
     SystemPromptArgs  --system_prompt
     GenerationCacheArgs  --generation_cache (transformers generate's KV cache)
     TextSamplingArgs  how completions are sampled (``SamplingKnobs``): --max_new_tokens, --temperature, --top_p,
-                      --top_k, --min_p
+                      --top_k, --min_p, --stop
     RewardArgs        --reward_funcs, --reward_weights
     RolloutEngineArgs --generation_backend, --vllm_gpu_memory_utilization, --rollout_dtype
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from unialign.config import DTYPES, arg
 from unialign.registry import algorithms_for
-from unialign.text.sampling import SamplingKnobs
+from unialign.text.sampling import SamplingKnobs, parse_stop
 
 
 @dataclass
@@ -87,11 +87,14 @@ class TextSamplingArgs:
     top_k: int = arg(0, "sample among the k most likely tokens (0: all)", group="algorithm", min=0)
     min_p: float = arg(0.0, "min-p sampling: drop tokens below this share of the most likely token's probability "
                        "(0: off)", group="algorithm", min=0.0, lt=1.0)
+    stop: str | None = arg(None, "end each completion at this string, as at EOS (kept in its tokens, cut from the text "
+                           "the rewards read; sampling and evaluation): one string, \\n and \\t understood, or a "
+                           "JSON list of strings", group="algorithm", check=parse_stop)
 
     def sampling(self) -> SamplingKnobs:
         """The policy's ``sampling`` value."""
         return SamplingKnobs(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                             top_k=self.top_k, min_p=self.min_p)
+                             top_k=self.top_k, min_p=self.min_p, stop=parse_stop(self.stop))
 
 
 @dataclass

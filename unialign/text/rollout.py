@@ -24,6 +24,7 @@ import torch
 
 from unialign.dist import gathered_fsdp2_root, unwrap
 from unialign.text.prefix import cache_kwarg, right_align
+from unialign.text.sampling import first_stop, stop_lengths
 
 PAYLOAD_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
@@ -63,6 +64,27 @@ def build_rollout(generation_backend: str, rollout_dtype: str | None, generation
     return hf if rollout_dtype is None else LowPrecisionRollout(rollout_dtype, hf)
 
 
+def finish_completions(completion: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, tokenizer: Any,
+                       stop: tuple[str, ...]) -> dict:
+    """An engine's completions ended by EOS -- ``completion`` long [B, T] (pad after the kept tokens), ``mask``
+    long [B, T] (1 on kept tokens, the EOS included), ``truncated`` bool [B] -- ended again at the first
+    ``stop`` string (``unialign.text.sampling``): the tokens after the one completing it padded and masked, the
+    row no longer truncated, its text ending before the stop string. Returns ``completion_ids``,
+    ``completion_mask``, ``truncated`` and ``texts`` (the kept tokens decoded without special tokens)."""
+    pad = tokenizer.pad_token_id
+    shown = completion.masked_fill((completion == tokenizer.eos_token_id) | (mask == 0), pad)
+    texts = tokenizer.batch_decode(shown, skip_special_tokens=True)
+    if stop:
+        rows = [row[m.bool()].tolist() for row, m in zip(shown, mask)]
+        kept = stop_lengths(rows, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop)
+        completion, mask, truncated = completion.clone(), mask.clone(), truncated.clone()
+        for i, k in enumerate(kept):
+            if k is not None:
+                completion[i, k:], mask[i, k:], truncated[i] = pad, 0, False
+                texts[i] = texts[i][:first_stop(texts[i], stop)]
+    return {"completion_ids": completion, "completion_mask": mask, "truncated": truncated, "texts": texts}
+
+
 class HFRollout:
     """transformers ``generate`` (left padding, EOS handling, temperature / top-p / top-k) with the KV cache
     the policy's ``generation_cache`` names: ``"dynamic"`` (transformers' default KV cache; repeated prompts
@@ -92,6 +114,8 @@ class HFRollout:
         eos = tokenizer.eos_token_id
         knobs = policy.sampling.with_(max_new_tokens=max_new_tokens or policy.max_new_tokens)
         gen_kwargs = dict(**knobs.hf_kwargs(greedy), pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+        if knobs.stop:
+            gen_kwargs["tokenizer"] = tokenizer  # generate reads the stop strings' tokens from it
         batch, prompt_width = enc["input_ids"].shape
         if self.uses_static_cache(policy, model):
             width = policy.max_prompt_length or -(-prompt_width // 128) * 128
@@ -107,13 +131,9 @@ class HFRollout:
         is_eos = completion == eos
         # keep tokens up to and including the first EOS
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-        mask = (~after_eos).long()
-        truncated = ~is_eos.any(-1)
-        completion = completion.masked_fill(after_eos, tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(completion.masked_fill(is_eos, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)
-        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
-                "completion_ids": completion, "completion_mask": mask, "truncated": truncated, "texts": texts,
+        ends = finish_completions(completion.masked_fill(after_eos, tokenizer.pad_token_id), (~after_eos).long(),
+                                  ~is_eos.any(-1), tokenizer, knobs.stop)
+        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], **ends,
                 **({"payload": extras} if extras else {})}
 
     @staticmethod
@@ -217,10 +237,7 @@ class VLLMRollout:
                                    pad_token_id=tokenizer.pad_token_id)
         self.engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
         device = enc["input_ids"].device
-        completion, mask = out["completion_ids"].to(device), out["completion_mask"].long().to(device)
-        shown = completion.masked_fill((completion == tokenizer.eos_token_id) | (mask == 0),
-                                       tokenizer.pad_token_id)
-        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
-                "completion_ids": completion, "completion_mask": mask,
-                "truncated": out["truncated"].to(device), "rollout_logp": out["logp"].to(device),
-                "texts": tokenizer.batch_decode(shown, skip_special_tokens=True)}
+        ends = finish_completions(out["completion_ids"].to(device), out["completion_mask"].long().to(device),
+                                  out["truncated"].to(device), tokenizer, knobs.stop)
+        logp = out["logp"].to(device) * ends["completion_mask"]  # 0 on the tokens a stop string cut off
+        return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], **ends, "rollout_logp": logp}

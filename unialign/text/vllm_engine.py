@@ -81,7 +81,10 @@ def sampling_kwargs(n: int, knobs: SamplingKnobs, *, greedy: bool, eos_token_id:
     - ``logprobs=0``: the log-prob of the sampled token only; the engine is built with
       ``logprobs_mode="processed_logprobs"`` so it is the log-prob under the distribution actually sampled
       from (after temperature and top-k / top-p), as TRL's importance-sampling correction uses it.
-    - ``detokenize=False``: the engine returns ids; the policy decodes them itself (as on the HF path).
+    - ``detokenize=False``: the engine returns ids; the policy decodes them itself (as on the HF path). No ``stop``
+      strings either: vLLM matches them on its own text, and the engine runs without a tokenizer
+      (``llm_kwargs``); the policy ends the completions at them itself (``rollout.finish_completions``), as on
+      the HF path, so a run with stop strings samples each completion to EOS or ``max_tokens`` here.
     """
     return dict(**knobs.vllm_kwargs(greedy), n=1 if greedy else n, logprobs=0, ignore_eos=True,
                 stop_token_ids=[int(eos_token_id)], detokenize=False)
