@@ -20,8 +20,8 @@ from typing import ClassVar
 from unialign.algos.preference import DPO_LOSS_TYPES
 from unialign.config import arg, default, exit_on_user_error, parse_config
 from unialign.embedded import NAME, model_path, register
-from unialign.recipes import presets
 from unialign.embedded.args import EmbeddedPairArgs
+from unialign.recipes import presets
 from unialign.recipes.args import RunArgs, TextModelArgs
 from unialign.recipes.text import (
     TextDataArgs,

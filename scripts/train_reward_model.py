@@ -19,8 +19,8 @@ from accelerate.utils import set_seed
 
 from unialign.config import DTYPES, arg, default, exit_on_user_error, parse_config
 from unialign.embedded import model_path, register
-from unialign.recipes import presets
 from unialign.embedded.args import EmbeddedPairArgs
+from unialign.recipes import presets
 from unialign.recipes.args import RunArgs
 from unialign.recipes.outputs import finish_run
 from unialign.recipes.text import TextDataArgs, fit_pairs, load_pair_data
