@@ -38,6 +38,19 @@ def one_thread():
 
 
 @pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """``user_module(name, source)``: a user's Python module ``name`` with ``source`` in ``tmp_path``, importable
+    for this test (``sys.path``); returns ``name``."""
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        return name
+
+    return write
+
+
+@pytest.fixture
 def tiny_lm():
     return make_tiny_lm()
 

@@ -359,9 +359,8 @@ TRL_ROWS = [{"prompt": f"Ann has {a} pens and buys {b} more. How many now?", "so
 
 
 @pytest.mark.slow
-def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys, no_model, monkeypatch):
-    (tmp_path / "gold_rewards.py").write_text("def needs_gold(completions, gold, **kwargs):\n    return [0.0] * len(gold)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_bad_input_exits_2_with_one_line_before_any_model_loads(tmp_path, capsys, no_model, user_module):
+    user_module("gold_rewards", "def needs_gold(completions, gold, **kwargs):\n    return [0.0] * len(gold)\n")
     good = write_jsonl(tmp_path / "good.jsonl", TRL_ROWS)
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b",}\n')
@@ -437,11 +436,9 @@ def test_huge_prompt_refused_naming_the_row_before_any_forward(tmp_path, capsys,
 
 
 @pytest.mark.slow
-def test_grpo_on_a_folder_of_trl_rows_with_a_custom_reward(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(
-        "def exact(completions, solution, **kwargs):\n"
-        "    return [float(s in c) for c, s in zip(completions, solution)]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_grpo_on_a_folder_of_trl_rows_with_a_custom_reward(tmp_path, user_module):
+    user_module("my_rewards", "def exact(completions, solution, **kwargs):\n"
+                              "    return [float(s in c) for c, s in zip(completions, solution)]\n")
     data = tmp_path / "data"
     data.mkdir()
     chat = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in TRL_ROWS[:10]]
@@ -516,11 +513,9 @@ def test_dpo_sdxl_on_a_folder_with_image_paths(tmp_path):
 
 
 @pytest.mark.slow
-def test_skipped_reward_errors_are_counted_in_the_summary(tmp_path, monkeypatch):
-    (tmp_path / "flaky_rewards.py").write_text(
-        "def flaky(prompts, completions, **kwargs):\n"
-        "    return [1.0 if i % 2 else 'oops' for i in range(len(completions))]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_skipped_reward_errors_are_counted_in_the_summary(tmp_path, user_module):
+    user_module("flaky_rewards", "def flaky(prompts, completions, **kwargs):\n"
+                                 "    return [1.0 if i % 2 else 'oops' for i in range(len(completions))]\n")
     s = run("grpo_math", ["--reward_funcs", "flaky_rewards:flaky", "--reward_errors", "skip", "--max_steps", "1",
                           "--num_eval", "4", "--prompts_per_step", "2", "--num_generations", "4",
                           "--output_dir", str(tmp_path / "out"), "--report_to", "none"])

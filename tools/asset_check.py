@@ -4,17 +4,24 @@ repeats; a record may therefore be compared through a ``view`` that sets those f
 ``equal without timings``), never the weights, configs or tokenizers.
 
 Used by ``python -m tools.build_arith_lm check``, ``python -m tools.build_vlm check`` and
-``python -m tools.build_shapes_world check``.
+``python -m tools.build_shapes_world check``, whose command lines share ``builder_cli``, ``add_check`` and
+``report_check``.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
+import json
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 IDENTICAL = "identical"
 EQUAL_WITHOUT_TIMINGS = "equal without timings"
@@ -157,3 +164,63 @@ def other_machine_kind() -> str | None:
     return (f"the shipped assets were built on {BUILD_MACHINE['vendor']} with AVX-512; this machine is "
             f"{here['vendor']} {'with' if here['avx512f'] else 'without'} it: its float kernels round otherwise, so a "
             "rebuild trains other weights")
+
+
+# ----------------------------------------------------------------------------------- the builders' command lines
+def builder_cli(prog: str, doc: str, build_help: str, shipped: str | Path,
+                training: tuple[int, int, float] | None = None) -> tuple[argparse.ArgumentParser, Any, Any]:
+    """A builder's parser, its subcommands and its ``build`` command with ``--out`` (help naming the ``shipped``
+    folder) and ``--seed``; with ``training`` = (steps, batch size, learning rate) also ``--steps``,
+    ``--batch-size``, ``--lr`` and ``--threads`` with those defaults. Returns (parser, subparsers, build)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help=build_help)
+    build.add_argument("--out", required=True, help=f"output folder (the shipped one: {shipped})")
+    build.add_argument("--seed", type=int, default=0)
+    if training is not None:
+        steps, batch_size, lr = training
+        build.add_argument("--steps", type=int, default=steps)
+        build.add_argument("--batch-size", type=int, default=batch_size)
+        build.add_argument("--lr", type=float, default=lr)
+        build.add_argument("--threads", type=int, default=1)
+    return parser, sub, build
+
+
+def add_check(sub: Any, shipped: str | Path, help: str = "rebuild into a temp folder and compare with the shipped "  # noqa: A002
+              "files (sha256)", keep_help: str = "build into this folder instead of a temp one and keep it") -> Any:
+    """The ``check`` command: ``--shipped`` (default ``shipped``) and ``--keep``."""
+    check = sub.add_parser("check", help=help)
+    check.add_argument("--shipped", default=str(shipped))
+    check.add_argument("--keep", default=None, help=keep_help)
+    return check
+
+
+def report_check(run: Callable[[], Comparison], what: str = "check") -> int:
+    """Run a check, print its table and how long ``what`` took; the exit status (0: it passed)."""
+    t0 = time.perf_counter()
+    result = run()
+    print(result.table())
+    print(f"{what} took {time.perf_counter() - t0:.0f} s")
+    return 0 if result.ok else 1
+
+
+# ----------------------------------------------------------------------------------- the builders' runs
+@contextlib.contextmanager
+def deterministic(num_threads: int):
+    """torch on ``num_threads`` threads with deterministic algorithms while a build runs; both restored after."""
+    prev_threads, prev_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(num_threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det)
+
+
+def write_metrics(out: Path, metrics: dict[str, Any], verbose: bool) -> dict[str, Any]:
+    """``out/build_metrics.json`` (printed too when ``verbose``); returns ``metrics``."""
+    (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if verbose:
+        print(json.dumps(metrics), flush=True)
+    return metrics

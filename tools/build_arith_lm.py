@@ -17,7 +17,6 @@ machine, are not reproducible here (the asset's BUILD.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tools import asset_check
 from tools.asset_check import Comparison, rebuild_and_compare
 from unialign.embedded.arith import (
     DEFAULT_ASSET_DIR,
@@ -96,12 +96,8 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
     carry_drop = DEFAULT_CARRY_DROP if carry_drop is None else carry_drop
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prev_threads = torch.get_num_threads()
-    prev_det = torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(num_threads)
-    torch.use_deterministic_algorithms(True)
     t0 = time.time()
-    try:
+    with asset_check.deterministic(num_threads):
         tok = build_tokenizer()
         model = build_model(tok, seed=seed, **model_kw)
         train_rows = arithmetic_dataset("train", seed=seed)
@@ -159,13 +155,7 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
             metrics["greedy_acc"] = evaluate_accuracy(model, tok, test)
             metrics["pass_at_8"] = pass_at_k(model, tok, test, k=8)
             metrics["eval_rows"] = len(test)
-        (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if verbose:
-            print(json.dumps(metrics), flush=True)
-        return metrics
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det)
+        return asset_check.write_metrics(out, metrics, verbose)
 
 
 def check(shipped: str | Path = DEFAULT_ASSET_DIR, keep: str | Path | None = None, **build_kw: Any) -> Comparison:
@@ -183,34 +173,22 @@ def check(shipped: str | Path = DEFAULT_ASSET_DIR, keep: str | Path | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.build_arith_lm", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="train the tiny arithmetic LM deterministically and save it")
-    b.add_argument("--out", required=True, help=f"output folder (the shipped one: {DEFAULT_ASSET_DIR})")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
-    b.add_argument("--lr", type=float, default=DEFAULT_LR)
-    b.add_argument("--threads", type=int, default=1)
+    ap, sub, b = asset_check.builder_cli("python -m tools.build_arith_lm", __doc__, "train the tiny arithmetic LM "
+                                         "deterministically and save it", DEFAULT_ASSET_DIR,
+                                         (DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR))
     b.add_argument("--carry-drop", type=float, default=DEFAULT_CARRY_DROP)
     b.add_argument("--eval-rows", type=int, default=256)
     e = sub.add_parser("eval", help="greedy accuracy and pass@k on held-out rows")
     e.add_argument("--path", default=None)
     e.add_argument("--n", type=int, default=None, help="held-out rows (default: all)")
     e.add_argument("--k", type=int, default=8)
-    c = sub.add_parser("check", help="rebuild into a temp folder and compare with the shipped files (sha256)")
-    c.add_argument("--shipped", default=str(DEFAULT_ASSET_DIR))
-    c.add_argument("--keep", default=None, help="build into this folder instead of a temp one and keep it")
+    asset_check.add_check(sub, DEFAULT_ASSET_DIR)
     args = ap.parse_args(argv)
-    if args.cmd == "build":
+    if args.command == "build":
         build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
               num_threads=args.threads, eval_rows=args.eval_rows, carry_drop=args.carry_drop)
-    elif args.cmd == "check":
-        t0 = time.time()
-        result = check(args.shipped, args.keep)
-        print(result.table())
-        print(f"check took {time.time() - t0:.0f} s")
-        return 0 if result.ok else 1
+    elif args.command == "check":
+        return asset_check.report_check(lambda: check(args.shipped, args.keep))
     else:
         model, tok = load_arith_lm(args.path)
         rows = arithmetic_dataset("test", n=args.n)

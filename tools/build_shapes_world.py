@@ -24,7 +24,6 @@ writes. Exit status 0 when every file is bit-identical.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tools.asset_check import Comparison, compare, json_without
+from tools.asset_check import Comparison, add_check, builder_cli, compare, json_without, report_check
 from unialign.embedded.shapes_world import (
     BOS_TOKEN,
     CLIP_MEAN,
@@ -920,11 +919,8 @@ def check(stage: str = "data", shipped: str | Path = DEFAULT_ASSET_DIR, keep: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.build_shapes_world", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="build the assets deterministically")
-    b.add_argument("--out", required=True, help=f"output folder (the shipped one: {DEFAULT_ASSET_DIR})")
-    b.add_argument("--seed", type=int, default=0)
+    parser, sub, b = builder_cli("python -m tools.build_shapes_world", __doc__, "build the assets deterministically",
+                                 DEFAULT_ASSET_DIR)
     for name, default in (("clip_steps", 150), ("head_steps", 1500), ("vae_steps", 1000), ("unet_steps", 1000),
                           ("per_prompt", 16), ("threads", 1), ("n_eval", 64)):
         b.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
@@ -947,10 +943,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--split", default="train")
     m = sub.add_parser("markdown", help="rewrite BUILD.md from build_report.json (no training)")
     m.add_argument("--out", required=True)
-    c = sub.add_parser("check", help="rebuild a stage into a temp folder and compare with the shipped files (sha256)")
+    c = add_check(sub, DEFAULT_ASSET_DIR, "rebuild a stage into a temp folder and compare with the shipped files "
+                  "(sha256)", f"build into this folder's {SHIPPED_OUT} instead of a temp one, kept")
     c.add_argument("--stage", default="data", choices=tuple(STAGES))
-    c.add_argument("--shipped", default=str(DEFAULT_ASSET_DIR))
-    c.add_argument("--keep", default=None, help=f"build into this folder's {SHIPPED_OUT} instead of a temp one, kept")
     args = parser.parse_args(argv)
     if args.command == "build":
         build(args.out, seed=args.seed, clip_steps=args.clip_steps, head_steps=args.head_steps,
@@ -966,11 +961,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         (out / "BUILD.md").write_text(build_markdown(json.loads((out / "build_report.json").read_text())))
     elif args.command == "check":
-        t0 = time.perf_counter()
-        result = check(args.stage, args.shipped, args.keep)
-        print(result.table())
-        print(f"check --stage {args.stage} took {time.perf_counter() - t0:.0f} s")
-        return 0 if result.ok else 1
+        return report_check(lambda: check(args.stage, args.shipped, args.keep), f"check --stage {args.stage}")
     else:
         print(json.dumps(evaluate(args.path, n=args.n, seed=args.seed, split=args.split), indent=1))
     return 0

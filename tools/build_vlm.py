@@ -24,7 +24,6 @@ of steps, one thread, deterministic algorithms.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tools import asset_check
 from tools.asset_check import Comparison, rebuild_and_compare
 from unialign.embedded import shapes_world, vlm
 
@@ -189,11 +189,8 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
     given ``seed`` on one machine / torch build. ``callback(step, model, processor)`` every ``log_every`` steps."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prev_threads, prev_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(num_threads)
-    torch.use_deterministic_algorithms(True)
     t0 = time.time()
-    try:
+    with asset_check.deterministic(num_threads):
         tok = vlm.build_tokenizer()
         processor = vlm.build_processor(tok)
         model_args = {**vlm.MODEL_DEFAULTS, **model_kw}
@@ -251,13 +248,7 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
             t1 = time.time()
             metrics["eval"] = evaluate(model, processor, n_rows=eval_rows or None)
             metrics["eval_seconds"] = round(time.time() - t1, 1)
-        (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if verbose:
-            print(json.dumps(metrics), flush=True)
-        return metrics
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det)
+        return asset_check.write_metrics(out, metrics, verbose)
 
 
 def check(shipped: str | Path = vlm.VLM_DIR, keep: str | Path | None = None, **build_kw: Any) -> Comparison:
@@ -276,15 +267,8 @@ def check(shipped: str | Path = vlm.VLM_DIR, keep: str | Path | None = None, **b
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.build_vlm", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="train the tiny VLM deterministically and save it")
-    b.add_argument("--out", required=True, help=f"output folder (the shipped one: {vlm.VLM_DIR})")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
-    b.add_argument("--lr", type=float, default=DEFAULT_LR)
-    b.add_argument("--threads", type=int, default=1)
+    ap, sub, b = asset_check.builder_cli("python -m tools.build_vlm", __doc__, "train the tiny VLM deterministically "
+                                         "and save it", vlm.VLM_DIR, (DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR))
     b.add_argument("--confusion-rate", type=float, default=DEFAULT_CONFUSION_RATE)
     b.add_argument("--judge-share", type=float, default=DEFAULT_JUDGE_SHARE)
     b.add_argument("--augment", type=float, default=DEFAULT_AUGMENT)
@@ -293,20 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--path", default=None)
     e.add_argument("--n", type=int, default=None, help="held-out rows (default: all)")
     e.add_argument("--k", type=int, default=8)
-    c = sub.add_parser("check", help="rebuild into a temp folder and compare with the shipped files (sha256)")
-    c.add_argument("--shipped", default=str(vlm.VLM_DIR))
-    c.add_argument("--keep", default=None, help="build into this folder instead of a temp one and keep it")
+    asset_check.add_check(sub, vlm.VLM_DIR)
     args = ap.parse_args(argv)
-    if args.cmd == "build":
+    if args.command == "build":
         build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
               num_threads=args.threads, confusion_rate=args.confusion_rate, judge_share=args.judge_share,
               augment=args.augment, eval_rows=None if args.no_eval else 0)
-    elif args.cmd == "check":
-        t0 = time.time()
-        result = check(args.shipped, args.keep)
-        print(result.table())
-        print(f"check took {time.time() - t0:.0f} s")
-        return 0 if result.ok else 1
+    elif args.command == "check":
+        return asset_check.report_check(lambda: check(args.shipped, args.keep))
     else:
         model, processor = vlm.load_embedded_vlm(args.path)
         t0 = time.time()

@@ -125,7 +125,7 @@ def test_rpo_preset_equals_sigmoid_plus_rpo_alpha_one():
 
 def test_bad_loss_or_parameter_fails_at_construction():
     policy, _ = perturbed_policy()
-    with pytest.raises(ValueError, match="loss_type must be one of"):
+    with pytest.raises(ValueError, match=r"unknown pair loss \(loss_type\) .*; choose one of"):
         PairObjective(policy, beta=0.1, loss_type="kto")
     with pytest.raises(ValueError, match="takes no parameter 'gamma'"):
         PairObjective(policy, beta=0.1, loss_type="orpo", loss_params={"gamma": 1.0})

@@ -44,23 +44,19 @@ def _data(folder, n_train: int = 12, n_test: int = 4, pairs: bool = False):
     return folder
 
 
-def _reward_module(tmp_path, monkeypatch):
-    (tmp_path / "vrewards.py").write_text(
-        "def has(completions, solution, **kwargs):\n"
-        "    return [float(s in c) + 0.1 * len(c) for c, s in zip(completions, solution)]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "vrewards:has"
+REWARD_SOURCE = ("def has(completions, solution, **kwargs):\n"
+                 "    return [float(s in c) + 0.1 * len(c) for c, s in zip(completions, solution)]\n")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_grpo_vision_on_a_folder_of_trl_rows(tmp_path, monkeypatch, vlm_dir, algorithm):
+def test_grpo_vision_on_a_folder_of_trl_rows(tmp_path, user_module, vlm_dir, algorithm):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     data = _data(tmp_path / "data")
     out = tmp_path / "out"
     s = run("grpo_vision", ["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--algorithm", algorithm,
-                            "--reward_funcs", _reward_module(tmp_path, monkeypatch), "--max_steps", "2",
+                            "--reward_funcs", user_module("vrewards", REWARD_SOURCE) + ":has", "--max_steps", "2",
                             "--prompts_per_step", "2", "--num_generations", "2", "--output_dir", str(out),
                             "--report_to", "none"])
     assert s["steps"] == 2 and (s["train_rows"], s["eval_rows"]) == (12, 4)

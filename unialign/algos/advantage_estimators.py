@@ -29,6 +29,7 @@ from unialign.algos.advantages import (
     whiten,
     win_rates,
 )
+from unialign.algos.named import add_new, lookup
 
 Tensor = torch.Tensor
 
@@ -75,17 +76,14 @@ def register_advantage(name: str, needs_critic: bool = False, needs_step_rewards
                        uses_groups: bool = False):
     """Decorator: ``@register_advantage("rloo", uses_groups=True)`` over ``fn(inputs, spec) -> AdvantageOutput``."""
     def wrap(fn):
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = Estimator(fn, needs_critic, needs_step_rewards, uses_groups)
+        add_new(ADVANTAGE_ESTIMATORS, name, Estimator(fn, needs_critic, needs_step_rewards, uses_groups),
+                "advantage estimator")
         return fn
     return wrap
 
 
 def get_estimator(name: str) -> Estimator:
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
 
 
 def _per_sequence(adv_B: Tensor, inputs: AdvantageInputs) -> AdvantageOutput:

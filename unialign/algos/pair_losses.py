@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unialign.algos.named import add_new, lookup
+
 Tensor = torch.Tensor
 PairLossFn = Callable[..., Tensor]  # (chosen_B, rejected_B, beta, **params) -> losses_B
 
@@ -52,12 +54,11 @@ def register_pair_loss(name: str, *, needs_reference: bool, length_normalize: bo
     """Decorator: register ``fn(chosen_B, rejected_B, beta, **params) -> losses_B`` under ``name``."""
 
     def add(fn: PairLossFn) -> PairLossFn:
-        if name in PAIR_LOSSES:
-            raise ValueError(f"pair loss {name!r} is already registered")
         signature = list(inspect.signature(fn).parameters.values())
         params = tuple(p.name for p in signature[3:])
         defaults = tuple((p.name, p.default) for p in signature[2:] if p.default is not inspect.Parameter.empty)
-        PAIR_LOSSES[name] = PairLoss(name, fn, needs_reference, length_normalize, params, nll_coef, defaults)
+        add_new(PAIR_LOSSES, name, PairLoss(name, fn, needs_reference, length_normalize, params, nll_coef, defaults),
+                "pair loss")
         return fn
 
     return add
@@ -65,9 +66,7 @@ def register_pair_loss(name: str, *, needs_reference: bool, length_normalize: bo
 
 def get_pair_loss(name: str) -> PairLoss:
     """The registry entry ``name``; a ValueError naming the registered ones otherwise."""
-    if name not in PAIR_LOSSES:
-        raise ValueError(f"loss_type must be one of {tuple(PAIR_LOSSES)}, got {name!r}")
-    return PAIR_LOSSES[name]
+    return lookup(PAIR_LOSSES, name, "pair loss (loss_type)")
 
 
 def check_pair_loss_params(name: str, label_smoothing: float = 0.0, **params: float) -> PairLoss:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from unialign.algos.named import add_new, lookup
+
 Tensor = torch.Tensor
 
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
@@ -107,18 +109,14 @@ def register_policy_loss(name: str, inputs: tuple[str, ...] = ()) -> Callable[[P
     reads, which the policy computes beside its log-probs (``log_prob_terms``; e.g. DiffusionNFT's ``"nft"``); a
     policy without them is refused when the trainer starts. They arrive as keyword arguments (``fn.inputs``)."""
     def add(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
+        add_new(POLICY_LOSSES, name, fn, "policy loss")
         fn.inputs = tuple(inputs)
-        POLICY_LOSSES[name] = fn
         return fn
     return add
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return lookup(POLICY_LOSSES, name, "policy loss")
 
 
 @register_policy_loss("clipped")

@@ -177,20 +177,29 @@ class _Parser:
             return self.node("pow", base, self.exponent())
         return base
 
-    def exponent(self) -> Node:
+    def bare_argument(self) -> Node | None:
+        """A command's argument without braces, as LaTeX reads it: ``{expr}``, one digit of a number (the rest
+        stays the next token: ``^23`` is ``^{2}3``, ``\\frac12`` is ``\\frac{1}{2}``; a decimal number whole) or
+        one letter; None before anything else."""
         kind = self.peek()
         if kind == "{":
             return self.group()
         if kind == "num":
             digits = self.take()[1]
-            # ^23 means ^{2}3 in LaTeX
             if len(digits) > 1 and "." not in digits:
                 self.i -= 1
                 self.tokens[self.i] = ("num", digits[1:])
-                return self.node("num", Fraction(digits[0]))
+                digits = digits[0]
             return self.node("num", Fraction(digits))
         if kind == "letter":
             return self.node("var", self.take()[1])
+        return None
+
+    def exponent(self) -> Node:
+        arg = self.bare_argument()
+        if arg is not None:
+            return arg
+        kind = self.peek()
         if kind == "(":
             return self.atom()
         if kind == "-":
@@ -268,18 +277,10 @@ class _Parser:
 
     def frac_arg(self) -> Node:
         """``{expr}`` or a single digit / letter (``\\frac12``, ``\\sqrt2``)."""
-        kind = self.peek()
-        if kind == "{":
-            return self.group()
-        if kind == "num":
-            digits = self.take()[1]
-            if len(digits) > 1 and "." not in digits:
-                self.i -= 1
-                self.tokens[self.i] = ("num", digits[1:])
-            return self.node("num", Fraction(digits[0]))
-        if kind == "letter":
-            return self.node("var", self.take()[1])
-        raise ParseError("bad argument")
+        arg = self.bare_argument()
+        if arg is None:
+            raise ParseError("bad argument")
+        return arg
 
     def unary_power_chain(self) -> Node:
         """The argument of ``\\sin 2x``: juxtaposed factors up to the next operator."""
