@@ -1,18 +1,113 @@
-"""The one modality seam: the ``Policy`` protocol every trainer and algorithm sees.
+"""The one modality seam: the ``Policy`` protocol every trainer and algorithm sees, and the optional
+capabilities a policy declares beside it.
 
-A text policy (``unialign.text.CausalLMPolicy``) and a diffusion policy
-(``unialign.image.DiffusionPolicy``) both implement it. Trainers never ask which one they hold.
+A text policy (``unialign.text.CausalLMPolicy``), a vision-language one and the diffusion policies
+(``unialign.image.DiffusionPolicy``, the flow-matching ones) all implement ``Policy``. Trainers never ask which
+one they hold; they ask for what a loss needs in one call, ``loss_forward(trajectory, LossRequest(...))``, which
+returns a ``LossForward`` (log-probs, entropy, and the values, KL and extra terms asked for). What a policy can
+give beyond log-probs and entropy it declares by subclassing the capability protocols below (a policy class
+lists them among its bases; ``isinstance`` then answers the trainer, which checks them once, when it starts):
+
+    Critic              ``has_critic`` and ``log_prob_and_values``: PPO's value model (GAE)
+    ClosedFormKL        ``closed_form_kls`` and ``log_prob_and_kl``: the exact per-step KL to ``reference()``
+    KLWeights           ``kl_weights``: the per-step weights of Flow-GRPO's KL (``gaussian_g2``)
+    LossTerms           ``log_prob_terms``: the extra per-step terms a registered policy loss reads (NFT's)
+    StepChunks          ``step_chunks``: a micro-batch's trained steps in chunks, one backward each (memory)
+    OptimizerStepHook   ``after_optimizer_step``: work after each optimizer step (an old policy's average)
+
+``PolicyBase`` gives a policy ``loss_forward`` built from the capabilities it declares, and the default
+``log_prob_estimator`` ("sampler": the sampler's own step or token densities).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from unialign import algos
 from unialign.types import PreferenceBatch, Trajectory
+
+
+@dataclass(frozen=True)
+class LossRequest:
+    """What a loss needs from the policy's forward over a trajectory, beyond log-probs and entropy."""
+
+    values: bool = False          # the critic's values (PPO's value loss): a ``Critic``
+    kl: str | None = None         # a closed-form KL estimator (``algos.CLOSED_FORM_ESTIMATORS``): a ``ClosedFormKL``
+    terms: tuple[str, ...] = ()   # the per-step terms a registered policy loss reads (``fn.inputs``): ``LossTerms``
+
+
+@dataclass
+class LossForward:
+    """One forward's answer to a ``LossRequest``: every tensor [B, T], 0 where masked."""
+
+    logp_B_T: torch.Tensor
+    entropy_B_T: torch.Tensor
+    values_B_T: torch.Tensor | None = None   # when ``values`` was asked
+    kl_B_T: torch.Tensor | None = None       # when ``kl`` was asked: that estimator's per-step KL to the reference
+    terms: dict[str, Any] = field(default_factory=dict)  # when ``terms`` were asked, by name
+
+
+# ----------------------------------------------------------------------------------- optional capabilities
+@runtime_checkable
+class Critic(Protocol):
+    """A policy with a value model: ``has_critic`` (whether this instance carries one) and
+    ``log_prob_and_values(trajectory) -> (logp_B_T, entropy_B_T, values_B_T)``. An advantage estimator registered
+    with ``needs_critic`` requires one."""
+
+    @property
+    def has_critic(self) -> bool: ...
+
+    def log_prob_and_values(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class ClosedFormKL(Protocol):
+    """A policy whose steps are Gaussians of a fixed variance (diffusion): ``log_prob_and_kl(trajectory) ->
+    (logp_B_T, entropy_B_T, kl_B_T)`` with the closed-form per-step KL to ``reference()``, for the estimators
+    ``closed_form_kls`` names."""
+
+    @property
+    def closed_form_kls(self) -> tuple[str, ...]: ...
+
+    def log_prob_and_kl(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class KLWeights(Protocol):
+    """``kl_weights(trajectory) -> [B, T]``: the per-step weights of the KL estimators in
+    ``algos.NEEDS_KL_WEIGHTS`` (Flow-GRPO's ``gaussian_g2``: std^2 / g^2 of each step)."""
+
+    def kl_weights(self, trajectory: Trajectory) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LossTerms(Protocol):
+    """``log_prob_terms(trajectory, names, with_kl) -> (logp_B_T, entropy_B_T, kl_B_T or None, {name: term})``:
+    the extra per-step terms a registered policy loss reads, in the log-probs' own model call."""
+
+    def log_prob_terms(self, trajectory: Trajectory, names: tuple[str, ...],
+                       with_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        ...
+
+
+@runtime_checkable
+class StepChunks(Protocol):
+    """``step_chunks(mask_B_T) -> [mask_B_T, ...]``: the trained steps of a micro-batch split into {0, 1} masks
+    that sum to it; the trainer computes each chunk's share of the loss with its own backward."""
+
+    def step_chunks(self, mask_B_T: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class OptimizerStepHook(Protocol):
+    """``after_optimizer_step(step)``: called by the trainer after optimizer step ``step`` (1-based)."""
+
+    def after_optimizer_step(self, step: int) -> None: ...
 
 
 @runtime_checkable
@@ -61,16 +156,48 @@ class Policy(Protocol):
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]: ...
 
-    # Optional, the critic protocol (PPO's GAE): ``has_critic`` (True when the policy carries a value model)
-    # and ``log_prob_and_values(trajectory) -> (logp_B_T, entropy_B_T, values_B_T)``. An advantage
-    # estimator registered with ``needs_critic`` requires both (checked when the trainer starts).
-    # Optional, for policies whose steps are Gaussians of a fixed variance (diffusion): ``log_prob_and_kl(
-    # trajectory) -> (logp_B_T, entropy_B_T, kl_B_T)`` with the closed-form step KL to ``reference()``;
-    # ``kl_estimator="gaussian"`` requires it (checked when the trainer starts).
+    #: what ``log_prob`` estimates: "sampler" (the sampler's own densities) or "forward" (a forward-process
+    #: surrogate at fresh noise); an algorithm's ``log_prob_estimator`` must match it
+    log_prob_estimator: str
+
+    def loss_forward(self, trajectory: Trajectory, request: LossRequest) -> LossForward:
+        """Everything a loss needs from one forward over ``trajectory``: the log-probs and entropy, and what
+        ``request`` asks for (a policy that declares the capability it needs; ``PolicyBase`` builds it)."""
+        ...
 
     def save(self, path: str) -> None:
         """Write weights (or adapters) loadable by the stock library (transformers / diffusers)."""
         ...
+
+
+class PolicyBase:
+    """What every policy shares: ``loss_forward`` answered from the capabilities its class declares (one model
+    call for each request: values with the log-probs, the KL with the log-probs, the extra terms with both), and
+    the ``log_prob_estimator`` "sampler" (a denoiser on the forward process overrides it)."""
+
+    log_prob_estimator = "sampler"
+
+    def loss_forward(self, trajectory: Trajectory, request: LossRequest) -> LossForward:
+        """``Policy.loss_forward``. The trainer checked at its start that the policy declares the capabilities
+        ``request`` needs."""
+        if request.values:
+            logp, entropy, values = self.log_prob_and_values(trajectory)
+            return LossForward(logp, entropy, values_B_T=values)
+        if request.terms:
+            logp, entropy, kl, terms = self.log_prob_terms(trajectory, request.terms, with_kl=request.kl is not None)
+            return LossForward(logp, entropy, kl_B_T=self._closed_form_kl(kl, trajectory, request.kl), terms=terms)
+        if request.kl is not None:
+            logp, entropy, kl = self.log_prob_and_kl(trajectory)
+            return LossForward(logp, entropy, kl_B_T=self._closed_form_kl(kl, trajectory, request.kl))
+        logp, entropy = self.log_prob_and_entropy(trajectory)
+        return LossForward(logp, entropy)
+
+    def _closed_form_kl(self, kl: torch.Tensor | None, trajectory: Trajectory, estimator: str | None) -> Any:
+        """The policy's raw per-step KL as ``estimator`` reads it (weighted by ``kl_weights`` where it needs)."""
+        if kl is None:
+            return None
+        weights = self.kl_weights(trajectory) if estimator in algos.NEEDS_KL_WEIGHTS else None
+        return algos.closed_form_kl(kl, estimator, weights)
 
 
 class ReferencePolicy:

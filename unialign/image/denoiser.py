@@ -44,14 +44,21 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unialign.policy import ReferencePolicy
+from unialign.policy import (
+    ClosedFormKL,
+    LossTerms,
+    OptimizerStepHook,
+    PolicyBase,
+    ReferencePolicy,
+    StepChunks,
+)
 from unialign.types import PreferenceBatch, Trajectory
 
 Tensor = torch.Tensor
 TEXT_PARTS = ("text_encoder", "tokenizer")  # the prefixes of the text parts' component names
 
 
-class DenoiserPolicy:
+class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerStepHook):
     """What every denoising policy shares (module docstring). ``DiffusionPolicy`` (SD1.x / SDXL UNets, the DDIM
     step) and ``FlowPolicyBase`` (SD3 / FLUX transformers, Flow-GRPO's SDE step) implement the hooks."""
 

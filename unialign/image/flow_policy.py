@@ -52,6 +52,7 @@ import torch
 from unialign.image.denoiser import DenoiserPolicy
 from unialign.image.family import ImageFamily, SamplerKnobs
 from unialign.image.kernels import FlowSDEKernel
+from unialign.policy import KLWeights
 from unialign.types import Trajectory
 
 Tensor = torch.Tensor
@@ -159,7 +160,7 @@ class FlowFamily(ImageFamily):
         raise NotImplementedError
 
 
-class FlowPolicyBase(DenoiserPolicy):
+class FlowPolicyBase(DenoiserPolicy, KLWeights):
     """A flow-matching policy: the flow-matching step on the shared denoiser part (``DenoiserPolicy``: module
     docstring) and one family adapter, ``self.family`` (``FlowFamily``), given once as ``family=``.
     ``FlowMatchingPolicy`` (SD3) and ``FluxPolicy`` (FLUX.1) are this class with the family given

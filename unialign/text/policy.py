@@ -23,7 +23,7 @@ import torch
 
 from unialign.dist import fsdp2_root, gathered_state_dict, is_main_rank, unwrap
 from unialign.hub import hub_error, require_hub
-from unialign.policy import ReferencePolicy
+from unialign.policy import Critic, PolicyBase, ReferencePolicy
 from unialign.text import prefix
 from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, detached_critics
 from unialign.text.head import install_fused_head
@@ -66,7 +66,7 @@ class _SamplingKnob:
         obj.sampling = obj.sampling.with_(**{self.name: value})
 
 
-class CausalLMPolicy:
+class CausalLMPolicy(PolicyBase, Critic):
     """Policy over token sequences. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
 
     tokenizer = _PromptSetting()

@@ -43,7 +43,16 @@ from accelerate.utils import gather, gather_object
 
 from unialign import algos
 from unialign.config import validate
-from unialign.policy import Policy
+from unialign.policy import (
+    ClosedFormKL,
+    Critic,
+    KLWeights,
+    LossRequest,
+    LossTerms,
+    OptimizerStepHook,
+    Policy,
+    StepChunks,
+)
 from unialign.registry import (
     KNOBS,
     AlgoSpec,
@@ -147,8 +156,7 @@ class OnlineTrainer(TrainerLoop):
         self.policy_loss = algos.get_policy_loss(self.spec.policy_loss)
         if config.num_generations < 2 and self.estimator.uses_groups:
             raise ValueError(f"num_generations must be >= 2 for {self.spec.name} (group baselines)")
-        if self.estimator.needs_critic and not (getattr(policy, "has_critic", False)
-                                                and callable(getattr(policy, "log_prob_and_values", None))):
+        if self.estimator.needs_critic and not (isinstance(policy, Critic) and policy.has_critic):
             raise ValueError(f"{self.spec.name}'s advantage estimator {self.spec.advantage!r} needs a critic, and "
                              f"this {type(policy).__name__} has none (text: build it with value_head=True / "
                              "--value_head; or choose a critic-free algorithm: grpo, rloo, reinforce_pp, ...)")
@@ -159,31 +167,34 @@ class OnlineTrainer(TrainerLoop):
             raise ValueError(f"kl_in_reward puts the KL into per-step rewards, which the advantage estimator "
                              f"{self.spec.advantage!r} does not read: use a loss KL (kl_in_reward false)")
         algos.check_kl_estimator(self.spec.kl_estimator)
-        estimator = getattr(policy, "log_prob_estimator", "sampler")
+        estimator = policy.log_prob_estimator
         if estimator != self.spec.log_prob_estimator:
             raise ValueError(f"{self.spec.name} trains on the {self.spec.log_prob_estimator!r} log-prob estimator, "
                              f"but this {type(policy).__name__} provides {estimator!r} (a denoiser: "
                              "policy.use_forward_process() for 'forward'; the image scripts choose it from the algorithm)")
-        self._loss_inputs = tuple(getattr(self.policy_loss, "inputs", ()))
-        if self._loss_inputs and not hasattr(policy, "log_prob_terms"):
-            raise ValueError(f"policy_loss={self.spec.policy_loss!r} reads {list(self._loss_inputs)} from the policy "
+        loss_inputs = tuple(getattr(self.policy_loss, "inputs", ()))  # registered losses carry fn.inputs
+        if loss_inputs and not isinstance(policy, LossTerms):
+            raise ValueError(f"policy_loss={self.spec.policy_loss!r} reads {list(loss_inputs)} from the policy "
                              f"(log_prob_terms), which {type(policy).__name__} does not provide")
         # a closed-form KL comes from the policy's own forward (it needs both step means)
-        self._kl_from_policy = self.spec.beta > 0 and self.spec.kl_estimator in algos.CLOSED_FORM_ESTIMATORS
-        if self._kl_from_policy:
-            if not hasattr(policy, "log_prob_and_kl"):
+        kl_from_policy = self.spec.beta > 0 and self.spec.kl_estimator in algos.CLOSED_FORM_ESTIMATORS
+        if kl_from_policy:
+            if not isinstance(policy, ClosedFormKL):
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} needs a policy with Gaussian steps and "
                                  f"log_prob_and_kl() (DiffusionPolicy); {type(policy).__name__} has none: use k1, k2 or k3")
-            offered = getattr(policy, "closed_form_kls", algos.CLOSED_FORM_ESTIMATORS)
+            offered = policy.closed_form_kls
             if self.spec.kl_estimator not in offered:
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r}: this {type(policy).__name__}'s log-prob "
                                  f"offers the closed forms {list(offered)} (or k1, k2, k3)")
-            if self.spec.kl_estimator in algos.NEEDS_KL_WEIGHTS and not hasattr(policy, "kl_weights"):
+            if self.spec.kl_estimator in algos.NEEDS_KL_WEIGHTS and not isinstance(policy, KLWeights):
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} (Flow-GRPO's KL) needs a flow-matching "
                                  f"policy's kl_weights(); {type(policy).__name__} has none: use 'gaussian'")
             if self.spec.kl_in_reward or self.spec.value_coef > 0:
                 raise ValueError(f"kl_estimator={self.spec.kl_estimator!r} is a KL term in the loss; it cannot be "
                                  f"combined with {self.spec.name}'s KL-in-reward or critic: use k1, k2 or k3")
+        # what every loss asks of the policy's forward (the capabilities it needs were checked above)
+        self._request = LossRequest(values=self.spec.value_coef > 0,
+                                    kl=self.spec.kl_estimator if kl_from_policy else None, terms=loss_inputs)
         if self.spec.beta > 0:
             policy.reference()  # built now, from the untrained weights (a frozen copy without LoRA)
         params = list(policy.trainable_parameters())
@@ -249,7 +260,7 @@ class OnlineTrainer(TrainerLoop):
         rewards = traj.rewards_B.double()
         rewards_all = gather(rewards.to(self.acc.device)).cpu() if self.acc.num_processes > 1 else rewards
         start = self.acc.process_index * len(traj)
-        if self.spec.beta > 0 and not self._kl_from_policy:
+        if self.spec.beta > 0 and self._request.kl is None:
             traj.ref_logp_B_T = self._batched(self.policy.reference().log_prob, traj)
         mask = traj.mask_B_T
         stats: dict[str, float] = {}
@@ -339,11 +350,10 @@ class OnlineTrainer(TrainerLoop):
         """The policy's split of a micro-batch's trained steps (``step_chunks``, e.g. a diffusion policy's
         ``train_chunk_size``) when the loss is a sum over steps: token-level ratios, no critic, no rollout
         correction. ``[None]``: the micro-batch in one piece."""
-        split = getattr(self.policy, "step_chunks", None)
-        if (split is None or self.spec.importance_sampling_level != "token" or self.spec.value_coef > 0
-                or mb.rollout_logp_B_T is not None):
+        if (not isinstance(self.policy, StepChunks) or self.spec.importance_sampling_level != "token"
+                or self.spec.value_coef > 0 or mb.rollout_logp_B_T is not None):
             return [None]
-        chunks = split(mb.mask_B_T)
+        chunks = self.policy.step_chunks(mb.mask_B_T)
         return [None] if len(chunks) == 1 else chunks
 
     def _loss(self, mb: Trajectory, normalizer: torch.Tensor, value_normalizer: torch.Tensor,
@@ -356,27 +366,14 @@ class OnlineTrainer(TrainerLoop):
         if step_mask is not None:
             mb = dataclasses.replace(mb, mask_B_T=step_mask)
         mask = mb.mask_B_T.to(self.acc.device)
-        values = kl = None
-        terms: dict[str, Any] = {}
-        if spec.value_coef > 0:
-            logp, entropy, values = self.policy.log_prob_and_values(mb)
-        elif self._loss_inputs:  # a policy loss that reads more than log-probs: all in the policy's one forward
-            logp, entropy, kl, terms = self.policy.log_prob_terms(mb, self._loss_inputs, with_kl=self._kl_from_policy)
-            if kl is not None:
-                weights = self.policy.kl_weights(mb) if spec.kl_estimator in algos.NEEDS_KL_WEIGHTS else None
-                kl = algos.closed_form_kl(kl, spec.kl_estimator, weights)
-        elif self._kl_from_policy:
-            logp, entropy, kl = self.policy.log_prob_and_kl(mb)
-            weights = self.policy.kl_weights(mb) if spec.kl_estimator in algos.NEEDS_KL_WEIGHTS else None
-            kl = algos.closed_form_kl(kl, spec.kl_estimator, weights)
-        else:
-            logp, entropy = self.policy.log_prob_and_entropy(mb)
+        out = self.policy.loss_forward(mb, self._request)
+        logp, entropy, values, kl = out.logp_B_T, out.entropy_B_T, out.values_B_T, out.kl_B_T
         adv = mb.advantages_B_T.to(logp.device)
         # one optimizer step per batch: the sampling policy is the current one, as TRL / verl use
         old_logp = logp.detach() if mb.old_logp_B_T is None else mb.old_logp_B_T.to(logp.device)
         if not self.ratio_checked:
             self._check_ratio(logp.detach(), old_logp, mask)
-        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec, **terms)
+        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec, **out.terms)
         if mb.rollout_logp_B_T is not None:  # sampled by another engine: pi_old / pi_rollout per token
             cfg = self.cfg
             weights, rc = algos.rollout_correction(
@@ -499,9 +496,8 @@ class OnlineTrainer(TrainerLoop):
             self.counters["skipped_steps"] += 1
             return stats
         stats.update(self.update(traj))                           # 4
-        after = getattr(self.policy, "after_optimizer_step", None)   # e.g. an old policy's moving average
-        if after is not None:
-            after(self.step + 1)
+        if isinstance(self.policy, OptimizerStepHook):  # e.g. an old policy's moving average
+            self.policy.after_optimizer_step(self.step + 1)
         local = [[float(traj.mask_B_T.sum()), float(len(traj))]]
         counts = gather(torch.tensor(local, device=acc.device)).sum(0)
         seconds = time.perf_counter() - t0
