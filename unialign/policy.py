@@ -240,6 +240,16 @@ class ReferencePolicy:
         with self._frozen():
             return self.policy._sequence_log_prob(self.model, batch, length_normalize)
 
+    @property
+    def log_prob_estimator(self) -> str:
+        return self.policy.log_prob_estimator
+
+    def loss_forward(self, trajectory: Trajectory, request: LossRequest) -> LossForward:
+        """Log-probs and entropy, frozen: a reference is scored, never trained, so it answers no other request."""
+        if request != LossRequest():
+            raise ValueError(f"the reference policy answers log-probs and entropy only, not {request}")
+        return LossForward(*self.log_prob_and_entropy(trajectory))
+
     def preference_batch(self, rows: list[dict[str, Any]], *args: Any, **kwargs: Any) -> PreferenceBatch:
         return self.policy.preference_batch(rows, *args, **kwargs)
 
