@@ -113,3 +113,15 @@ def test_a_text_policy_is_refused_what_only_a_declared_capability_gives(tiny_pol
     with pytest.raises(ValueError, match="needs a policy with Gaussian steps"):
         OnlineTrainer(tiny_policy, reward, [{"prompt": "1+1?"}], OnlineConfig(beta=0.1, kl_estimator="gaussian",
                                                                              **common))
+
+
+def test_a_reference_is_a_policy_that_answers_log_probs_only(tiny_policy):
+    from unialign.policy import Policy
+
+    ref = tiny_policy.reference()
+    traj = tiny_policy.sample(["1+1=", "2+2="])
+    assert isinstance(ref, Policy) and ref.log_prob_estimator == tiny_policy.log_prob_estimator
+    out = ref.loss_forward(traj, LossRequest())
+    assert torch.equal(out.logp_B_T, ref.log_prob(traj)) and not out.logp_B_T.requires_grad
+    with pytest.raises(ValueError, match="reference policy answers log-probs and entropy only"):
+        ref.loss_forward(traj, LossRequest(values=True))
