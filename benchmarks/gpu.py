@@ -32,6 +32,9 @@ what would overrun the budget):
   G-P11-*  image RL on an SD3.5-medium-sized SD3Transformer2DModel (random weights, bf16, LoRA r32, 64x64 latents):
            seconds per optimizer step and images/s of collection for flow_grpo (10 SDE steps, CFG 4.5), awm (14
            Euler steps, no CFG, 6 pairs) and nft (10 Euler steps from the old policy, 9 pairs), one group of 24
+  G-P13-*  a masked-diffusion LM at LLaDA-8B's dims (a native ModernBertForMaskedLM, random weights, bf16): block
+           decoding tokens/s (8 x 256 tokens, blocks of 32, 64 steps) and each estimator's forward + backward time
+           and peak memory (gradient checkpointing; ar_order's 256 copies per sequence left out)
 
 Memory: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. MFU = FLOPs / time / peak,
 FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` on one extra (untimed) iteration of the
@@ -564,6 +567,66 @@ def rows_p11(rows):
     go(rows)
 
 
+# LLaDA-8B's dims (GSAI-ML/LLaDA-8B-Instruct config.json: d_model 4096, 32 layers, 32 heads, MLP 12288, vocab
+# 126464) on transformers' native bidirectional masked LM (LLaDA's own code is remote): the same matmul shapes
+LLADA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=12288,
+                vocab_size=126464)
+
+
+def rows_p13(rows):
+    @guarded("G-P13", "masked-diffusion LM at LLaDA-8B size: sampling and the estimators", 200)
+    def go():
+        from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+        from benchmarks.p13_dlm import PROMPTS
+        from unialign.algos.masked_diffusion import LOG_PROB_ESTIMATORS, forwards_per_sequence
+        from unialign.dlm import FAMILIES, DiffusionSampling, MaskedDiffusionLMPolicy
+        from unialign.embedded.mdlm import build_tokenizer
+
+        dev, dtype = ARGS.device, (torch.float32 if ARGS.device == "cpu" else torch.bfloat16)
+        tok = build_tokenizer()
+        dims = (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     vocab_size=len(tok)) if ARGS.tiny else LLADA_8B)
+        cfg = ModernBertConfig(**dims, global_attn_every_n_layers=1, local_attention=4096, max_position_embeddings=4096,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=1,
+                               cls_token_id=1, sep_token_id=tok.eos_token_id, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = ModernBertForMaskedLM(cfg).to(dtype)
+        gen, block, steps, batch = (16, 8, 4, 2) if ARGS.tiny else (256, 32, 64, 8)
+        sampling = DiffusionSampling(gen_length=gen, block_length=block, steps=steps)
+        policy = MaskedDiffusionLMPolicy(model, tok, FAMILIES["modernbert"], sampling=sampling)
+        prompts = (PROMPTS * batch)[:batch]
+        policy.generate(prompts[:1], greedy=True)  # warm-up
+        sync()
+        t = time.perf_counter()
+        traj = policy.sample(prompts, record_logp=False)
+        sync()
+        sample_s = time.perf_counter() - t
+        out = [row("G-P13-sample", f"LLaDA-8B-sized masked LM: block decoding, {batch} x {gen} tokens, blocks of {block}, "
+                   f"{steps} steps", batch * gen / sample_s, None, "tokens/s", "higher", None,
+                   f"random weights, {dtype}; {policy.last_forwards} forwards")]
+        if not ARGS.tiny:
+            model.gradient_checkpointing_enable()
+        for name in LOG_PROB_ESTIMATORS:
+            if name in ("ar_order",) and not ARGS.tiny:  # T = 256 masked copies per sequence: minutes, skip
+                continue
+            policy.estimator = name
+            policy.max_rows_per_forward = 2 if not ARGS.tiny else 1024
+            reset_peak()
+            sync()
+            t = time.perf_counter()
+            policy.log_prob(traj).sum().backward()
+            sync()
+            fw = forwards_per_sequence(name, policy.estimator_options, gen, steps)
+            out.append(row(f"G-P13-{name}", f"estimator {name}: forward + backward of log_prob, {batch} sequences",
+                           time.perf_counter() - t, None, "s", "lower", None, f"{fw} forwards per sequence; peak "
+                           f"{gib(peak_mem())}", forwards=fw, peak_bytes=peak_mem()))
+            model.zero_grad(set_to_none=True)
+        return out
+    go(rows)
+
+
 def main(argv=None):
     global ARGS
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
@@ -572,7 +635,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU dry run of the code paths)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16/fp16 peak of the accelerator")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped past it")
-    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5,P11")
+    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5,P11,P13")
     p.add_argument("--output-dir", default=os.environ.get("OUT") or ".")
     ARGS = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -586,10 +649,10 @@ def main(argv=None):
               "command": "python -m benchmarks.gpu" + "".join(" " + shlex.quote(x) for x in (sys.argv[1:] if argv is None
                                                                                        else argv)),
               "args": vars(ARGS), "rows": []}
-    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5", "P11"}
+    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5", "P11", "P13"}
     steps = [("P1", rows_p1), ("LM", rows_lm), ("P4", lambda r: rows_p4(r, "sd15", 60)),
              ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2),
-             ("P2V", rows_p2_vllm), ("P11", rows_p11)]
+             ("P2V", rows_p2_vllm), ("P11", rows_p11), ("P13", rows_p13)]
     for key, fn in steps:
         if key in want:
             fn(result["rows"])

@@ -18,16 +18,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from unialign.algos.preference import DPO_LOSS_TYPES
-from unialign.config import arg, default, exit_on_user_error, parse_config
+from unialign.config import UserError, arg, default, exit_on_user_error, parse_config
 from unialign.embedded import NAME, model_path, register
 from unialign.embedded.args import EmbeddedPairArgs
 from unialign.recipes import presets
-from unialign.recipes.args import RunArgs, TextModelArgs
+from unialign.recipes.args import DiffusionLMArgs, RunArgs, TextModelArgs
 from unialign.recipes.text import (
     TextDataArgs,
+    check_masked_diffusion_source,
     defaults_help,
     fit_pairs,
     load_pair_data,
+    masked_diffusion_policy,
     pair_algorithms,
     pair_defaults,
     pair_loss,
@@ -41,14 +43,16 @@ PRESETS = presets.DPO_TEXT
 TASKS = {NAME: "math_accuracy", "embedded-vlm": "vlm_accuracy"}  # built-in data sets with a verifiable task
 # the chosen side's NLL weight on the embedded task (RPO; SimPO's with TRL's CPO-SimPO; docs/text.md): plain DPO /
 # SimPO lower its greedy accuracy; beta and SimPO's gamma are the losses' own defaults (unialign.algos.pair_losses)
-ALGORITHM_DEFAULTS = pair_defaults({"dpo": 1.0, "simpo": 2.0})
+ALGORITHM_DEFAULTS = pair_defaults({"dpo": 1.0, "vrpo": 0.0, "simpo": 2.0})
 
 
 @dataclass
-class DPOTextConfig(EmbeddedPairArgs, RunArgs, TextModelArgs, TextDataArgs, VisionTowerArgs, PreferenceConfig):
+class DPOTextConfig(EmbeddedPairArgs, RunArgs, DiffusionLMArgs, TextModelArgs, TextDataArgs, VisionTowerArgs,
+                    PreferenceConfig):
     PRESETS: ClassVar[dict] = PRESETS
-    algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), or the "
-                         "reference-free simpo / orpo (no reference model)", group="algorithm", choices=pair_algorithms)
+    algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), vrpo (dpo on a "
+                         "masked-diffusion LM, masks shared with the reference), or the reference-free simpo / orpo",
+                         group="algorithm", choices=pair_algorithms)
     beta: float | None = arg(None, "temperature (DPO: strength of the implicit KL to the reference; ORPO: weight of "
                              f"the odds-ratio term); {defaults_help(ALGORITHM_DEFAULTS, 'beta')}", group="algorithm",
                              min=0.0)
@@ -76,12 +80,19 @@ def main(cfg: DPOTextConfig) -> dict:
     register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     loss, knobs, params = pair_loss(cfg, ALGORITHM_DEFAULTS)
+    check_masked_diffusion_source(cfg)  # a Hub masked-diffusion LM: remote code allowed, reachable (before the data)
     task = TASKS.get(cfg.dataset_name)  # correct vs wrong final answers on an embedded task (arithmetic; VLM)
     train, held_out, data_info = load_pair_data(cfg)
     if has_images(train + held_out):  # image + prompt + chosen / rejected (RLAIF-V): images read and checked now
         train, held_out = with_images(train, cfg, "train", data_info), with_images(held_out, cfg, "eval", data_info)
-    policy = load_policy(model_path(cfg.model_name_or_path), cfg.freeze_vision, lora_rank=cfg.lora_rank,
-                         torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
+    policy = masked_diffusion_policy(cfg, model_path(cfg.model_name_or_path), "elbo_mc")  # VRPO's ELBO
+    if (policy is not None) != (cfg.algorithm == "vrpo"):
+        raise UserError(f"--algorithm {cfg.algorithm}: vrpo is DPO for masked-diffusion LMs, and "
+                        f"{cfg.model_name_or_path} is {'' if policy is not None else 'not '}one (use "
+                        f"{'vrpo' if policy is not None else 'dpo'})")
+    policy = policy or load_policy(model_path(cfg.model_name_or_path), cfg.freeze_vision, lora_rank=cfg.lora_rank,
+                                   torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
+                                   chat_template=cfg.chat_template)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
                              rpo_alpha=knobs["rpo_alpha"], loss_params=params)

@@ -22,6 +22,7 @@ from unialign.embedded import model_path, register
 from unialign.embedded.args import EmbeddedTaskArgs
 from unialign.recipes import presets
 from unialign.recipes.args import (
+    DiffusionLMArgs,
     GenerationCacheArgs,
     RewardArgs,
     RolloutEngineArgs,
@@ -35,10 +36,12 @@ from unialign.recipes.text import (
     as_trl_reward,
     build_reward,
     check_generation_backend,
+    check_masked_diffusion_source,
     check_rewards,
     columns_of,
     fit_prompts,
     load_prompt_data,
+    masked_diffusion_policy,
     train_greedy_rl,
 )
 from unialign.text import CausalLMPolicy
@@ -49,7 +52,7 @@ PRESETS = presets.GRPO_MATH
 
 @dataclass
 class GRPOMathConfig(EmbeddedTaskArgs, RunArgs, RewardArgs, TextRLArgs, RolloutEngineArgs, GenerationCacheArgs, SystemPromptArgs,
-                     TextModelArgs, TextDataArgs, OnlineConfig):
+                     DiffusionLMArgs, TextModelArgs, TextDataArgs, OnlineConfig):
     PRESETS: ClassVar[dict] = PRESETS
     eval_batch_size: int = arg(128, "prompts per greedy-evaluation batch", group="logging", min=1)
     # 32 leaves DAPO's overlong buffer (the last 20 %) beyond the embedded task's correct answers (docs/text.md)
@@ -74,12 +77,17 @@ def main(cfg: GRPOMathConfig) -> dict:
     register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     start = time.time()
     check_generation_backend(cfg.generation_backend)
+    check_masked_diffusion_source(cfg)  # a Hub masked-diffusion LM: remote code allowed, reachable (before the data)
     train_rows, eval_rows, data_info = load_prompt_data(cfg)
     eval_name = cfg.eval_reward or ("math_accuracy" if {"answer", "solution"} & columns_of(eval_rows) else None)
     check_rewards(cfg.reward_funcs, cfg.reward_weights, columns_of(train_rows), modality="text")
     check_rewards(eval_name or cfg.reward_funcs, None if eval_name else cfg.reward_weights, columns_of(eval_rows),
                   "--eval_reward" if eval_name else "--reward_funcs", modality="text")  # the held-out rows' too
-    policy = CausalLMPolicy.from_pretrained(
+    # a masked-diffusion LM (embedded-mdlm, LLaDA, Dream, ...) or a causal one
+    policy = masked_diffusion_policy(cfg, model_path(cfg.model_name_or_path), cfg.algo_spec().log_prob_estimator)
+    if policy is not None:  # the trainer checks that the algorithm's estimator is the policy's
+        cfg.log_prob_estimator = policy.log_prob_estimator
+    policy = policy or CausalLMPolicy.from_pretrained(
         model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
         sampling=cfg.sampling(), system_prompt=cfg.system_prompt, chat_template=cfg.chat_template,
         generation_cache=cfg.generation_cache, **cfg.rollout_kwargs(cfg.seed))

@@ -47,3 +47,19 @@ def test_the_gpu_image_rl_rows_run_as_a_cpu_dry_run(tmp_path):
     rows = json.loads((tmp_path / "gpu_results.json").read_text())["rows"]
     assert [r["id"] for r in rows] == ["G-P11-flow_grpo", "G-P11-awm", "G-P11-nft"], rows
     assert all(r["ours"] and r["ours"] > 0 and r["collect_images_per_s"] > 0 for r in rows), rows
+
+
+@pytest.mark.slow
+def test_the_gpu_masked_diffusion_rows_run_as_a_cpu_dry_run(tmp_path):
+    """``python -m benchmarks.gpu --device cpu --tiny --only P13``: the LLaDA-8B-sized rows' code paths (sampling and
+    every estimator's forward + backward) at tiny sizes, each a timed row without an error."""
+    from unialign.algos.masked_diffusion import LOG_PROB_ESTIMATORS
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--only", "P13",
+                           "--time-budget", "5000", "--output-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_results.json").read_text())["rows"]
+    assert [r["id"] for r in rows] == ["G-P13-sample", *(f"G-P13-{n}" for n in LOG_PROB_ESTIMATORS)], rows
+    assert all(r["ours"] and r["ours"] > 0 for r in rows), rows

@@ -110,7 +110,7 @@ def test_the_algorithm_page_lists_each_presets_fields_as_the_registry_has_them()
     from unialign.registry import ALGORITHMS, KNOBS
 
     text = (DOCS / "algorithms.md").read_text(encoding="utf-8")
-    sections = dict(re.findall(r"^### `([a-z_]+)`\n(.*?)(?=^#{2,3} |\Z)", text, re.M | re.S))
+    sections = dict(re.findall(r"^### `([a-z0-9_]+)`\n(.*?)(?=^#{2,3} |\Z)", text, re.M | re.S))
     assert set(sections) == set(ALGORITHMS), f"presets without a section / sections without a preset: " \
                                              f"{set(ALGORITHMS) ^ set(sections)}"
     for name, spec in ALGORITHMS.items():

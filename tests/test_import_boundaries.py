@@ -72,7 +72,8 @@ def test_algos_import_only_torch_stdlib_and_algos():
     assert not bad, "algos must import torch / stdlib / unialign.algos / unialign.types only:\n" + "\n".join(bad)
 
 
-FORBIDDEN_IN_TRAINERS = ("transformers", "diffusers", "open_clip", "unialign.text", "unialign.image", "unialign.vision")
+FORBIDDEN_IN_TRAINERS = ("transformers", "diffusers", "open_clip", "unialign.text", "unialign.image", "unialign.vision",
+                         "unialign.dlm")
 ALLOWED_IN_TRAINERS = ("transformers.optimization",)  # learning-rate schedules (get_scheduler): no model code
 
 
@@ -89,7 +90,7 @@ def test_trainers_do_not_import_modality_code():
     assert not bad, "trainers must not import modality libraries or subpackages:\n" + "\n".join(bad)
 
 
-MODALITIES = ("text", "image", "vision")
+MODALITIES = ("text", "image", "vision", "dlm")
 ABOVE_MODALITIES = ("unialign.trainers", "unialign.recipes", "unialign.trl")  # they run a modality; never the reverse
 
 

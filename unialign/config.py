@@ -46,6 +46,7 @@ GROUPS = {  # --help sections, in order
     "model": "model",
     "data": "data",
     "algorithm": "algorithm",
+    "diffusion LM": "masked-diffusion LM (block decoding, log-prob estimator knobs)",
     "optimisation": "optimisation",
     "logging": "logging, evaluation and checkpoints",
 }

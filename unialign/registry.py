@@ -33,6 +33,12 @@ def _aggregations() -> tuple[str, ...]:
     return tuple(AGGREGATION_ALIASES)
 
 
+def _log_prob_estimators() -> tuple[str, ...]:
+    from unialign.algos.masked_diffusion import LOG_PROB_ESTIMATORS
+
+    return ("sampler", "forward", *LOG_PROB_ESTIMATORS)
+
+
 def _kl_estimators() -> tuple[str, ...]:
     from unialign.algos.kl import CLOSED_FORM_ESTIMATORS, KL_ALIASES
 
@@ -79,6 +85,7 @@ class AlgoSpec:
     log_prob_estimator: str = "sampler"
     advantage_scale: float = 1.0
     nft_beta: float = 1.0
+    spg_mix_weight: float = 0.5
 
     def with_overrides(self, **kw) -> AlgoSpec:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -146,16 +153,24 @@ class AlgoOverrides:
                                      "the algorithm's)", group="algorithm", min=1)
     log_prob_estimator: str | None = arg(
         None, "what the policy's log-prob estimates: the sampler's own step density (text tokens; DDPO's / "
-        "Flow-GRPO's steps) or the forward-process matching surrogate at fresh noise (AWM, DiffusionNFT; denoisers) "
-        "(unset: the algorithm's)", group="algorithm", choices=("sampler", "forward"))
+        "Flow-GRPO's steps), the forward-process matching surrogate at fresh noise (AWM, DiffusionNFT; denoisers), or "
+        "a masked-diffusion LM's estimator (unialign.algos.masked_diffusion: one_step, coupled, elbo_mc, "
+        "elbo_quadrature, spg, trace, ar_order) (unset: the algorithm's)", group="algorithm",
+        choices=_log_prob_estimators)
     advantage_scale: float | None = arg(None, "multiply the (clipped) advantages by this (AWM: 1/5 after clipping to "
                                         "+-5) (unset: the algorithm's)", group="algorithm", gt=0.0)
     nft_beta: float | None = arg(None, "DiffusionNFT: strength of the implicit positive / negative policies (its OCR "
                                  "runs: 0.1) (unset: the algorithm's)", group="algorithm", gt=0.0)
+    spg_mix_weight: float | None = arg(None, "SPG: the EUBO's share in the bound of negative-advantage samples (1: "
+                                       "SPG-EUBO, 0.5: SPG-Mix) (unset: the algorithm's)", group="algorithm",
+                                       min=0.0, max=1.0)
 
 
 KNOBS = tuple(f.name for f in fields(AlgoOverrides))  # the names of AlgoSpec's knobs
 FACTS = ("name", "modalities")  # AlgoSpec's other fields: what a preset is, not a knob
+# Presets published for masked-diffusion LMs (their log_prob_estimator names a masked-diffusion estimator; a causal
+# LM is refused by the trainer's estimator check): text, like every token policy.
+DLM = ("text",)
 # Presets published for denoisers only: their clip ranges, per-step statistics and closed-form step KLs are tuned
 # on diffusion sampling steps, or they need the forward-process estimate.
 IMAGE = ("image",)
@@ -223,6 +238,32 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     "nft": AlgoSpec("nft", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean", policy_loss="nft",
                     advantage_clip=5.0, beta=1e-4, kl_estimator="prediction_mse", log_prob_estimator="forward",
                     nft_beta=1.0),
+    # ---- masked-diffusion LMs (unialign.dlm; the estimators: unialign.algos.masked_diffusion)
+    # diffu-GRPO (d1, Zhao et al. 2025, arXiv 2504.12216; dllm-reasoning/d1): GRPO with the one-step estimate (the
+    # completion masked, prompt tokens at p 0.15), mu = 12 inner iterations on one batch, beta 0.04, clip 0.2. d1
+    # draws new prompt masks each inner iteration; here each sample keeps its masks (its seed) for the whole update.
+    "diffu_grpo": AlgoSpec("diffu_grpo", DLM, beta=0.04, num_iterations=12, log_prob_estimator="one_step"),
+    # coupled-GRPO (DiffuCoder, arXiv 2506.20639; apple/ml-diffucoder): GRPO on the coupled complementary-mask
+    # estimate, no KL (its recipe's beta 0), token-mean loss, 2 inner iterations.
+    "coupled_grpo": AlgoSpec("coupled_grpo", DLM, loss_type="token_mean", num_iterations=2,
+                             log_prob_estimator="coupled"),
+    # GDPO (ICLR 2026; NVIDIA-NeMo/RL research/gdpo): the ELBO by Gauss-Legendre quadrature with stratified exact-k
+    # masks, a sequence-level length-normalised ratio (GSPO's form) clipped at 0.2, group advantages.
+    "gdpo": AlgoSpec("gdpo", DLM, importance_sampling_level="sequence", log_prob_estimator="elbo_quadrature"),
+    # TraceRL (Gen-Verse/dLLM-RL train/rl_sdar.py): PPO clip on the sampler's replayed trace, 2 inner iterations
+    # (its KL to the old policy is the clip's here), token-mean loss.
+    "trace_rl": AlgoSpec("trace_rl", DLM, loss_type="token_mean", num_iterations=2, log_prob_estimator="trace"),
+    # SPG (arXiv 2510.09541; facebookresearch/SPG): -A * (ELBO, or the EUBO mixed in for A < 0), no ratio; GSM8K:
+    # SPG-Mix, beta 1.5 (the policy's --eubo_beta), weight 0.5; token-mean over the batch.
+    "spg": AlgoSpec("spg", DLM, policy_loss="spg", loss_type="token_mean", log_prob_estimator="spg",
+                    spg_mix_weight=0.5),
+    # wd1 (arXiv 2507.08838; xiaohangt/wd1): the weighted likelihood with softmax(+-A) group weights on d1's
+    # one-step estimate; no ratio, no reference.
+    "wd1": AlgoSpec("wd1", DLM, advantage="wd1", policy_loss="wd1", loss_type="token_mean",
+                    log_prob_estimator="one_step"),
+    # JustGRPO (ICML 2026; LeapLabTHU/JustGRPO): plain GRPO on the exact left-to-right log-prob, rollouts sampled in
+    # that order (block length 1: the estimator's sampling fact).
+    "just_grpo": AlgoSpec("just_grpo", DLM, log_prob_estimator="ar_order"),
 }
 
 

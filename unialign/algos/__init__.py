@@ -30,6 +30,14 @@ from unialign.algos.kl import (
     gaussian_kl,
     kl_estimate,
 )
+from unialign.algos.masked_diffusion import (
+    LOG_PROB_ESTIMATORS,
+    EstimatorOptions,
+    MaskedSequences,
+    get_log_prob_estimator,
+    register_log_prob_estimator,
+    spg_bounds,
+)
 from unialign.algos.pair_losses import (
     PAIR_LOSSES,
     PairLoss,
@@ -51,6 +59,12 @@ from unialign.algos.shaping import AdaptiveKLController, kl_shaped_rewards, over
 from unialign.algos.value import clipped_value_loss, entropy_from_logits
 
 __all__ = [
+    "LOG_PROB_ESTIMATORS",
+    "EstimatorOptions",
+    "MaskedSequences",
+    "get_log_prob_estimator",
+    "register_log_prob_estimator",
+    "spg_bounds",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageInputs",
     "AdvantageOutput",

@@ -27,6 +27,8 @@ NAME = "embedded"
 ARITH_LM_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"  # = arith.DEFAULT_ASSET_DIR
 VLM_NAME = "embedded-vlm"  # the vision-language task (vlm.py): data set, pair data set and model path by this name
 VLM_DIR = Path(__file__).resolve().parent / "assets" / "vlm"  # = vlm.VLM_DIR
+MDLM_NAME = "embedded-mdlm"  # the arithmetic task's masked-diffusion LM (mdlm.py): a model path by this name
+MDLM_DIR = Path(__file__).resolve().parent / "assets" / "mdlm"  # = mdlm.MDLM_DIR
 
 # What ``register()`` adds, registry by registry (each a name -> "module:attribute" or a loader).
 REWARD_PATHS = {  # image, verifiable (shape_verifier.py): the shapes world's prompt checker, 0 / 1 and graded
@@ -99,9 +101,9 @@ def register() -> None:
 
 
 def model_path(name_or_path: str) -> str:
-    """``"embedded"`` -> the shipped arithmetic model's folder, ``"embedded-vlm"`` -> the shipped tiny VLM's;
-    anything else unchanged."""
-    return {NAME: str(ARITH_LM_DIR), VLM_NAME: str(VLM_DIR)}.get(name_or_path, name_or_path)
+    """``"embedded"`` -> the shipped arithmetic model's folder, ``"embedded-vlm"`` -> the shipped tiny VLM's,
+    ``"embedded-mdlm"`` -> the shipped masked-diffusion LM's; anything else unchanged."""
+    return {NAME: str(ARITH_LM_DIR), VLM_NAME: str(VLM_DIR), MDLM_NAME: str(MDLM_DIR)}.get(name_or_path, name_or_path)
 
 
 def load_arith_policy(**kwargs: Any):

@@ -10,6 +10,8 @@ declares only what is its own (its defaults with ``unialign.config.default``, it
                       --top_k, --min_p, --stop
     RewardArgs        --reward_funcs, --reward_weights
     RolloutEngineArgs --generation_backend, --vllm_gpu_memory_utilization, --rollout_dtype
+    DiffusionLMArgs   a masked-diffusion LM's block decoding and log-prob estimator, --trust_remote_code (read
+                      only when the model is one: ``unialign.recipes.text.masked_diffusion_policy``)
 
 Put them first among a config's bases (``class C(RunArgs, ..., OnlineConfig)``): a dataclass orders fields from the
 last base to the first, so their flags come after the trainer's in each ``--help`` section, the groups listed last
@@ -113,3 +115,36 @@ class RewardArgs:
     reward_funcs: str = arg("math_accuracy", "comma-separated rewards: registry names, TRL's dotted "
                             "package.module.function, module:function or path/file.py:function", group="algorithm")
     reward_weights: str | None = arg(None, "comma-separated floats, one per reward (default: all 1)", group="algorithm")
+
+
+@dataclass
+class DiffusionLMArgs:
+    """A masked-diffusion LM's sampling (``unialign.dlm.DiffusionSampling``, drawn at ``--temperature``; the block's
+    length is also the run's ``--max_new_tokens``) and estimator knobs (``unialign.algos.masked_diffusion.EstimatorOptions``); the
+    estimator itself is the algorithm's ``--log_prob_estimator``. Read only when the model is a masked-diffusion
+    LM."""
+
+    dlm_family: str | None = arg(None, "the masked-diffusion LM family of a Hub model (llada, dream, modernbert: "
+                                 "unialign.dlm.families); a local folder's is read from its config.json",
+                                 group="model", choices=("llada", "dream", "modernbert"))
+    trust_remote_code: bool = arg(False, "run modelling code from the model's Hub repository (LLaDA, Dream, "
+                                  "DiffuCoder need it); off: such a model is refused", group="model")
+    gen_length: int | None = arg(None, "masked-diffusion LM: completion block in tokens (unset: the model's recorded "
+                                 "sampling, else its family's)", group="diffusion LM", min=1)
+    block_length: int | None = arg(None, "masked-diffusion LM: semi-autoregressive block length (gen_length: one "
+                                   "block) (unset: the model's / family's)", group="diffusion LM", min=1)
+    diffusion_steps: int | None = arg(None, "masked-diffusion LM: denoising steps over the whole completion (a "
+                                      "multiple of its blocks, at most gen_length) (unset: the model's / family's)",
+                                      group="diffusion LM", min=1)
+    remasking: str | None = arg(None, "masked-diffusion LM: which tokens a step commits (unset: the model's / "
+                                "family's)", group="diffusion LM", choices=("low_confidence", "random"))
+    confidence_threshold: float | None = arg(None, "masked-diffusion LM: Fast-dLLM parallel decoding, commit every "
+                                             "token above this probability (unset: off)", group="diffusion LM",
+                                             gt=0.0, max=1.0)
+    num_t: int = arg(2, "masked-diffusion LM: masking times of elbo_mc / elbo_quadrature / spg (forwards)",
+                     group="diffusion LM", min=1)
+    p_mask_prompt: float = arg(0.15, "masked-diffusion LM: one_step's prompt masking probability (d1)",
+                               group="diffusion LM", min=0.0, lt=1.0)
+    eubo_beta: float = arg(1.5, "masked-diffusion LM: SPG's EUBO power", group="diffusion LM", min=1.0)
+    trace_shrink: int = arg(1, "masked-diffusion LM: TraceRL's sampling steps merged per replayed step",
+                            group="diffusion LM", min=1)

@@ -22,6 +22,31 @@ GRPO_MATH: dict[str, dict] = {
         prompts_per_step=32, num_generations=8, micro_batch_size=16, max_steps=500, num_eval=1319,
         torch_dtype="bfloat16", warmup_steps=10, lr_scheduler_type="constant", eval_batch_size=64,
         output_dir="outputs/grpo_qwen_gsm8k"),
+    # masked-diffusion LMs (unialign.dlm; docs/dlm.md). d1's diffu-GRPO on LLaDA-8B-Instruct (dllm-reasoning/d1,
+    # GSM8K: 256 tokens in blocks of 32, 128 steps, LoRA rank 128, lr 3e-6, 6 samples per prompt, mu 12, beta 0.04);
+    # its modelling code is on the Hub: refused without --trust_remote_code.
+    "llada-8b-instruct-gsm8k": dict(
+        model_name_or_path="GSAI-ML/LLaDA-8B-Instruct", dlm_family="llada", algorithm="diffu_grpo",
+        dataset_name="openai/gsm8k", dataset_config="main", system_prompt=SYSTEM_GSM8K, chat_template="always",
+        gen_length=256, block_length=32, diffusion_steps=128, beta=0.04, lora_rank=128, learning_rate=3e-6,
+        num_generations=6, prompts_per_step=16, micro_batch_size=6, max_steps=500, num_eval=1319, eval_batch_size=16,
+        torch_dtype="bfloat16", warmup_steps=0, lr_scheduler_type="constant", output_dir="outputs/d1_llada_gsm8k"),
+    # DiffuCoder's coupled-GRPO (apple/ml-diffucoder) on Dream-7B-Instruct: one block of 256 tokens, 128 steps,
+    # 10 samples per prompt, lr 1e-6, no KL; remote code as for LLaDA.
+    "dream-7b-coupled": dict(
+        model_name_or_path="Dream-org/Dream-v0-Instruct-7B", dlm_family="dream", algorithm="coupled_grpo",
+        dataset_name="openai/gsm8k", dataset_config="main", system_prompt=SYSTEM_GSM8K, chat_template="always",
+        gen_length=256, block_length=256, diffusion_steps=128, beta=0.0, learning_rate=1e-6, num_generations=10,
+        prompts_per_step=16, micro_batch_size=10, max_steps=500, num_eval=1319, eval_batch_size=16,
+        torch_dtype="bfloat16", warmup_steps=0, lr_scheduler_type="constant", output_dir="outputs/coupled_dream_gsm8k"),
+    # A native masked-diffusion chat model (dLLM's ModernBERT-large-chat-v0, ZHZisZZ/dllm): AutoModelForMaskedLM,
+    # no remote code; GRPO on the ELBO.
+    "modernbert-chat-gsm8k": dict(
+        model_name_or_path="dllm-collection/ModernBERT-large-chat-v0", dlm_family="modernbert",
+        dataset_name="openai/gsm8k", dataset_config="main", system_prompt=SYSTEM_GSM8K, chat_template="always",
+        gen_length=256, block_length=32, diffusion_steps=128, beta=0.0, learning_rate=1e-6, num_generations=8,
+        prompts_per_step=16, micro_batch_size=16, max_steps=500, num_eval=1319, eval_batch_size=32,
+        torch_dtype="bfloat16", warmup_steps=0, lr_scheduler_type="constant", output_dir="outputs/grpo_modernbert_gsm8k"),
 }
 
 PPO_RLHF: dict[str, dict] = {

@@ -326,18 +326,25 @@ def train_greedy_rl(cfg: Any, policy, reward, scorer, metric: str, train_rows: l
 PAIR_PARAM_FLAGS = {"gamma": "simpo_gamma"}  # a pair loss's parameter -> its flag (TRL's CPOConfig name)
 
 
+#: pair algorithms that are DPO (the ``--loss_type`` variant against a reference) on a kind of policy: ``vrpo``
+#: (LLaDA 1.5, Zhu et al. 2025, arXiv 2505.19223) is DPO on a masked-diffusion LM's ELBO estimates, the masks
+#: shared by the policy and the reference and by the two sides of a pair (``MaskedDiffusionLMPolicy.preference_batch``),
+#: its budget ``--num_t`` masked forwards per side
+DPO_ALGORITHMS = ("dpo", "vrpo")
+
+
 def pair_algorithms() -> tuple[str, ...]:
-    """``--algorithm`` of the text pair script: dpo (the ``--loss_type`` variant, against a reference) and every
-    reference-free pair loss."""
+    """``--algorithm`` of the text pair script: dpo (the ``--loss_type`` variant, against a reference), vrpo (dpo on
+    a masked-diffusion LM) and every reference-free pair loss."""
     from unialign.algos.preference import REFERENCE_FREE_LOSSES
 
-    return ("dpo", *REFERENCE_FREE_LOSSES)
+    return (*DPO_ALGORITHMS, *REFERENCE_FREE_LOSSES)
 
 
 def _pair_entry(algorithm: str, loss_type: str = "sigmoid"):
     from unialign.algos.pair_losses import get_pair_loss
 
-    return get_pair_loss(loss_type if algorithm == "dpo" else algorithm)
+    return get_pair_loss(loss_type if algorithm in DPO_ALGORITHMS else algorithm)
 
 
 def pair_defaults(nll_weights: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -371,7 +378,7 @@ def pair_loss(cfg: Any, defaults: dict[str, dict[str, float]]) -> tuple[str, dic
         if getattr(cfg, flag, None) is not None and flag not in knobs:
             owner = next(a for a, d in defaults.items() if flag in d)
             raise UserError(f"--{flag}: applies to --algorithm {owner}, not {cfg.algorithm}")
-    if cfg.algorithm != "dpo" and cfg.loss_type != "sigmoid":
+    if cfg.algorithm not in DPO_ALGORITHMS and cfg.loss_type != "sigmoid":
         raise UserError(f"--loss_type: chooses the DPO variant of --algorithm dpo, not of {cfg.algorithm}")
     entry = _pair_entry(cfg.algorithm, cfg.loss_type)
     params = {p: knobs[PAIR_PARAM_FLAGS.get(p, p)] for p in entry.params if PAIR_PARAM_FLAGS.get(p, p) in knobs}
@@ -404,3 +411,86 @@ def train_pair_run(cfg: Any, objective, train: list[dict], held_out: list[dict],
                "first_nll_loss": history[0].get("nll_loss") if history else None, "steps": trainer.step,
                "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out), **data_info}
     return finish_run(trainer.acc, cfg, summary, policy.save)
+
+
+# ------------------------------------------------------------------ masked-diffusion LMs
+def _local_config(name_or_path: str) -> dict[str, Any] | None:
+    import json
+
+    config = Path(name_or_path) / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else None
+
+
+def is_masked_diffusion_model(name_or_path: str) -> bool:
+    """Whether a local model folder is a masked-diffusion LM (its config.json's ``model_type`` is a family of
+    ``unialign.dlm.families``, or names one); a Hub id's family is ``--dlm_family``."""
+    from types import SimpleNamespace
+
+    from unialign.dlm.families import is_masked_diffusion
+
+    raw = _local_config(name_or_path)
+    return raw is not None and is_masked_diffusion(SimpleNamespace(model_type=raw.get("model_type"),
+                                                                   unialign_family=raw.get("unialign_family")))
+
+
+def check_masked_diffusion_source(cfg: Any) -> None:
+    """Before any data or model loads, for a Hub masked-diffusion LM (``--dlm_family``): a remote-code family without
+    ``--trust_remote_code`` is refused, and a model the Hub cannot give is named (offline: within seconds)."""
+    from unialign.dlm import FAMILIES
+    from unialign.hub import require_hub
+
+    family = cfg.dlm_family
+    if family is None:
+        return
+    if FAMILIES[family].remote_code and not cfg.trust_remote_code:
+        raise UserError(f"--model_name_or_path {cfg.model_name_or_path} is a {family} model, whose modelling code is "
+                        "on the Hub, not in transformers: pass --trust_remote_code to run it (read that code first)")
+    try:
+        require_hub(cfg.model_name_or_path, "model")
+    except (OSError, RuntimeError) as err:
+        raise UserError(str(err)) from None
+
+
+def masked_diffusion_policy(cfg: Any, name_or_path: str, estimator: str | None = None):
+    """The ``MaskedDiffusionLMPolicy`` of ``name_or_path`` from a config with ``DiffusionLMArgs``, or None when the
+    model is not a masked-diffusion LM (``cfg.dlm_family`` says it of a Hub id; a local folder's config.json of
+    itself). ``estimator``: the algorithm's ``log_prob_estimator`` when it names a masked-diffusion estimator, else
+    ``DEFAULT_ESTIMATOR``. The sampling: each flag set, else the model's recorded ``unialign_sampling``
+    (config.json), else the family's; an estimator's sampling rule (``ar_order``: left to right) on top. Sets
+    ``cfg.max_new_tokens`` to the completion block's length. A remote-code family without ``--trust_remote_code``
+    is refused first, before anything is read from the Hub."""
+    from unialign.algos.masked_diffusion import LOG_PROB_ESTIMATORS, EstimatorOptions
+    from unialign.dlm import FAMILIES, DiffusionSampling, MaskedDiffusionLMPolicy
+
+    family = cfg.dlm_family
+    if family is None and not is_masked_diffusion_model(name_or_path):
+        return None
+    check_masked_diffusion_source(cfg)
+    estimator = estimator if estimator in LOG_PROB_ESTIMATORS else DEFAULT_ESTIMATOR
+    raw = _local_config(name_or_path) or {}
+    recorded = FAMILIES[family].sampling if family else {}
+    recorded = {**recorded, **raw.get("unialign_sampling", {})}
+    flags = dict(gen_length=cfg.gen_length, block_length=cfg.block_length, steps=cfg.diffusion_steps,
+                 remasking=cfg.remasking, threshold=cfg.confidence_threshold,
+                 temperature=getattr(cfg, "temperature", None))
+    sampling = {**recorded, **{k: v for k, v in flags.items() if v is not None}}
+    sampling.setdefault("gen_length", cfg.max_new_tokens)
+    for name, rule in LOG_PROB_ESTIMATORS[estimator].sampling:
+        sampling[name] = sampling[rule] if rule in sampling else int(rule)
+    try:
+        knobs = DiffusionSampling(**sampling)
+        policy = MaskedDiffusionLMPolicy.from_pretrained(
+            name_or_path, trust_remote_code=cfg.trust_remote_code, torch_dtype=cfg.torch_dtype,
+            lora_rank=cfg.lora_rank, sampling=knobs, estimator=estimator, system_prompt=getattr(cfg, "system_prompt", None),
+            chat_template=cfg.chat_template, estimator_options=EstimatorOptions(
+                num_t=cfg.num_t, p_mask_prompt=cfg.p_mask_prompt, eubo_beta=cfg.eubo_beta,
+                trace_shrink=cfg.trace_shrink))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    cfg.max_new_tokens = knobs.gen_length
+    return policy
+
+
+#: a masked-diffusion LM's estimator when the algorithm names none (``grpo`` on it): d1's, cheapest, and on the embedded
+#: model it learned where elbo_mc at 2 samples (its heavy-tailed 1/t weights) lost accuracy (docs/dlm.md)
+DEFAULT_ESTIMATOR = "one_step"

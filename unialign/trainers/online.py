@@ -171,7 +171,9 @@ class OnlineTrainer(TrainerLoop):
         if estimator != self.spec.log_prob_estimator:
             raise ValueError(f"{self.spec.name} trains on the {self.spec.log_prob_estimator!r} log-prob estimator, "
                              f"but this {type(policy).__name__} provides {estimator!r} (a denoiser: "
-                             "policy.use_forward_process() for 'forward'; the image scripts choose it from the algorithm)")
+                             "policy.use_forward_process() for 'forward'; the image scripts choose it from the algorithm; "
+                             "a masked-diffusion LM: its estimator, MaskedDiffusionLMPolicy(estimator=...); a causal LM "
+                             "computes exact token log-probs, 'sampler', and takes no masked-diffusion preset)")
         loss_inputs = tuple(getattr(self.policy_loss, "inputs", ()))  # registered losses carry fn.inputs
         if loss_inputs and not isinstance(policy, LossTerms):
             raise ValueError(f"policy_loss={self.spec.policy_loss!r} reads {list(loss_inputs)} from the policy "
