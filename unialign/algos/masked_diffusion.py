@@ -152,6 +152,9 @@ def one_step(score: Score, seq: MaskedSequences, opts: EstimatorOptions, sign_B:
     prompt = seq.prompt_ids_B_P
     if opts.p_mask_prompt > 0 and prompt.shape[1] > 0:
         real = torch.ones_like(prompt, dtype=torch.bool) if seq.prompt_mask_B_P is None else seq.prompt_mask_B_P.bool()
+        # one draw per prompt column: the same masks as long as the batch's prompt width is the one it was sampled
+        # with (a trajectory keeps it through select; batches of other widths joined by Trajectory.cat move the
+        # right-aligned tokens to other columns, which the trainer's ratio-1 check would report)
         drop = (seeded_uniform(seq.seed_B, (prompt.shape[1],), salt=1) < opts.p_mask_prompt).to(prompt.device) & real
         prompt = _masked(prompt, drop, seq.mask_id)
     full = torch.ones(1, B, T, dtype=torch.bool)
