@@ -42,8 +42,9 @@ from unialign.trainers.preference import DPOObjective, PreferenceConfig
 PRESETS = presets.DPO_TEXT
 TASKS = {NAME: "math_accuracy", "embedded-vlm": "vlm_accuracy"}  # built-in data sets with a verifiable task
 # the chosen side's NLL weight on the embedded task (RPO; SimPO's with TRL's CPO-SimPO; docs/text.md): plain DPO /
-# SimPO lower its greedy accuracy; beta and SimPO's gamma are the losses' own defaults (unialign.algos.pair_losses)
-ALGORITHM_DEFAULTS = pair_defaults({"dpo": 1.0, "vrpo": 0.0, "simpo": 2.0})
+# SimPO lower its greedy accuracy (VRPO too on the masked-diffusion LM: 0.551 -> 0.47-0.54 without it, docs/dlm.md);
+# beta and SimPO's gamma are the losses' own defaults (unialign.algos.pair_losses)
+ALGORITHM_DEFAULTS = pair_defaults({"dpo": 1.0, "vrpo": 1.0, "simpo": 2.0})
 
 
 @dataclass

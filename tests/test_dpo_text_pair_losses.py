@@ -36,7 +36,7 @@ def test_reference_free_algorithms_two_steps(tmp_path, monkeypatch, algorithm):
     (["--simpo_gamma", "1.0"], "--simpo_gamma: applies to --algorithm simpo, not dpo"),
     (["--algorithm", "orpo", "--loss_type", "ipo"], "--loss_type: chooses the DPO variant of --algorithm dpo"),
     (["--algorithm", "simpo", "--label_smoothing", "0.1"], "label_smoothing applies to"),
-    (["--algorithm", "kto"], "--algorithm: 'kto' is not one of dpo, simpo, orpo"),
+    (["--algorithm", "kto"], "--algorithm: 'kto' is not one of dpo, vrpo, simpo, orpo"),
 ])
 def test_pair_loss_flags_fail_before_the_model_loads(tmp_path, monkeypatch, capsys, argv, message):
     def no_load(*a, **k):

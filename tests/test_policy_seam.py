@@ -83,11 +83,13 @@ def test_the_design_notes_table_is_the_capabilities_of_the_code():
     text = (ROOT / "docs/design.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| .* \| (.+) \|$", text, flags=re.M))
     assert set(rows) == {c.__name__ for c in CAPABILITIES}, "docs/design.md's capability table is stale"
+    import unialign.dlm.policy
     import unialign.image.denoiser
     import unialign.image.flow_policy
     import unialign.text.policy
 
-    classes = {c.__name__: c for m in (unialign.text.policy, unialign.image.denoiser, unialign.image.flow_policy)
+    classes = {c.__name__: c for m in (unialign.text.policy, unialign.image.denoiser, unialign.image.flow_policy,
+                                       unialign.dlm.policy)
                for c in vars(m).values() if isinstance(c, type)}
     for capability, who in rows.items():
         named = re.findall(r"`(\w+)`", who)

@@ -202,7 +202,6 @@ TRL_NAMES: dict[str, TrlName] = {t.name: t for t in [
     _refused("lora_target_modules", MODEL, "(all linear layers)",
              "LoRA goes on every linear layer of the denoiser / language model"),
     _refused("load_in_4bit", MODEL, "(none)", "quantised (QLoRA) training is not supported"),
-    _refused("trust_remote_code", MODEL, "(none)", "unialign never runs a model repository's own code"),
     _refused("attn_implementation", MODEL, "(none)", "the model's default attention (SDPA) is used"),
     _refused("gradient_checkpointing", ALL, "(none)",
              "the text scripts keep activations (their fused head already avoids [batch, length, vocabulary] "

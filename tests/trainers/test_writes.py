@@ -438,6 +438,7 @@ DIRECT_WRITES = {
     ("unialign/text/policy.py", "save"): "a policy's save: into the folder finish_run / save_checkpoint gives it",
     ("unialign/text/reward_model.py", "save"): "the same",
     ("unialign/vision/policy.py", "save"): "the same",
+    ("unialign/dlm/policy.py", "save"): "the same",
     ("unialign/image/denoiser.py", "save"): "the same",
     ("unialign/trl.py", "save_model"): "TRL's save_model: into the folder the user names, under writing()",
     ("unialign/text/vllm_engine.py", "_model_dir_for_engine"): "a private temporary folder the engine reads",
