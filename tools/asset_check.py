@@ -140,6 +140,18 @@ def rebuild_and_compare(build: Callable[..., Any], build_kw: dict[str, Any], shi
         return compare(out, shipped, built_files, views={"build_metrics.json": json_without(*timing_fields)})
 
 
+def rebuild_from_record(build: Callable[..., Any], shipped: str | Path, keys: Iterable[str], built_files: Iterable[str],
+                        timing_fields: Iterable[str], keep: str | Path | None = None, prefix: str = "asset_",
+                        **build_kw: Any) -> Comparison:
+    """``rebuild_and_compare`` with the build arguments the shipped ``build_metrics.json`` records (``keys``, and
+    ``eval_rows`` when recorded, else 0), ``build_kw`` overriding them."""
+    record = json.loads((Path(shipped) / "build_metrics.json").read_text())
+    kw = {k: record[k] for k in keys}
+    kw["eval_rows"] = record.get("eval_rows", 0)
+    kw.update(build_kw)
+    return rebuild_and_compare(build, kw, shipped, built_files, timing_fields, keep, prefix=prefix)
+
+
 # The machine type the shipped assets were built on (each asset's BUILD.md): float kernels are chosen by the CPU's
 # vector units, so only a machine of this type rebuilds them bit for bit; elsewhere a rebuild trains other weights.
 BUILD_MACHINE = {"vendor": "GenuineIntel", "avx512f": True}

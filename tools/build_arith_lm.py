@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tools import asset_check
-from tools.asset_check import Comparison, rebuild_and_compare
+from tools.asset_check import Comparison, rebuild_from_record
 from unialign.embedded.arith import (
     DEFAULT_ASSET_DIR,
     EOS,
@@ -52,6 +52,7 @@ DEFAULT_CARRY_DROP = 0.4
 BUILT_FILES = ("build_metrics.json", "chat_template.jinja", "config.json", "generation_config.json",
                "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 TIMING_FIELDS = ("train_seconds",)
+RECORDED = ("seed", "steps", "batch_size", "lr", "warmup", "num_threads", "carry_drop")  # check rebuilds with these
 
 
 def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
@@ -163,13 +164,7 @@ def check(shipped: str | Path = DEFAULT_ASSET_DIR, keep: str | Path | None = Non
     warmup, threads, carry drop, evaluation rows; ``build_kw`` overrides) into a temp folder (``keep``: this
     folder instead, left in place) and compare every file ``build`` writes with the shipped one (sha256;
     ``build_metrics.json`` without its wall time)."""
-    shipped = Path(shipped)
-    record = json.loads((shipped / "build_metrics.json").read_text())
-    kw = dict(seed=record["seed"], steps=record["steps"], batch_size=record["batch_size"], lr=record["lr"],
-              warmup=record["warmup"], num_threads=record["num_threads"], carry_drop=record["carry_drop"],
-              eval_rows=record.get("eval_rows", 0))
-    kw.update(build_kw)
-    return rebuild_and_compare(build, kw, shipped, BUILT_FILES, TIMING_FIELDS, keep, prefix="arith_lm_")
+    return rebuild_from_record(build, shipped, RECORDED, BUILT_FILES, TIMING_FIELDS, keep, prefix="arith_lm_", **build_kw)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tools import asset_check
-from tools.asset_check import Comparison, rebuild_and_compare
+from tools.asset_check import Comparison, rebuild_from_record
 from unialign.embedded.arith import EOS, _operands, arithmetic_dataset, chat_prompt, is_correct, worked_answer
 from unialign.embedded.mdlm import GEN_LENGTH, MDLM_DIR, SAMPLING, build_model, build_tokenizer
 from unialign.text.tokens import encode_prompt
@@ -41,6 +41,7 @@ DEFAULT_CARRY_DROP = 0.6
 BUILT_FILES = ("build_metrics.json", "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json")
 TIMING_FIELDS = ("train_seconds",)
+RECORDED = ("seed", "steps", "batch_size", "lr", "warmup", "num_threads", "carry_drop")  # check rebuilds with these
 
 
 def _encode(tokenizer, row: dict) -> tuple[list[int], list[int]]:
@@ -155,12 +156,7 @@ def evaluate(path: str | Path, n: int | None = 256, k: int = 8, seed: int = 0) -
 def check(shipped: str | Path = MDLM_DIR, keep: str | Path | None = None, **build_kw: Any) -> Comparison:
     """Rebuild with the shipped record's arguments into a temp folder (``keep``: this one) and compare every file
     ``build`` writes with the shipped one (sha256; ``build_metrics.json`` without its wall time)."""
-    shipped = Path(shipped)
-    record = json.loads((shipped / "build_metrics.json").read_text())
-    kw = {k: record[k] for k in ("seed", "steps", "batch_size", "lr", "warmup", "num_threads", "carry_drop")}
-    kw["eval_rows"] = record.get("eval_rows", 0)
-    kw.update(build_kw)
-    return rebuild_and_compare(build, kw, shipped, BUILT_FILES, TIMING_FIELDS, keep, prefix="mdlm_")
+    return rebuild_from_record(build, shipped, RECORDED, BUILT_FILES, TIMING_FIELDS, keep, prefix="mdlm_", **build_kw)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -221,9 +221,10 @@ def test_one_step_masks_the_completion_and_some_prompt_tokens(world):
     assert replicas == 1 and bool((completion == MASK).all())
     share = float((prompt == MASK).float().mean())
     assert 0.10 < share < 0.20  # d1's p_mask_prompt 0.15
-    p, x = prompts[0], xs[0]
-    if int(prompt[0, 0]) != MASK:
-        assert float(out[0, 1]) == pytest.approx(token_logp(model, p, x, set(), 1), abs=1e-9)
+    b = next(i for i in range(600) if int(prompt[i, 0]) != MASK)  # a row whose prompt token stayed
+    p, x = prompts[b % 3], xs[b % 3]
+    for i in range(T):
+        assert float(out[b, i]) == pytest.approx(token_logp(model, p, x, set(), i), abs=1e-9)
 
 
 @pytest.mark.parametrize("name", sorted(set(LOG_PROB_ESTIMATORS) - {"trace"}))

@@ -95,18 +95,17 @@ class LogProbEstimator:
 
     name: str
     fn: Callable[..., Tensor]
-    needs_step_map: bool = False  # reads ``step_map_B_T`` (the sampler must record it)
     sampling: tuple[tuple[str, str], ...] = ()  # sampling it is exact for (``DiffusionSampling`` fields -> a rule)
 
 
 LOG_PROB_ESTIMATORS: dict[str, LogProbEstimator] = {}
 
 
-def register_log_prob_estimator(name: str, needs_step_map: bool = False, sampling: tuple = ()):
+def register_log_prob_estimator(name: str, sampling: tuple = ()):
     """Decorator over ``fn(score, seq, opts, sign_B=None) -> logp_B_T``; ``sign_B`` (+1 / -1 per sample, or None)
     is read by estimators that choose a bound by the advantage's sign (``spg``)."""
     def add(fn):
-        add_new(LOG_PROB_ESTIMATORS, name, LogProbEstimator(name, fn, needs_step_map, sampling), "log-prob estimator")
+        add_new(LOG_PROB_ESTIMATORS, name, LogProbEstimator(name, fn, sampling), "log-prob estimator")
         return fn
     return add
 
@@ -263,7 +262,7 @@ def replay(score: Score, seq: MaskedSequences, order_B_T: Tensor) -> Tensor:
     return (pick * lp).sum(0)
 
 
-@register_log_prob_estimator("trace", needs_step_map=True)
+@register_log_prob_estimator("trace")
 def trace(score: Score, seq: MaskedSequences, opts: EstimatorOptions, sign_B: Tensor | None = None) -> Tensor:
     """TraceRL: the sampler's trace replayed (``replay`` on ``step_map // trace_shrink``)."""
     if seq.step_map_B_T is None:

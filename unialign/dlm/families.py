@@ -60,6 +60,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 UNIFORM_NOISE_MODEL_TYPES = ("diffusion_gemma", "diffusiongemma")
 
 
+def require_trust(family: Family, name_or_path: str, trust_remote_code: bool) -> None:
+    """A ValueError (one line, naming the flag) for a remote-code family without ``trust_remote_code``."""
+    if family.remote_code and not trust_remote_code:
+        raise ValueError(f"{name_or_path} is a {family.name} model, whose modelling code is on the Hub, not in "
+                         "transformers: pass --trust_remote_code to run it (read that code first)")
+
+
 def family_of(config: Any, name_or_path: str) -> Family:
     """The family of a loaded ``config`` (``model_type``; a ``unialign_family`` entry in config.json wins), or a
     ValueError naming the model: a uniform-noise model is refused, an unknown type lists the known ones."""

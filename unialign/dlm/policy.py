@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from unialign.algos.masked_diffusion import (
     spg_bounds,
 )
 from unialign.dist import is_main_rank, unwrap
-from unialign.dlm.families import Family, family_of
+from unialign.dlm.families import Family, family_of, require_trust
 from unialign.dlm.sampling import DiffusionSampling, block_decode
 from unialign.hub import hub_error, require_hub
 from unialign.policy import LossTerms, PolicyBase, ReferencePolicy
@@ -82,11 +83,9 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
             raw, _ = PretrainedConfig.get_config_dict(name_or_path)
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
-        family = family_of(PretrainedConfig(**{k: v for k, v in raw.items() if k in ("model_type", "unialign_family")}),
+        family = family_of(SimpleNamespace(model_type=raw.get("model_type"), unialign_family=raw.get("unialign_family")),
                            name_or_path)
-        if family.remote_code and not trust_remote_code:
-            raise ValueError(f"{name_or_path} is a {family.name} model, whose modelling code is on the Hub, not in "
-                             "transformers: pass --trust_remote_code to run it (read that code first)")
+        require_trust(family, name_or_path, trust_remote_code)
         try:
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -211,15 +210,19 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
         """One block-decoded completion per prompt; the payload keeps the tokens, the ``step_map`` and one
         ``mask_seed`` per sample (drawn from torch's global RNG, which the trainer seeds and checkpoints), from
         which every later ``log_prob`` of this trajectory draws its masks."""
-        g = self.generate(prompts)
-        payload = {k: g[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "step_map")}
-        payload["mask_seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
-        traj = Trajectory(prompts=list(prompts), completions=g["texts"], mask_B_T=g["completion_mask"].float(),
-                          old_logp_B_T=None, truncated_B=g["truncated"].cpu(), payload=payload)
+        traj = self._trajectory(prompts, self.generate(prompts))
         if record_logp:
             with torch.no_grad():
-                traj.old_logp_B_T = self._estimate(unwrap(self.model), payload) * traj.mask_B_T
+                traj.old_logp_B_T = self._estimate(unwrap(self.model), traj.payload) * traj.mask_B_T
         return traj
+
+    @staticmethod
+    def _trajectory(prompts: list[Any], g: dict[str, Any]) -> Trajectory:
+        """A decoding's trajectory (no log-probs yet), with one mask seed per sample from torch's global RNG."""
+        payload = {k: g[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "step_map")}
+        payload["mask_seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
+        return Trajectory(prompts=list(prompts), completions=g["texts"], mask_B_T=g["completion_mask"].float(),
+                          old_logp_B_T=None, truncated_B=g["truncated"].cpu(), payload=payload)
 
     # ---------------------------------------------------------------- log-probs
     def _log_prob(self, model: torch.nn.Module, trajectory: Trajectory, with_entropy: bool):
@@ -298,8 +301,7 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
 
     def _sample(self, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None = None):
         g = self._decode(model, prompts, greedy=False)
-        return Trajectory(prompts=list(prompts), completions=g["texts"], mask_B_T=g["completion_mask"].float(),
-                          old_logp_B_T=None, truncated_B=g["truncated"].cpu(), payload=g)
+        return self._trajectory(prompts, g)
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         return [p for p in unwrap(self.model).parameters() if p.requires_grad]

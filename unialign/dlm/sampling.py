@@ -94,11 +94,11 @@ def block_decode(logits_fn: Logits, batch_size: int, mask_id: int, knobs: Diffus
             logits = logits_fn(x)[:, lo:hi].float()
             forwards += 1
             sample = x[:, lo:hi]
-            k = int(schedule[min(i, len(schedule) - 1)]) if i < len(schedule) else L  # past the schedule: all left
+            k = int(schedule[i]) if i < len(schedule) else L  # past the schedule (never, by its sum): all left
             if remasking == "low_confidence":
                 # threshold 1.0 never fires (a probability is never above 1): the scheduled top-k only
-                out = scheduler.step(logits, min(i, len(schedule) - 1) if i < len(schedule) else len(schedule) - 1,
-                                     sample, mask_token_id=mask_id, temperature=temperature,
+                out = scheduler.step(logits, min(i, len(schedule) - 1), sample, mask_token_id=mask_id,
+                                     temperature=temperature,
                                      threshold=knobs.threshold if knobs.threshold is not None else 1.0,
                                      generator=generator)
                 commit = out.transfer_index

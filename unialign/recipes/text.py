@@ -437,14 +437,16 @@ def check_masked_diffusion_source(cfg: Any) -> None:
     """Before any data or model loads, for a Hub masked-diffusion LM (``--dlm_family``): a remote-code family without
     ``--trust_remote_code`` is refused, and a model the Hub cannot give is named (offline: within seconds)."""
     from unialign.dlm import FAMILIES
+    from unialign.dlm.families import require_trust
     from unialign.hub import require_hub
 
     family = cfg.dlm_family
     if family is None:
         return
-    if FAMILIES[family].remote_code and not cfg.trust_remote_code:
-        raise UserError(f"--model_name_or_path {cfg.model_name_or_path} is a {family} model, whose modelling code is "
-                        "on the Hub, not in transformers: pass --trust_remote_code to run it (read that code first)")
+    try:
+        require_trust(FAMILIES[family], f"--model_name_or_path {cfg.model_name_or_path}", cfg.trust_remote_code)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     try:
         require_hub(cfg.model_name_or_path, "model")
     except (OSError, RuntimeError) as err:
@@ -458,14 +460,13 @@ def masked_diffusion_policy(cfg: Any, name_or_path: str, estimator: str | None =
     ``DEFAULT_ESTIMATOR``. The sampling: each flag set, else the model's recorded ``unialign_sampling``
     (config.json), else the family's; an estimator's sampling rule (``ar_order``: left to right) on top. Sets
     ``cfg.max_new_tokens`` to the completion block's length. A remote-code family without ``--trust_remote_code``
-    is refused first, before anything is read from the Hub."""
+    is refused by the loader."""
     from unialign.algos.masked_diffusion import LOG_PROB_ESTIMATORS, EstimatorOptions
     from unialign.dlm import FAMILIES, DiffusionSampling, MaskedDiffusionLMPolicy
 
     family = cfg.dlm_family
     if family is None and not is_masked_diffusion_model(name_or_path):
-        return None
-    check_masked_diffusion_source(cfg)
+        return None  # (a Hub model's source and remote-code rule: check_masked_diffusion_source, run by the scripts)
     estimator = estimator if estimator in LOG_PROB_ESTIMATORS else DEFAULT_ESTIMATOR
     raw = _local_config(name_or_path) or {}
     recorded = FAMILIES[family].sampling if family else {}
