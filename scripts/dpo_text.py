@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from unialign.algos.preference import DPO_LOSS_TYPES
-from unialign.config import UserError, arg, default, exit_on_user_error, parse_config
-from unialign.embedded import NAME, model_path, register
-from unialign.embedded.args import EmbeddedPairArgs
+from unialign.config import UserError, arg, default, exit_on_user_error, model_defaults_key, parse_config
+from unialign.embedded import MDLM_NAME, NAME, VLM_NAME, check_model_kind, model_path, register
+from unialign.embedded.args import EmbeddedPairArgs, tuned_for
 from unialign.recipes import presets
 from unialign.recipes.args import DiffusionLMArgs, RunArgs, TextModelArgs
 from unialign.recipes.text import (
@@ -41,16 +41,22 @@ from unialign.trainers.preference import DPOObjective, PreferenceConfig
 
 PRESETS = presets.DPO_TEXT
 TASKS = {NAME: "math_accuracy", "embedded-vlm": "vlm_accuracy"}  # built-in data sets with a verifiable task
+SHIPPED = (NAME, MDLM_NAME, VLM_NAME)  # the shipped models, whose measured defaults follow
 # the chosen side's NLL weight on the embedded task (RPO; SimPO's with TRL's CPO-SimPO; docs/text.md): plain DPO /
 # SimPO lower its greedy accuracy (VRPO too on the masked-diffusion LM: 0.551 -> 0.47-0.54 without it, docs/dlm.md);
-# beta and SimPO's gamma are the losses' own defaults (unialign.algos.pair_losses)
-ALGORITHM_DEFAULTS = pair_defaults({"dpo": 1.0, "vrpo": 1.0, "simpo": 2.0})
+# beta and SimPO's gamma are the losses' own defaults (unialign.algos.pair_losses). Any other model: the losses'
+# own values throughout (no NLL term for DPO, as TRL).
+MEASURED = pair_defaults({"dpo": 1.0, "vrpo": 1.0, "simpo": 2.0})
+ALGORITHM_DEFAULTS = pair_defaults({})
 
 
 @dataclass
 class DPOTextConfig(EmbeddedPairArgs, RunArgs, DiffusionLMArgs, TextModelArgs, TextDataArgs, VisionTowerArgs,
                     PreferenceConfig):
     PRESETS: ClassVar[dict] = PRESETS
+    TRL_CONFIG: ClassVar[str] = "DPOConfig"  # the defaults below are TRL's unless printed at start (trl_departures)
+    MODEL_DEFAULTS: ClassVar[dict] = tuned_for(SHIPPED, dict(  # measured on the shipped models (docs/text.md)
+        learning_rate=2e-4, lr_scheduler_type="constant", batch_size=32, micro_batch_size=32, num_threads=1))
     algorithm: str = arg("dpo", "pair loss: dpo (the --loss_type variant, against a reference model), vrpo (dpo on a "
                          "masked-diffusion LM, masks shared with the reference), or the reference-free simpo / orpo",
                          group="algorithm", choices=pair_algorithms)
@@ -64,23 +70,28 @@ class DPOTextConfig(EmbeddedPairArgs, RunArgs, DiffusionLMArgs, TextModelArgs, T
                                     f"{defaults_help(ALGORITHM_DEFAULTS, 'simpo_gamma')}", group="algorithm", min=0.0)
     rpo_alpha: float | None = arg(None, "weight of the chosen side's per-token NLL (RPO; ORPO's SFT term; plain DPO / "
                                   "SimPO lower the embedded task's accuracy, see README); "
-                                  f"{defaults_help(ALGORITHM_DEFAULTS, 'rpo_alpha')}", group="algorithm", min=0.0)
+                                  f"{defaults_help(ALGORITHM_DEFAULTS, 'rpo_alpha')}; with the shipped models "
+                                  f"{defaults_help(MEASURED, 'rpo_alpha')[len('default: '):]}", group="algorithm",
+                                  min=0.0)
     precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front (cached on disk)",
                                          group="algorithm")
     max_new_tokens: int = arg(24, "completion limit of the greedy task evaluation (embedded task)",
                               group="logging", min=1)
-    batch_size: int = default(32)
-    micro_batch_size: int = default(32)
-    learning_rate: float = default(2e-4)
+    learning_rate: float = default(1e-6)  # TRL's
+    lr_scheduler_type: str = default("linear")
     max_steps: int = default(60)
-    num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest)")
     output_dir: str = default("outputs/dpo_text")
 
 
 def main(cfg: DPOTextConfig) -> dict:
     register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
+    check_model_kind(cfg.model_name_or_path, ("text", "vision"))  # a model of another kind: one line, now
     start = time.time()
-    loss, knobs, params = pair_loss(cfg, ALGORITHM_DEFAULTS)
+    shipped = model_defaults_key(DPOTextConfig.MODEL_DEFAULTS, cfg.model_name_or_path) is not None
+    loss, knobs, params = pair_loss(cfg, MEASURED if shipped else ALGORITHM_DEFAULTS)
+    if shipped and cfg.rpo_alpha is None and knobs["rpo_alpha"]:
+        print(f"rpo_alpha={knobs['rpo_alpha']}: measured on the shipped model {cfg.model_name_or_path!r} "
+              f"(--rpo_alpha 0: {cfg.algorithm} without the chosen side's NLL)")
     check_masked_diffusion_source(cfg)  # a Hub masked-diffusion LM: remote code allowed, reachable (before the data)
     task = TASKS.get(cfg.dataset_name)  # correct vs wrong final answers on an embedded task (arithmetic; VLM)
     train, held_out, data_info = load_pair_data(cfg)

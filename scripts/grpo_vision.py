@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from unialign.config import arg, default, exit_on_user_error, parse_config
-from unialign.embedded import model_path, register
+from unialign.embedded import VLM_NAME, check_model_kind, model_path, register
+from unialign.embedded.args import tuned_for
 from unialign.recipes import presets
 from unialign.recipes.args import RewardArgs, RunArgs, SystemPromptArgs, TextModelArgs, TextRLArgs
 from unialign.recipes.text import (
@@ -42,30 +43,32 @@ PRESETS = presets.GRPO_VISION
 class GRPOVisionConfig(RunArgs, RewardArgs, TextRLArgs, SystemPromptArgs, TextModelArgs, VisionArgs, TextDataArgs,
                        OnlineConfig):
     PRESETS: ClassVar[dict] = PRESETS
+    TRL_CONFIG: ClassVar[str] = "GRPOConfig"  # the defaults below are TRL's unless printed at start
+    MODEL_DEFAULTS: ClassVar[dict] = tuned_for((VLM_NAME,), dict(  # measured on the shipped VLM (docs/vision.md)
+        max_new_tokens=8, learning_rate=1e-3, warmup_steps=5, lr_scheduler_type="cosine", micro_batch_size=128,
+        num_threads=1))
     model_name_or_path: str = arg("embedded-vlm", "Hub id, local directory, or 'embedded-vlm' (the shipped tiny "
                                   "Qwen2-VL-architecture model)", group="model")
     dataset_name: str = arg("embedded-vlm", "'embedded-vlm' (questions about shapes-world images), a Hub id, a local "
                             ".jsonl/.json/.parquet file, or a folder of split files", group="data")
     eval_batch_size: int = arg(64, "prompts per greedy-evaluation batch", group="logging", min=1)
-    max_new_tokens: int = default(8)
+    max_new_tokens: int = default(512)  # TRL's max_completion_length
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank on the language model's projections", group="model", min=0)
     reward_funcs: str = default("vlm_accuracy")
     eval_reward: str | None = arg(None, "reward of the held-out greedy evaluation (default: the training reward)",
                                   group="algorithm")
     beta: float | None = arg(0.0, "KL coefficient to the reference model (0: no reference; None: the preset's)")
-    learning_rate: float = default(1e-3)
-    warmup_steps: int = default(5)
-    lr_scheduler_type: str = default("cosine")
+    learning_rate: float = default(1e-6)
+    lr_scheduler_type: str = default("linear")
     prompts_per_step: int = default(16)
     num_generations: int = default(8)
-    micro_batch_size: int = default(128)
     max_steps: int = default(60)
-    num_threads: int | None = arg(1, "torch CPU threads (tiny models: 1 is fastest; <= 0: torch's choice)")
     output_dir: str = default("outputs/grpo_vision")
 
 
 def main(cfg: GRPOVisionConfig) -> dict:
     register()  # the demo worlds by name: 'embedded-vlm' (data set, model, vlm_accuracy reward)
+    check_model_kind(cfg.model_name_or_path, ("vision",))  # a model of another kind: one line, now
     start = time.time()
     train_rows, eval_rows, data_info = load_prompt_data(cfg)
     train_rows = with_images(train_rows, cfg, f"{cfg.dataset_name} [train]", data_info)  # checked before the model

@@ -47,6 +47,7 @@ def test_grpo_math_two_steps(tmp_path):
                       "--eval_steps", "1", "--output_dir", str(tmp_path)])
     s = check_summary(tmp_path, "accuracy")
     assert s["steps"] == 2 and (tmp_path / "reward_curve.png").exists() and (tmp_path / "final" / "config.json").exists()
+    assert s["model_defaults"]["model"] == "embedded" and s["model_defaults"]["values"]["learning_rate"] == 3e-4
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent), size_guidance={"scalars": 0})
     events.Reload()
     accuracy = events.Scalars("eval/accuracy")  # held-out greedy accuracy: before, every eval_steps, after
@@ -201,6 +202,41 @@ def test_ddpo_aesthetic_two_steps_with_kl(tmp_path):
             "aesthetic_after", "shape_verifier_partial_before", "shape_verifier_partial_after"} <= set(s)
     assert 0.0 <= s["fidelity_before"] <= 1.0 and s["config"]["beta"] == 0.04
     assert all((tmp_path / f).exists() for f in ("comparison.png", "reward_curve.png"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,eval_prompt_set", [("grpo_image", None), ("ddpo_aesthetic", "train")])
+def test_image_scripts_hold_out_a_users_prompts_or_say_they_do_not(tmp_path, monkeypatch, script, eval_prompt_set):
+    """A user's --prompt_set is split (a seeded share held out, never trained on); asked to evaluate on the
+    training prompts, the run says so in summary.json, the log and comparison.png's title."""
+    from unialign.embedded import shapes_world
+    from unialign.image.evaluate import HeldOutImages
+
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("\n".join(shapes_world.prompts("train")[:10]) + "\n")
+    titles, stock = [], HeldOutImages.save_comparison
+    monkeypatch.setattr(HeldOutImages, "save_comparison",
+                        lambda self, path, b, a, title="": titles.append(title) or stock(self, path, b, a, title))
+    import unialign.recipes.image as recipe
+
+    seen: dict[str, list[str]] = {}
+
+    class Recording(recipe.OnlineTrainer):
+        def __init__(self, policy, reward, rows, cfg, evaluator=None):
+            seen.update(train=[r["prompt"] for r in rows], eval=list(evaluator.prompts))
+            super().__init__(policy, reward, rows, cfg, evaluator=evaluator)
+
+    monkeypatch.setattr(recipe, "OnlineTrainer", Recording)
+    extra = [] if eval_prompt_set is None else ["--eval_prompt_set", eval_prompt_set]
+    out = tmp_path / "run"
+    run(script, IMAGE_SMOKE + ["--prompt_set", str(prompts), *extra, "--output_dir", str(out), "--report_to", "none"])
+    s = check_summary(out, "reward")
+    if eval_prompt_set is None:
+        assert s["eval_source"].startswith("held out: 1 of the 10 prompts") and "held-out reward" in titles[0]
+        assert len(set(seen["train"])) == 9 and not set(seen["train"]) & set(seen["eval"])
+    else:
+        assert s["eval_source"].startswith("training prompts") and "held-out" not in titles[0]
+        assert "train-prompt reward" in titles[0] and set(seen["eval"]) <= set(seen["train"])
 
 
 @pytest.mark.slow

@@ -240,7 +240,7 @@ def test_trl_config_keywords_refused_with_the_unialign_way(tmp_path):
     with pytest.raises(UserError, match="did you mean 'learning_rate'"):
         GRPOConfig(learning_rat=1e-5)
     assert DPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=8).batch_size == 16
-    assert GRPOConfig().max_completion_length == 256  # TRL's defaults
+    assert GRPOConfig().max_completion_length == 512  # TRL's defaults (tests/test_trl_defaults.py)
     given = GRPOConfig(num_train_epochs=3, max_steps=5)  # TRL: max_steps wins over epochs
     from unialign.trl import _steps_from_epochs
 
@@ -263,3 +263,23 @@ def test_the_docs_trl_example_runs_as_written(tmp_path, monkeypatch):
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 2 and (tmp_path / "out" / "grpo" / "summary.json").is_file()
     assert (tmp_path / "out" / "grpo" / "config.json").is_file()  # save_model(): args.output_dir, as TRL
+
+
+def test_without_an_eval_dataset_the_numbers_come_from_training_rows_and_say_so(tmp_path):
+    """TRL logs training completions; without eval_dataset the before / after reward and the completions table
+    come from the first training rows, labelled as not held out."""
+    from datasets import Dataset
+
+    from unialign import GRPOConfig, GRPOTrainer
+    from unialign.embedded.arith import arithmetic_dataset
+
+    rows = [{"prompt": r["question"], "answer": r["answer"]} for r in arithmetic_dataset("train", n=8)]
+    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=1, report_to="none")
+    trainer = GRPOTrainer(model=ARITH_LM_DIR, reward_funcs="math_accuracy", args=args,
+                          train_dataset=Dataset.from_list(rows))
+    trainer.train()
+    summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    assert isinstance(summary["before"], float) and isinstance(summary["after"], float)
+    assert summary["eval_source"] == "train_dataset's first 8 rows (no eval_dataset given): not held out"
+    assert (tmp_path / "grpo" / "completions.jsonl").read_text().strip()

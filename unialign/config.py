@@ -144,6 +144,10 @@ def build_parser(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
         default = f.default if f.default is not dataclasses.MISSING else None
         if "(default:" not in text:
             text += f" (default: {default})"
+        tuned = {k: v[f.name] for k, v in (getattr(cls, "MODEL_DEFAULTS", None) or {}).items()
+                 if f.name in v and not Path(k).is_absolute()}  # by name, not also by folder
+        if tuned:
+            text += " (" + ", ".join(f"{v} with {k}" for k, v in tuned.items()) + ")"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
         if base is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")
@@ -235,6 +239,8 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
     given = resolve_names(cls, flags, "", values)
     values.update(given)
     _algorithm_knobs_follow_the_algorithm(cls, fields, values)
+    chosen = set(values)  # what a preset, YAML or a flag set (a knob the algorithm reset counts as set)
+    model_defaults = _model_defaults(cls, fields, values)
     out = {}
     for name, value in values.items():
         try:
@@ -243,10 +249,58 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
             where = f"{config_file}: " if name not in given and config_file else ""
             raise UserError(f"{where}--{name}: {err}") from None
     cfg = cls(**out)
+    record_origin(cfg, chosen, model_defaults)
     validate(cfg)
     if check is not None:
         check(cfg)
     return cfg
+
+
+ORIGIN = "_unialign_origin"  # instance attribute: which fields were set, and the model's own defaults applied
+
+
+def record_origin(cfg: Any, chosen: set[str], model_defaults: tuple[str, dict[str, Any]] | None) -> None:
+    """Remember on ``cfg`` which fields the user set (preset, YAML, flags or keywords) and which took the model's
+    own defaults (``MODEL_DEFAULTS``): the run prints and records both (``origin``)."""
+    model, values = model_defaults or (None, {})
+    object.__setattr__(cfg, ORIGIN, {"set": frozenset(chosen), "model": model, "model_defaults": dict(values)})
+
+
+def origin(cfg: Any) -> dict[str, Any]:
+    """``record_origin``'s record of ``cfg`` (a config built directly: nothing known as set, no model defaults)."""
+    return getattr(cfg, ORIGIN, None) or {"set": frozenset(), "model": None, "model_defaults": {}}
+
+
+def model_defaults_key(table: dict[str, dict[str, Any]], model: Any) -> str | None:
+    """The key of ``table`` (model name or folder -> field values) that ``model`` names: the same name, or a folder
+    that resolves to the same place (the Python API is given the shipped models' folders)."""
+    if not isinstance(model, str | os.PathLike):
+        return None
+    model = str(model)
+    if model in table:
+        return model
+    try:
+        here = Path(model).resolve()
+    except (OSError, RuntimeError):
+        return None
+    return next((k for k in table if Path(k).is_absolute() and Path(k).resolve() == here), None)
+
+
+def _model_defaults(cls: type, fields: dict[str, dataclasses.Field], values: dict[str, Any]
+                    ) -> tuple[str, dict[str, Any]] | None:
+    """A script's values tuned for one model (``cls.MODEL_DEFAULTS``: model name or folder -> field values, e.g. the
+    embedded models' measured learning rate and schedule) fill the fields nobody set when ``model_name_or_path`` is
+    that model; any other model keeps the class defaults (TRL's where TRL has the field). Returns (model, values
+    applied); ``values`` is updated in place."""
+    table = getattr(cls, "MODEL_DEFAULTS", None)
+    if not table or "model_name_or_path" not in fields:
+        return None
+    key = model_defaults_key(table, values.get("model_name_or_path", fields["model_name_or_path"].default))
+    if key is None:
+        return None
+    applied = {k: v for k, v in table[key].items() if k in fields and k not in values}
+    values.update(applied)
+    return key, applied
 
 
 def _algorithm_knobs_follow_the_algorithm(cls: type, fields: dict[str, dataclasses.Field], values: dict[str, Any]) -> None:

@@ -7,6 +7,11 @@ class UserError(ValueError):
     """A mistake the user can fix (a setting, a file, a row): reported as one line, exit status 2."""
 
 
+class MissingExtraError(UserError, ImportError):
+    """An optional dependency (a ``pip install -e ".[extra]"``) a chosen feature needs is not installed: an
+    ``ImportError`` to Python code, one line and exit status 2 from a script."""
+
+
 def did_you_mean(value: object, options) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``options`` to ``value`` (difflib's ratio >= 0.6), else ""."""
     import difflib

@@ -18,6 +18,32 @@ class HubUnavailableError(RuntimeError):
     pass
 
 
+KIND_WORDS = {"text": "text model", "vision": "vision-language model", "image": "image (diffusers) model"}
+
+
+def local_model_kind(name: str) -> tuple[str, str] | None:
+    """(kind, the file that says so) of a local model folder: ``"image"`` (a diffusers pipeline's
+    ``model_index.json``, or a diffusers model's ``config.json``), ``"vision"`` (a transformers ``config.json``
+    with a ``vision_config``), ``"text"`` (any other transformers ``config.json``); None when ``name`` is no folder
+    or says nothing of the kind (a LoRA adapter, a damaged folder: the loader's own error names it)."""
+    import json
+
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / "model_index.json").is_file():
+        return "image", "model_index.json"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if "_class_name" in config or "_diffusers_version" in config:
+        return "image", "config.json"
+    return ("vision" if "vision_config" in config else "text"), "config.json"
+
+
 def is_local(name: str) -> bool:
     return Path(name).expanduser().exists()
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from unialign.config import DTYPES, arg, resolve_names, validate
+from unialign.config import DTYPES, SCHEDULERS, arg, record_origin, resolve_names, validate
 from unialign.errors import UserError
 from unialign.trainers.online import OnlineConfig
 from unialign.trainers.preference import PreferenceConfig
@@ -50,14 +50,19 @@ class _TrlKeywords:
         values = resolve_names(type(self), kwargs)  # UserError for a refused or unknown name
         base.__init__(self, **values)
         self._given = dict(kwargs)  # what the user wrote (num_train_epochs vs max_steps, TRL's precedence)
+        record_origin(self, set(values), None)  # the defaults nobody set that differ from TRL's are printed
 
 
 @dataclass
 class _GRPOFields(OnlineConfig):
     """``OnlineConfig`` plus the generation settings TRL's ``GRPOConfig`` holds (defaults TRL's)."""
 
-    max_completion_length: int | None = arg(256, "generation length in tokens (TRL's name), also the loss "
+    max_completion_length: int | None = arg(512, "generation length in tokens (TRL's name), also the loss "
                                             "normaliser's L and DAPO's limit", min=1)
+    beta: float | None = arg(0.0, "KL coefficient to the reference model (TRL's 0.0: no reference model; None: the "
+                             "algorithm's, e.g. grpo's published 0.04)", group="algorithm", min=0.0)
+    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
+                                 group="optimisation", choices=SCHEDULERS)
     max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer rows are refused (overlong_rows)",
                                         group="data", min=1)
     overlong_rows: str = arg("error", "rows over max_prompt_length: 'error' or 'drop'",
@@ -81,6 +86,7 @@ class _GRPOFields(OnlineConfig):
     num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
                                          "ceil(epochs x rows / prompts_per_step) unless max_steps is given too",
                                          group="optimisation", gt=0.0)
+    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
     output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
@@ -88,6 +94,8 @@ class GRPOConfig(_TrlKeywords, _GRPOFields):
     """TRL's ``GRPOConfig`` for ``GRPOTrainer``: every ``OnlineConfig`` field (``algorithm``: grpo, dapo, dr_grpo,
     gspo, rloo, ...; its knobs ``beta``, ``epsilon``, ``loss_type``, ``scale_rewards``, ``num_iterations``, ...),
     the generation settings, and TRL's names (``unialign.trl_compat``)."""
+
+    TRL_CONFIG = "GRPOConfig"  # TRL's defaults; those that differ are printed at start (trl_departures)
 
 
 @dataclass
@@ -111,6 +119,8 @@ class _DPOFields(PreferenceConfig):
     precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front",
                                          group="algorithm")
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's DPO default)", min=0.0)
+    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
+                                 group="optimisation", choices=SCHEDULERS)
     torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
     chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
@@ -118,11 +128,14 @@ class _DPOFields(PreferenceConfig):
     num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
                                          "ceil(epochs x rows / batch_size) unless max_steps is given too",
                                          group="optimisation", gt=0.0)
+    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
     output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
 class DPOConfig(_TrlKeywords, _DPOFields):
     """TRL's ``DPOConfig`` for ``DPOTrainer``: the pairwise loop's fields, DPO's, and TRL's names."""
+
+    TRL_CONFIG = "DPOConfig"
 
 
 @dataclass
@@ -233,6 +246,9 @@ def _unsupported(callbacks: Any, optimizers: Any) -> None:
                         "lr_scheduler_type, warmup_steps)")
 
 
+TRAIN_SAMPLE = 64  # training rows evaluated before / after when no eval_dataset is given
+
+
 class _Wrapper:
     """``train()`` / ``evaluate()`` / ``save_model()`` / ``state`` over one of unialign's trainers."""
 
@@ -242,8 +258,18 @@ class _Wrapper:
         self._start = time.time()
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out numbers (``eval/*``) on ``eval_dataset`` (an empty dict without one)."""
+        """The numbers (``eval/*``) on ``eval_dataset``, or without one on the first training rows
+        (``_train_sample``; ``data_info["eval_source"]`` says which)."""
         return self._held_out()
+
+    def _train_sample(self, train: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Without an ``eval_dataset`` the before / after numbers and the completions table come from the first
+        ``TRAIN_SAMPLE`` training rows, as TRL logs training completions; ``eval_source`` says they are not held
+        out (``summary.json``)."""
+        sample = train[:TRAIN_SAMPLE]
+        self.data_info["eval_source"] = (f"train_dataset's first {len(sample)} rows (no eval_dataset given): not "
+                                         f"held out")
+        return sample
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train ``args.max_steps`` steps, then write ``final/`` and ``summary.json`` (the scripts' outputs).
@@ -320,6 +346,7 @@ class GRPOTrainer(_Wrapper):
         self.policy.max_new_tokens = args.max_completion_length
         self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
         train, held = fit_prompts(self.policy, train, held, args, self.data_info)
+        held = held or self._train_sample(train)
         _steps_from_epochs(args, len(train), args.prompts_per_step)
         self.evaluator = (GreedyHeldOut(self.policy, held, {"reward": as_trl_reward(reward)}, args.eval_batch_size)
                           if held else None)
@@ -373,6 +400,7 @@ class DPOTrainer(_Wrapper):
         self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
         train, held = fit_pairs(self.policy.tokenizer, prompt_token_counter(self.policy), train, held, args,
                                 self.data_info)
+        held = held or self._train_sample(train)
         _steps_from_epochs(args, len(train), args.batch_size)
         self.held = held
         objective = DPOObjective(self.policy, args.beta, args.loss_type, args.label_smoothing,

@@ -368,3 +368,65 @@ def script_configs() -> dict[str, type]:
 
 if __name__ == "__main__":
     print(migration_table(script_configs()))
+
+
+# ----------------------------------------------------------------------------- TRL's defaults
+# The defaults of TRL's configs (TRL 1.16, checked against the installed package in tests/test_trl_defaults.py) that
+# a unialign config with the same field can differ from, in unialign's spelling (loss_type: TRL's "dapo" is
+# token_mean). A config says which TRL config it stands for with ``TRL_CONFIG`` (a class attribute).
+_TRAINING = dict(lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, seed=42)
+TRL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "GRPOConfig": dict(learning_rate=1e-6, **_TRAINING, beta=0.0, num_generations=8, max_completion_length=512,
+                       temperature=1.0, top_p=1.0, top_k=0, epsilon=0.2, loss_type="token_mean", scale_rewards="group",
+                       num_iterations=1),
+    "DPOConfig": dict(learning_rate=1e-6, **_TRAINING, beta=0.1, loss_type="sigmoid"),
+    "RewardConfig": dict(learning_rate=1e-4, **_TRAINING),
+    "SFTConfig": dict(learning_rate=2e-5, **_TRAINING),
+}
+# Why a departure that is not a model's own default is kept (config, field) -> one line (docs/coming_from_trl.md).
+TRL_DEPARTURES: dict[tuple[str, str], str] = {
+    ("GRPOConfig", "loss_type"): "--algorithm grpo is GRPO as published (per-sequence token mean); TRL's is "
+                                 "--loss_type dapo (or --algorithm dapo)",
+    ("GRPOConfig", "beta"): "the grpo algorithm as published (DeepSeekMath) keeps KL to the reference; --beta 0 is "
+                            "TRL's",
+    ("GRPOConfig", "max_completion_length"): "the scripts generate --max_new_tokens; TRL's 512 is --max_new_tokens 512",
+    ("DPOConfig", "beta"): "the pair loss's own default (--algorithm)",
+    ("DPOConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",
+    ("GRPOConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",
+    ("RewardConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",
+    ("SFTConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",
+}
+
+
+def _resolved(cfg: Any, name: str) -> Any:
+    """``cfg``'s value of ``name``, a knob left unset read from its algorithm (``cfg.algo_spec()``)."""
+    value = getattr(cfg, name)
+    if value is None and hasattr(cfg, "algo_spec"):
+        value = getattr(cfg.algo_spec(), name, None)
+    return value
+
+
+def trl_departures(cfg: Any, record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Where ``cfg`` (a config whose class names its ``TRL_CONFIG``) differs from that TRL config's default in a field
+    nobody set (``record``: ``unialign.config.origin(cfg)``): ``{"field", "value", "trl", "why"}`` each, ``why``
+    "tuned for <model>" for a model's own default (``MODEL_DEFAULTS``), else ``TRL_DEPARTURES``' line. What the user
+    set is theirs, never listed."""
+    trl_config = getattr(type(cfg), "TRL_CONFIG", None)
+    if trl_config is None:
+        return []
+    names = {f.name for f in dataclasses.fields(cfg)}
+    aliases = field_aliases(type(cfg))
+    out = []
+    for trl_name, trl_value in TRL_DEFAULTS[trl_config].items():
+        name = aliases.get(trl_name, trl_name)  # the GRPO scripts' max_completion_length is their max_new_tokens
+        if name not in names or name in record["set"]:
+            continue
+        value = _resolved(cfg, name)
+        if value is None or value == trl_value:
+            continue
+        if name in record["model_defaults"]:
+            why = f"tuned for the model {record['model']!r} (its measured default)"
+        else:
+            why = TRL_DEPARTURES.get((trl_config, trl_name), "unialign's default")
+        out.append({"field": name, "value": value, "trl": trl_value, "why": why})
+    return out

@@ -177,3 +177,23 @@ def test_pickapic_rows_as_json_paths_end_to_end(tmp_path, no_decoding):
 
     train, held_out, ties, info = load_pickapic(Cfg)
     assert len(train) + len(held_out) == 10 and all(p["chosen"].path for p in train)
+
+
+def test_a_tie_in_the_held_out_split_is_counted(tmp_path):
+    """A tie is dropped from either split; the held-out split's are counted too (``eval_ties_dropped``), so a
+    run that dropped a pair never reports none."""
+    import json
+
+    rows = [{**r, "jpg_1": r["jpg_0"].replace(".png", "b.png")} for r in rows_on_disk(tmp_path, 6)]
+    for i in range(6):
+        Image.fromarray(noise(100 + i)).save(tmp_path / "img" / f"{i}b.png")
+    rows[5]["label_0"] = 0.5
+    for name, part in (("train", rows[:4]), ("test", rows[4:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+
+    class Cfg:
+        dataset_name, dataset_config, train_split, eval_split = str(tmp_path), None, "train", None
+        eval_dataset_name, eval_fraction, num_eval, encoding_errors = None, 0.1, 4, "strict"
+
+    train, held_out, ties, info = load_pickapic(Cfg)
+    assert (len(train), len(held_out), ties, info["eval_ties_dropped"]) == (4, 1, 0, 1)

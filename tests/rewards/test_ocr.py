@@ -222,3 +222,18 @@ def test_real_ocr_batch_through_the_registry():
     scores = reward.score(['A poster with the text "Hello World"', 'A sign that says "HELLO"'], images)
     assert scores.dtype == torch.float64 and scores.shape == (2,)  # the trainer's path: float64 [B]
     assert scores[0] >= 0.8 and scores[1] == 0.0
+
+
+def test_a_script_without_the_extra_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    """The OCR reward chosen without its extra: one line naming the install, exit 2, before any model loads."""
+    from tests.test_scripts import load_script
+    from unialign.config import exit_on_user_error, parse_config
+    from unialign.recipes.presets import OCR_PROMPTS
+
+    monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)
+    module = load_script("grpo_image")
+    with pytest.raises(SystemExit) as info, exit_on_user_error():
+        module.main(parse_config(module.GRPOImageConfig, ["--reward_funcs", "ocr", "--prompt_set", OCR_PROMPTS,
+                                                          "--output_dir", str(tmp_path / "out")]))
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1 and 'pip install -e ".[ocr]"' in err, err

@@ -146,3 +146,20 @@ def test_preference_trainer_resume_is_checked_too(tmp_path):
     resumed = trainer(max_steps=2, resume_from_checkpoint="latest")
     resumed.train()
     assert resumed.step == 2 and len(resumed.history) == 2
+
+
+def test_the_same_local_model_by_a_relative_or_an_absolute_path_is_one_model(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from unialign.trainers.resume import resume_settings, same_place
+
+    (tmp_path / "my_model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    base = dict(learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+                weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, seed=0)
+    rel = resume_settings(SimpleNamespace(**base, model_name_or_path="my_model"), [])
+    absolute = resume_settings(SimpleNamespace(**base, model_name_or_path=str(tmp_path / "my_model")), [])
+    dotted = resume_settings(SimpleNamespace(**base, model_name_or_path="./my_model/"), [])
+    assert rel == absolute == dotted
+    assert same_place("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"  # a Hub id as given
+    assert same_place("other_model") == "other_model"  # no such folder here: as given, still different

@@ -151,3 +151,28 @@ def test_trl_signature_with_a_processor_and_an_image_column(tmp_path):
                      args=DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=2, max_steps=1,
                                     report_to="none"))
     assert isinstance(dpo.policy, VisionLanguagePolicy) and dpo.train().global_step == 1
+
+
+def test_prompt_column_is_read_as_the_prompt_before_rows_are_checked(tmp_path, capsys):
+    """geometry3k's schema (``problem``, not ``prompt``) with ``--prompt_column problem``: the rows load, in TRL's
+    format, images attached; a column that is not there is one line naming the flag, the row and the columns."""
+    from unialign.config import parse_config
+    from unialign.recipes.text import load_prompt_data
+    from unialign.recipes.vision import with_images
+
+    data = _data(tmp_path / "data")
+    for split in ("train", "test"):
+        path = data / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({"problem" if k == "prompt" else k: v for k, v in r.items()}) + "\n"
+                                for r in rows))
+    module = load_script("grpo_vision")
+    cfg = parse_config(module.GRPOVisionConfig, ["--dataset_name", str(data), "--prompt_column", "problem",
+                                                 "--output_dir", str(tmp_path / "out")])
+    train, held_out, _ = load_prompt_data(cfg)
+    train = with_images(train, cfg, "train")
+    assert len(train) == 12 and all("prompt" in r and "problem" not in r for r in train)
+    assert train[3]["prompt"] == "no image, answer 'a'" and held_out[0]["solution"] == "a"
+    line = _exit_line(["--dataset_name", str(data), "--prompt_column", "question_text",
+                       "--output_dir", str(tmp_path / "out2")], capsys)
+    assert "--prompt_column 'question_text'" in line and "row 0 has no such column" in line and "'problem'" in line

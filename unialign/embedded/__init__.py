@@ -100,6 +100,42 @@ def register() -> None:
     JUDGE_MODELS.setdefault(VLM_NAME, {"model_name_or_path": str(VLM_DIR)})  # UNIALIGN_VLM_JUDGE=embedded-vlm
 
 
+IMAGE_SD3_NAME = "embedded-sd3"  # the shapes world's flow-matching model (unialign.embedded.parts.NAME_SD3)
+SHIPPED_MODELS = {"text": (NAME, MDLM_NAME), "vision": (VLM_NAME,), "image": (NAME, IMAGE_SD3_NAME)}  # by kind
+SCRIPTS_FOR = {"text": "scripts/grpo_math.py, dpo_text.py, ppo_rlhf.py and train_reward_model.py train text models",
+               "vision": "scripts/grpo_vision.py (and dpo_text.py) train vision-language models",
+               "image": "scripts/grpo_image.py, ddpo_aesthetic.py and dpo_sdxl.py train image models"}
+
+
+def check_model_kind(name: str, kinds: tuple[str, ...], field: str = "--model_name_or_path") -> None:
+    """Before anything loads: a ``UserError`` (one line, exit 2) when a script that trains ``kinds`` of model
+    (``"text"``, ``"vision"``, ``"image"``) is given another kind -- a shipped model of another kind by name, a
+    local folder whose config says so (``unialign.hub.local_model_kind``) -- naming the scripts that train it, or
+    a misspelt shipped model's name ("did you mean"), instead of a Hub or prompt-set error about something else."""
+    from unialign.errors import UserError, did_you_mean
+    from unialign.hub import KIND_WORDS, local_model_kind
+
+    ours = tuple(dict.fromkeys(n for k in kinds for n in SHIPPED_MODELS[k]))
+    if name in ours:
+        return
+    here = " or ".join(KIND_WORDS[k] + "s" for k in kinds)
+    choices = f"give {', '.join(repr(n) for n in ours)}, a Hub id or a local folder"
+    other = next((k for k, names in SHIPPED_MODELS.items() if name in names and k not in kinds), None)
+    if other is not None:
+        raise UserError(f"{field}: {name!r} is the shipped {KIND_WORDS[other]}; this script trains {here} "
+                        f"({choices}); {SCRIPTS_FOR[other]}")
+    local = local_model_kind(name)
+    if local is not None and local[0] not in kinds:
+        word = KIND_WORDS[local[0]]
+        raise UserError(f"{field}: {name!r} is {'an' if word[0] in 'aeiou' else 'a'} {word} (its {local[1]} says so); this script "
+                        f"trains {here}; {SCRIPTS_FOR[local[0]]}")
+    if not Path(name).expanduser().exists() and "/" not in name:
+        hint = did_you_mean(name, [n for names in SHIPPED_MODELS.values() for n in names])
+        if hint:
+            raise UserError(f"{field}: {name!r} is no local folder, no Hub id of the form 'org/name', and not a "
+                            f"shipped model{hint}; {choices}")
+
+
 def model_path(name_or_path: str) -> str:
     """``"embedded"`` -> the shipped arithmetic model's folder, ``"embedded-vlm"`` -> the shipped tiny VLM's,
     ``"embedded-mdlm"`` -> the shipped masked-diffusion LM's; anything else unchanged."""

@@ -3,14 +3,26 @@ of ``unialign.recipes.args`` (put them first among a config's bases):
 
     EmbeddedTaskArgs  --model_name_or_path / --dataset_name defaulting to the shipped arithmetic world
     EmbeddedPairArgs  the same and --max_completion_length, for the pair scripts (DPO, reward model)
+
+and ``tuned_for``: a script's values measured on the shipped models, as its ``MODEL_DEFAULTS`` (they apply to those
+models only; any other model keeps the script's defaults, TRL's where TRL has the field: ``unialign.config``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from unialign.config import arg
-from unialign.embedded import NAME
+from unialign.embedded import ARITH_LM_DIR, MDLM_DIR, MDLM_NAME, NAME, VLM_DIR, VLM_NAME
+
+FOLDERS = {NAME: ARITH_LM_DIR, MDLM_NAME: MDLM_DIR, VLM_NAME: VLM_DIR}  # each shipped text model's folder
+
+
+def tuned_for(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``MODEL_DEFAULTS`` giving ``values`` to each shipped model of ``names``, by name and by its folder (the Python
+    API is given the folder: ``unialign.embedded.ARITH_LM_DIR``)."""
+    return {key: dict(values) for n in names for key in (n, str(FOLDERS[n]))}
 
 
 @dataclass

@@ -5,23 +5,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from unialign.embedded import IMAGE_SD3_NAME, check_model_kind
 from unialign.embedded import shapes_world as world
 from unialign.embedded.shape_verifier import PARTS, parse_shape_prompt, verify
 from unialign.errors import UserError
 from unialign.image.data import normalize_pickapic, synthetic_pairs
 from unialign.image.families import FAMILIES
 from unialign.recipes.image import (
+    EVAL_ON_TRAIN,
     check_prompts,
     check_reward_rows,
     check_sampling_knobs,
     load_prompt_rows,
     policy_kwargs,
+    split_prompt_rows,
 )
 from unialign.recipes.text import reward_names
 from unialign.rewards import CombinedReward, get_reward
 
 NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
-NAME_SD3 = "embedded-sd3"  # the shapes world's flow-matching (SD3-architecture) model
+NAME_SD3 = IMAGE_SD3_NAME  # the shapes world's flow-matching (SD3-architecture) model
 # the shapes world's image models: their family (unialign.image.families) and their loader in shapes_world
 EMBEDDED_MODELS = {NAME: (FAMILIES["sdxl"], "load_embedded"), NAME_SD3: (FAMILIES["sd3"], "load_embedded_sd3")}
 IMAGE_MODELS = tuple(EMBEDDED_MODELS)
@@ -31,16 +34,30 @@ def image_rl_parts(cfg) -> dict[str, Any]:
     """What ``unialign.recipes.image.run_image_rl`` needs for the shapes world's model (``cfg.model_name_or_path``:
     "embedded", the SDXL-architecture DDIM model, or "embedded-sd3", the SD3-architecture flow-matching one): the policy (``cfg``'s
     sampling knobs), the rewards (the shipped tiny CLIP / head for the model-based ones), the train and
-    held-out prompts (``cfg.prompt_set``: "embedded" or a file), the gold score and, when every held-out
+    held-out prompts (``cfg.prompt_set``: "embedded", the world's own split, or a file split by
+    ``unialign.recipes.image.split_prompt_rows``) and their ``eval_source``, the gold score and, when every held-out
     prompt is one of this world's, the shape verifier for prompt fidelity. Prompts are checked before any
     model loads when the shape verifier is a reward."""
     names, weights = reward_names(cfg.reward_funcs, cfg.reward_weights)
     family = embedded_family(cfg.model_name_or_path, cfg.model_family)
     check_sampling_knobs(cfg, family)  # bad input named before any model loads
-    train, held_out = (([{"prompt": p} for p in world.prompts(s)] for s in ("train", "test")) if cfg.prompt_set == NAME
-                       else load_prompt_rows(cfg.prompt_set, getattr(cfg, "encoding_errors", "strict")))
-    if any(n.startswith("shape_verifier") or n == "geneval" for n in names):  # both read this world's prompts
-        check_prompts([r["prompt"] for r in train], parse_shape_prompt, "prompt_set")
+    own = tuple([{"prompt": p} for p in world.prompts(s)] for s in ("train", "test"))
+    train, held_out, eval_source = split_prompt_rows(cfg, {NAME: own})
+    if any(n.startswith("shape_verifier") or n == "geneval" for n in names):  # both read this world's prompts,
+        # trained or evaluated: every row of each file, named by its place in the file
+        errors = getattr(cfg, "encoding_errors", "strict")
+        for field in ("prompt_set", "eval_prompt_set"):
+            name = getattr(cfg, field, None)
+            if name not in (None, NAME, EVAL_ON_TRAIN):
+                try:
+                    check_prompts([r["prompt"] for r in load_prompt_rows(name, errors, field)], parse_shape_prompt,
+                                  field)
+                except ValueError as err:
+                    raise UserError(f"{err}. On the embedded image models, {', '.join(names)} can read only the "
+                                    f"shapes world's prompts ('a red circle on a blue background': background, colour, "
+                                    f"shape; the geneval reward's backend there is its pixel detector, 'shapes'); "
+                                    f"GenEval's own prompts need GenEval's detector on a real model (--preset "
+                                    f"sd3.5-medium-geneval)") from None
     check_reward_rows(names, train + held_out, geneval_columns=False)  # the pixel detector reads the prompts
     try:
         check_prompts([r["prompt"] for r in held_out], parse_shape_prompt, "prompt_set")
@@ -50,7 +67,8 @@ def image_rl_parts(cfg) -> dict[str, Any]:
     reward = CombinedReward([get_reward(n, **world.reward_kwargs(n)) for n in names], weights,
                             timeout_s=getattr(cfg, "reward_timeout", None))
     return dict(policy=embedded_policy(cfg.model_name_or_path, **policy_kwargs(cfg, family)), reward=reward,
-                train_prompts=train, eval_prompts=held_out, gold=world.gold_score, verifier=verifier)
+                train_prompts=train, eval_prompts=held_out, gold=world.gold_score, verifier=verifier,
+                eval_source=eval_source)
 
 
 def fidelity_checks(prompts: list[str], images: Any, **columns: Any) -> dict[str, Any]:
@@ -105,6 +123,7 @@ def image_pair_parts(cfg: Any) -> dict[str, Any]:
     from unialign.image.grid import first_of_each_prompt
     from unialign.recipes.image import load_denoiser
 
+    check_model_kind(cfg.model_name_or_path, ("image",))
     embedded, own_data = cfg.model_name_or_path in IMAGE_MODELS, cfg.dataset_name != NAME
     if embedded:
         embedded_family(cfg.model_name_or_path, cfg.model_family)  # a conflicting --model_family is refused
@@ -139,6 +158,7 @@ def run_online_image(cfg: Any) -> dict[str, Any]:
     from unialign.recipes.image import hub_parts, run_image_rl
     from unialign.recipes.text import check_rewards
 
+    check_model_kind(cfg.model_name_or_path, ("image",))  # a text model, a misspelt name: one line, now
     check_rewards(cfg.reward_funcs, cfg.reward_weights, modality="image")
     parts = image_rl_parts(cfg) if cfg.model_name_or_path in IMAGE_MODELS else hub_parts(cfg)
     return run_image_rl(cfg, **parts)

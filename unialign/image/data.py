@@ -236,7 +236,8 @@ def data_root(name: str) -> Path:
 
 
 def load_pickapic(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
-    """(train pairs, held-out pairs, ties dropped from training, info) of ``cfg.dataset_name`` (Hub id, file or
+    """(train pairs, held-out pairs, ties dropped from training, info: ``eval_ties_dropped`` the held-out split's) of
+    ``cfg.dataset_name`` (Hub id, file or
     folder) with ``unialign.data.train_eval_rows``'s held-out rules (``--eval_dataset_name``,
     ``--eval_split``, ``--eval_fraction``); at most ``cfg.num_eval`` held-out pairs. Images stay encoded
     (``EncodedImage``; a Hub dataset's ``Image`` columns are read undecoded) until a batch needs them."""
@@ -250,7 +251,8 @@ def load_pickapic(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                         for k in ("train", "eval")}
     roots = {"train": data_root(cfg.dataset_name), "eval": data_root(cfg.eval_dataset_name or cfg.dataset_name)}
     train, ties = normalize_pickapic(train_rows, "train", roots["train"], _rules(cfg, roots["train"]), bad["train"])
-    held_out, _ = normalize_pickapic(eval_rows, "eval", roots["eval"], _rules(cfg, roots["eval"]), bad["eval"])
+    held_out, eval_ties = normalize_pickapic(eval_rows, "eval", roots["eval"], _rules(cfg, roots["eval"]), bad["eval"])
+    info["eval_ties_dropped"] = eval_ties  # a tie in the held-out split is dropped too: counted, not lost
     for split, n in (("train", len(train_rows)), ("eval", len(eval_rows))):
         note_skipped(bad[split] or [], n, split, info)
     return train, held_out[:cfg.num_eval], ties, info

@@ -77,6 +77,13 @@ class ImageRLConfig(RunArgs, OnlineConfig):
     encoding_errors: str = arg("strict", "a --prompt_set file that is not valid UTF-8: 'strict' (refuse it, "
                                "naming file:line) or 'replace' (read each bad byte as U+FFFD)",
                                group="data", choices=ENCODING_ERRORS)
+    eval_prompt_set: str | None = arg(None, "held-out prompts: a prompt file (as --prompt_set), or 'train' to evaluate "
+                                      "on the training prompts (labelled so in summary.json, comparison.png and the "
+                                      "log); unset: a seeded --eval_fraction of the prompt set is held out (the "
+                                      "embedded world's own held-out prompts for 'embedded')", group="data")
+    eval_fraction: float = arg(0.1, "share of the --prompt_set held out when no --eval_prompt_set is given (at least "
+                               "one prompt; a fixed split seed, 0, so every run holds out the same prompts)",
+                               group="data", gt=0.0, lt=1.0)
     reward_funcs: str = arg("aesthetic", "comma-separated rewards (TRL's name; --reward too): registry names "
                             "(aesthetic, clip_score, shape_verifier, jpeg_compressibility, ...) or your own "
                             "function as module:function", group="algorithm")
@@ -287,29 +294,22 @@ def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
     return kw
 
 
-def load_prompts(name: str, encoding_errors: str = "strict") -> tuple[list[str], list[str]]:
-    """(train, held-out) prompts of ``'animals'`` (the same list twice, as ddpo-pytorch) or a .txt file
-    (one prompt per line; every line both trains and evaluates), read a line at a time; a line that is not
-    UTF-8 is refused naming ``file:line`` unless ``encoding_errors="replace"``. A ``.jsonl`` file gives its
-    rows' prompts (``load_prompt_rows`` keeps their other columns)."""
-    train, held_out = load_prompt_rows(name, encoding_errors)
-    return [r["prompt"] for r in train], [r["prompt"] for r in held_out]
-
-
-def load_prompt_rows(name: str, encoding_errors: str = "strict") -> tuple[list[dict], list[dict]]:
-    """(train, held-out) rows ``{"prompt": ..., <other columns>}`` of ``load_prompts``'s sources, or of a
-    ``.jsonl`` file: one JSON object per line with a string ``prompt`` and any other columns, which reach the
-    rewards as TRL's dataset columns (GenEval's / Flow-GRPO's ``*_metadata.jsonl`` files work as they are: ``tag``,
-    ``include``, ``exclude``). A bad line is refused naming ``file:line``."""
+def load_prompt_rows(name: str, encoding_errors: str = "strict", field: str = "prompt_set") -> list[dict]:
+    """The rows ``{"prompt": ..., <other columns>}`` of a prompt set: ``'animals'`` (ddpo-pytorch's list), a .txt
+    file (one prompt per line, read a line at a time; a line that is not UTF-8 is refused naming ``file:line``
+    unless ``encoding_errors="replace"``) or a ``.jsonl`` file: one JSON object per line with a string ``prompt``
+    and any other columns, which reach the rewards as TRL's dataset columns (GenEval's / Flow-GRPO's
+    ``*_metadata.jsonl`` files work as they are: ``tag``, ``include``, ``exclude``). A bad line is refused naming
+    ``file:line`` (errors name ``field``). ``split_prompt_rows`` makes the train / held-out split."""
     import json
 
     from unialign.data import BOM, decode_text
 
     if name == "animals":
-        return [{"prompt": p} for p in ANIMALS], [{"prompt": p} for p in ANIMALS]
+        return [{"prompt": p} for p in ANIMALS]
     path = Path(name)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt_set: {name!r} is neither 'animals' nor a prompt file")
+        raise FileNotFoundError(f"{field}: {name!r} is neither 'animals' nor a prompt file")
     rows = []
     with path.open("rb") as f:
         for i, raw in enumerate(f, start=1):
@@ -322,13 +322,63 @@ def load_prompt_rows(name: str, encoding_errors: str = "strict") -> tuple[list[d
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"prompt_set: {path}:{i} is not JSON ({err.msg})") from None
+                raise ValueError(f"{field}: {path}:{i} is not JSON ({err.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise ValueError(f"prompt_set: {path}:{i} needs a non-empty string 'prompt'")
+                raise ValueError(f"{field}: {path}:{i} needs a non-empty string 'prompt'")
             rows.append(row)
     if not rows:
-        raise ValueError(f"prompt_set: {name!r} has no prompts")
-    return rows, rows
+        raise ValueError(f"{field}: {name!r} has no prompts")
+    return rows
+
+
+EVAL_ON_TRAIN = "train"  # --eval_prompt_set train: evaluate on the training prompts, labelled so
+SPLIT_SEED = 0  # the held-out share of a prompt set: the same prompts in every run
+
+
+def split_prompt_rows(cfg: Any, named: dict[str, tuple[list[dict], list[dict]]] | None = None
+                      ) -> tuple[list[dict], list[dict], str]:
+    """(train, held-out, eval_source) of ``cfg.prompt_set``: a set in ``named`` (e.g. the embedded world's own
+    train / test prompts) as it is split; any other set read by ``load_prompt_rows`` and split: a seeded
+    ``cfg.eval_fraction`` held out (at least one prompt, at least one left to train; distinct prompts never on
+    both sides). ``cfg.eval_prompt_set`` replaces the held-out side: a prompt file, or ``'train'`` (the training
+    prompts, which ``eval_source`` then says: the number is not a held-out one). ``eval_source`` is the one line
+    (starting "held out:" only when no evaluation prompt is trained on)
+    ``summary.json``, the log and ``comparison.png`` carry. A set too small to split is refused naming the fix."""
+    import random
+
+    name, eval_set = cfg.prompt_set, getattr(cfg, "eval_prompt_set", None)
+    errors = getattr(cfg, "encoding_errors", "strict")
+    if named and name in named:
+        train, held_out = named[name]
+        source = f"held out: the {name} prompt set's own held-out prompts ({len(held_out)})"
+    else:
+        rows = load_prompt_rows(name, errors)
+        if eval_set is not None:
+            train, held_out, source = rows, [], ""
+        else:
+            distinct = list(dict.fromkeys(r["prompt"] for r in rows))
+            n_eval = max(1, round(cfg.eval_fraction * len(distinct)))
+            if len(distinct) - n_eval < 1:
+                raise ValueError(
+                    f"prompt_set: {name!r} has {len(distinct)} distinct prompt(s), too few to hold any out; give "
+                    f"--eval_prompt_set FILE (held-out prompts) or --eval_prompt_set {EVAL_ON_TRAIN} (evaluate on "
+                    f"the training prompts, labelled so)")
+            chosen = set(random.Random(SPLIT_SEED).sample(distinct, n_eval))
+            train = [r for r in rows if r["prompt"] not in chosen]
+            held_out = [r for r in rows if r["prompt"] in chosen]
+            source = (f"held out: {n_eval} of the {len(distinct)} prompts of {name} (eval_fraction "
+                      f"{cfg.eval_fraction}, split seed {SPLIT_SEED}), none trained on")
+    if eval_set == EVAL_ON_TRAIN:
+        held_out = train
+        source = f"training prompts (--eval_prompt_set {EVAL_ON_TRAIN}): not held out"
+    elif eval_set is not None:
+        held_out = load_prompt_rows(eval_set, errors, "eval_prompt_set")
+        seen = {r["prompt"] for r in train}
+        shared = len({r["prompt"] for r in held_out if r["prompt"] in seen})
+        source = (f"eval_prompt_set {eval_set} ({len(held_out)} prompts; {shared} of them also train, so not all "
+                  f"held out)" if shared else f"held out: eval_prompt_set {eval_set} ({len(held_out)} prompts, "
+                  f"none trained on)")
+    return train, held_out, source
 
 
 def check_reward_rows(names: list[str], rows: list[dict], field_name: str = "prompt_set",
@@ -383,10 +433,11 @@ def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     check_hub_prompt_set(cfg.prompt_set, cfg.model_name_or_path)
     names, weights = reward_names(cfg.reward_funcs, cfg.reward_weights)
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
-    train, held_out = load_prompt_rows(cfg.prompt_set, cfg.encoding_errors)
+    train, held_out, eval_source = split_prompt_rows(cfg)
     check_reward_rows(names, train + held_out)
     reward = CombinedReward([get_reward(n) for n in names], weights, timeout_s=cfg.reward_timeout)
-    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out)
+    return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out,
+                eval_source=eval_source)
 
 
 def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: str) -> None:
@@ -399,8 +450,8 @@ def check_prompts(prompts: list[str], parse: Callable[[str], Any], field_name: s
 
 
 def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_prompts: list[str | dict],
-                 eval_prompts: list[str | dict], gold: Callable | None = None, verifier: Callable | None = None
-                 ) -> dict:
+                 eval_prompts: list[str | dict], gold: Callable | None = None, verifier: Callable | None = None,
+                 eval_source: str = "held out: the caller's eval_prompts") -> dict:
     """Train ``policy`` on ``train_prompts`` with the online trainer and ``reward``; evaluate on
     ``num_eval`` held-out samples (``eval_prompts`` cycled, fixed seed) before, every ``eval_steps`` and
     after: the reward (and each of its parts), prompt fidelity when a ``verifier`` is given (the
@@ -409,7 +460,9 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
     path is the summary's ``comparison_image``; the trackers get each evaluation's grid), the curves and
     ``final/`` (``DenoiserPolicy.save``: a whole pipeline folder, or the LoRA), and prints how to load it;
     returns the summary. Prompts are strings or rows ``{"prompt": ..., <columns>}`` (the columns
-    reach the reward and the verifier, as TRL's dataset columns)."""
+    reach the reward and the verifier, as TRL's dataset columns). ``eval_source`` says where the evaluation prompts
+    come from (``split_prompt_rows``): it is logged at the start, kept in ``summary.json`` and names the numbers
+    in ``comparison.png``'s title ("held-out" only when they are)."""
     start = time.time()
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
@@ -424,6 +477,7 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
                               columns=columns)
     trainer = OnlineTrainer(policy, reward, [r if isinstance(r, dict) else {"prompt": r} for r in train_prompts], cfg,
                             evaluator=evaluator)
+    trainer.acc.print(f"evaluation prompts: {eval_source}")
     before, before_res = trainer.evaluate(), evaluator.last
     history = trainer.train()
     after, after_res = trainer.evaluate(), evaluator.last
@@ -433,6 +487,7 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
         "before_std": before["eval/reward_std"], "after_std": after["eval/reward_std"],
         "gain_in_before_std": (after["eval/reward"] - before["eval/reward"]) / max(before["eval/reward_std"], 1e-12),
         "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval": len(prompts),
+        "eval_source": eval_source,
         "final_train_reward": next((h["reward/mean"] for h in reversed(history) if "reward/mean" in h), None)}
     # each part of a combined reward, and the batch metrics a reward reports (GenEval's strict rate: geneval/strict)
     for prefix in ("eval/reward/", "eval/rewards/"):
@@ -445,7 +500,9 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
             summary[f"fidelity_{part}_before"], summary[f"fidelity_{part}_after"] = before[key], after[key]
     if gold is not None:
         summary.update(gold_before=before["eval/gold"], gold_after=after["eval/gold"])
-    headline = [(f"held-out reward ({cfg.reward_funcs})", summary["before"], summary["after"])]
+    which = ("held-out" if eval_source.startswith("held out") else  # a train-prompt number is not held out
+             "train-prompt" if eval_source.startswith("training prompts") else "eval")
+    headline = [(f"{which} reward ({cfg.reward_funcs})", summary["before"], summary["after"])]
     if verifier is not None:
         headline.append(("prompt fidelity", summary["fidelity_before"], summary["fidelity_after"]))
     return finish_image_run(trainer.acc, cfg, summary, policy, evaluator, (before_res, after_res), headline,

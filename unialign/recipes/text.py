@@ -63,10 +63,15 @@ def check_generation_backend(backend: str) -> None:
 
 
 def load_prompt_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
-    """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``) of ``cfg``'s data fields;
-    rows are validated as they are in the files (errors name the file and row), then held out."""
-    from unialign.text.data import NAMED_DATASETS, load_rows, prompt_rows
+    """(train, held-out, info) prompt rows (``unialign.text.data.prompt_rows``, ``cfg.prompt_column`` read as the
+    prompt where a script has one) of ``cfg``'s data fields; rows are validated as they are in the files (errors
+    name the file and row), then held out."""
+    from functools import partial
 
+    from unialign.text.data import NAMED_DATASETS, load_rows
+    from unialign.text.data import prompt_rows as rows_of
+
+    prompt_rows = partial(rows_of, prompt_column=getattr(cfg, "prompt_column", "prompt"))  # --prompt_column first
     name = cfg.dataset_name
     if name in NAMED_DATASETS:
         _no_streaming(cfg)

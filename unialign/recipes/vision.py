@@ -50,17 +50,12 @@ def data_folder(name: str) -> Path | None:
 
 
 def with_images(rows: list[dict[str, Any]], cfg: Any, source: str, info: dict | None = None) -> list[dict[str, Any]]:
-    """``rows`` (already in TRL's prompt format) with their images in their prompts (``vision_rows``), the prompt
-    taken from ``cfg.prompt_column``; every image checked and decoded under ``cfg``'s ``ImageDataArgs``: errors
+    """``rows`` (already in TRL's prompt format, ``--prompt_column`` read as the prompt by ``load_prompt_data``)
+    with their images in their prompts (``vision_rows``), ``cfg.prompt_template`` applied; every image checked and decoded under ``cfg``'s ``ImageDataArgs``: errors
     name the row, or with ``--skip_bad_rows`` such rows are skipped, counted in the log and in ``info``
     (``bad_rows_skipped``, which summary.json carries)."""
     from unialign.vision.media import vision_rows
 
-    column = getattr(cfg, "prompt_column", "prompt")
-    if column != "prompt":
-        if rows and column not in rows[0]:
-            raise UserError(f"--prompt_column {column!r}: {source} has no such column; columns: {sorted(rows[0])}")
-        rows = [{**{k: v for k, v in r.items() if k != column}, "prompt": r[column]} for r in rows]
     template = getattr(cfg, "prompt_template", None)
     if template:
         if "{content}" not in template:
@@ -110,6 +105,7 @@ def greedy_task_score(policy, cfg: Any, task: str) -> float:
     from unialign.text import evaluate, load_rows
     from unialign.text.data import prompt_rows
 
-    rows = prompt_rows(load_rows(cfg.dataset_name, "test")[:cfg.num_eval], "eval")
+    rows = prompt_rows(load_rows(cfg.dataset_name, "test")[:cfg.num_eval], "eval",
+                       getattr(cfg, "prompt_column", "prompt"))
     rows = with_images(rows, cfg, "eval") if has_images(rows) else rows
     return evaluate.greedy_score(policy, rows, get_reward(task), cfg.eval_batch_size)

@@ -184,7 +184,9 @@ class OcrReward:
         try:
             from rapidocr_onnxruntime import RapidOCR
         except ImportError as err:  # missing, or a dependency of it (onnxruntime, cv2) missing / broken
-            raise ImportError(f"{OCR_EXTRA_MISSING} [{type(err).__name__}: {err}]") from None
+            from unialign.errors import MissingExtraError
+
+            raise MissingExtraError(f"{OCR_EXTRA_MISSING} [{type(err).__name__}: {err}]") from None
         options = {"use_cls": self.use_angle_cls, "print_verbose": False,
                    "text_score": 0.0,  # the engine keeps every box; ``read`` applies min_confidence
                    "intra_op_num_threads": num_threads, "inter_op_num_threads": 1, **DET_RESIZE}

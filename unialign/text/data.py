@@ -46,11 +46,20 @@ def is_messages(value: Any) -> bool:
         for m in value)
 
 
-def prompt_rows(rows: list[dict[str, Any]], source: str = "dataset") -> list[dict[str, Any]]:
-    """Rows in TRL's standard / conversational prompt format or GSM8K's schema -> ``{"prompt", <columns>}``.
-    Raises ``UserError`` naming the first bad row and field."""
+def prompt_rows(rows: list[dict[str, Any]], source: str = "dataset", prompt_column: str = "prompt"
+                ) -> list[dict[str, Any]]:
+    """Rows in TRL's standard / conversational prompt format or GSM8K's schema -> ``{"prompt", <columns>}``;
+    ``prompt_column`` (``--prompt_column``, e.g. geometry3k's ``problem``) is read as ``prompt`` first. Raises
+    ``UserError`` naming the first bad row and field."""
     if not rows:
         raise UserError(f"{source}: no rows")
+    if prompt_column != "prompt":
+        for i, row in enumerate(rows):
+            if prompt_column not in row:
+                raise UserError(f"--prompt_column {prompt_column!r}: {source} row {i} has no such column; columns: "
+                                f"{sorted(row)}")
+        rows = [{**{k: v for k, v in r.items() if k not in (prompt_column, "prompt")}, "prompt": r[prompt_column]}
+                for r in rows]
     out = []
     for i, row in enumerate(rows):
         if "prompt" in row:

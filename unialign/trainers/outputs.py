@@ -37,6 +37,37 @@ def claimed_run_id(out: Path) -> str | None:
     return run_id if run_id and RUN_ID_RE.fullmatch(run_id) else None
 
 
+def defaults_record(cfg: Any) -> dict[str, Any]:
+    """What ``summary.json`` says of ``cfg``'s defaults: ``model_defaults`` (the model whose own measured defaults
+    filled the fields nobody set, and those values: ``MODEL_DEFAULTS``) and ``trl_departures`` (where a default nobody
+    set differs from TRL's: ``unialign.trl_compat.trl_departures``), each when there is any."""
+    from unialign.config import origin
+    from unialign.trl_compat import trl_departures
+
+    record, out = origin(cfg), {}
+    if record["model_defaults"]:
+        out["model_defaults"] = {"model": record["model"], "values": record["model_defaults"]}
+    departures = trl_departures(cfg, record)
+    if departures:
+        out["trl_departures"] = departures
+    return out
+
+
+def announce_defaults(acc, cfg: Any) -> None:
+    """Print, once at the start of a run, the model's own defaults applied (one line) and each default nobody set
+    that differs from TRL's (one line each: field, value, TRL's, why), as ``defaults_record`` records them."""
+    record = defaults_record(cfg)
+    if "model_defaults" in record:
+        m = record["model_defaults"]
+        acc.print(f"defaults for the model {m['model']!r} (measured on it; flags override): "
+                  + ", ".join(f"{k}={v}" for k, v in m["values"].items()))
+    trl = getattr(type(cfg), "TRL_CONFIG", "")
+    for d in record.get("trl_departures", []):
+        if d["field"] in record.get("model_defaults", {}).get("values", {}):
+            continue  # on the line above
+        acc.print(f"default differs from TRL's {trl}: {d['field']}={d['value']} (TRL: {d['trl']}): {d['why']}")
+
+
 def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = None) -> dict:
     """End of a script: ``save(<output_dir>/final)`` on every process (stock-loadable weights, written by the
     main process into a temporary folder renamed into place, so ``final/`` is never half written), then on the
@@ -57,6 +88,7 @@ def finish_run(acc, cfg, summary: dict, save, counters: dict[str, int] | None = 
     counters = (state.get("counters") or {}) if counters is None else counters  # the run's last checkpoint has them
     summary.update({k: v for k, v in counters.items() if v})  # e.g. reward_errors skipped, nonfinite rewards
     summary["config"] = {k: v for k, v in asdict(cfg).items() if v is not None}
+    summary.update(defaults_record(cfg))
     if callable(getattr(cfg, "algo_spec", None)):  # the algorithm as run: preset + overrides, every knob resolved
         from unialign.registry import KNOBS
 

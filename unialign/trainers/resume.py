@@ -53,6 +53,21 @@ def _hash_into(h, obj: Any) -> None:
         h.update(f"{type(obj).__name__}:{obj!s};".encode())
 
 
+MODEL_SETTINGS = ("model_name_or_path", "vae_name_or_path")
+
+
+def same_place(name: Any) -> Any:
+    """A model named by a local path as the absolute path it resolves to (``my_model``, ``./my_model`` and
+    ``/abs/my_model`` are one model to a resume); a Hub id, or a path that does not exist here, as given."""
+    if not isinstance(name, str):
+        return name
+    path = Path(name).expanduser()
+    try:
+        return str(path.resolve()) if path.exists() else name
+    except (OSError, RuntimeError):
+        return name
+
+
 def resume_settings(cfg: TrainConfig, rows: list[Any], **extra: Any) -> dict[str, Any]:
     """What a resume must not change silently, as JSON data: optimiser and learning-rate schedule
     (``max_steps`` only where the schedule depends on it), seed (the data order), the model
@@ -63,9 +78,9 @@ def resume_settings(cfg: TrainConfig, rows: list[Any], **extra: Any) -> dict[str
     if cfg.lr_scheduler_type != "constant":
         names.append("max_steps")
     settings = {n: getattr(cfg, n) for n in names}
-    for name in ("model_name_or_path", "vae_name_or_path"):
+    for name in MODEL_SETTINGS:
         if hasattr(cfg, name):
-            settings[name] = getattr(cfg, name)
+            settings[name] = same_place(getattr(cfg, name))
     settings.update(extra)
     settings["dataset_fingerprint"] = data_fingerprint(rows)
     return json.loads(json.dumps(json_safe(settings)))
@@ -94,6 +109,7 @@ def plan_resume(cfg: TrainConfig, settings: dict[str, Any]) -> ResumePoint | Non
     if old is None:  # a checkpoint from before settings were recorded: compare what its config holds
         old_cfg = state.get("config") or {}
         old = {k: old_cfg[k] for k in settings if k in old_cfg}
+    old = {k: same_place(v) if k in MODEL_SETTINGS else v for k, v in old.items()}  # older checkpoints: as given
     fields = [k for k in settings if k in old and old[k] != settings[k]]
     changes = [{"step": state["step"], "field": k, "old": old.get(k), "new": settings[k]} for k in fields]
     if changes and not cfg.allow_config_change:
