@@ -17,7 +17,8 @@ def _exit_line(script: str, argv: list[str], tmp_path, capsys) -> str:
     cls = next(v for k, v in vars(module).items() if k.endswith("Config") and isinstance(v, type)
                and v.__module__ == module.__name__)
     with pytest.raises(SystemExit) as info, exit_on_user_error():
-        module.main(parse_config(cls, argv + ["--output_dir", str(tmp_path / "out")], presets=module.PRESETS))
+        extra = [] if "--output_dir" in argv else ["--output_dir", str(tmp_path / "out")]
+        module.main(parse_config(cls, argv + extra, presets=module.PRESETS))
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
@@ -78,3 +79,13 @@ def test_geneval_prompts_on_the_embedded_model_say_which_backend_reads_what(tmp_
     line = _exit_line("grpo_image", ["--reward_funcs", "geneval", "--prompt_set", GENEVAL_PROMPTS], tmp_path, capsys)
     assert "cannot parse prompt 'a photo of a bench'" in line and "its pixel detector, 'shapes'" in line
     assert "--preset sd3.5-medium-geneval" in line, line
+
+
+def test_a_refused_run_leaves_no_empty_output_directory(tmp_path, capsys):
+    out = tmp_path / "new" / "run"
+    _exit_line("grpo_math", ["--model_name_or_path", "embedded-sd3", "--output_dir", str(out)], tmp_path, capsys)
+    assert not (tmp_path / "new").exists()  # both folders it made are gone
+    (tmp_path / "kept").mkdir()
+    _exit_line("grpo_math", ["--model_name_or_path", "embeded", "--output_dir", str(tmp_path / "kept")], tmp_path,
+               capsys)
+    assert (tmp_path / "kept").is_dir()  # a folder the user had stays

@@ -4,6 +4,7 @@ as TRL treats them, and the usual mistakes with the one line each gets (exit 2, 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -265,7 +266,7 @@ def test_the_docs_trl_example_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "grpo" / "config.json").is_file()  # save_model(): args.output_dir, as TRL
 
 
-def test_without_an_eval_dataset_the_numbers_come_from_training_rows_and_say_so(tmp_path):
+def test_without_an_eval_dataset_the_numbers_come_from_training_rows_and_say_so(tmp_path, caplog):
     """TRL logs training completions; without eval_dataset the before / after reward and the completions table
     come from the first training rows, labelled as not held out."""
     from datasets import Dataset
@@ -283,3 +284,23 @@ def test_without_an_eval_dataset_the_numbers_come_from_training_rows_and_say_so(
     assert isinstance(summary["before"], float) and isinstance(summary["after"], float)
     assert summary["eval_source"] == "train_dataset's first 8 rows (no eval_dataset given): not held out"
     assert (tmp_path / "grpo" / "completions.jsonl").read_text().strip()
+    # final/ is for others to load too: the weights get a plain file's mode (safetensors writes 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    weights = tmp_path / "grpo" / "final" / "model.safetensors"
+    assert weights.stat().st_mode & 0o777 == 0o666 & ~mask
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    # the tied embeddings are saved once in every checkpoint without accelerate's warning each time
+    assert (tmp_path / "grpo" / "checkpoint-1").is_dir()
+    assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]
+
+
+def test_python_api_errors_name_keywords_not_flags(tmp_path):
+    from unialign import GRPOConfig, GRPOTrainer
+
+    with pytest.raises(UserError, match=r"^unknown keyword learning_rat \(did you mean 'learning_rate'\?\)$"):
+        GRPOConfig(learning_rat=1e-5)
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), learning_rate=-1.0)
+    with pytest.raises(UserError, match=r"^learning_rate: must be >= 0.0, got -1.0$"):
+        GRPOTrainer(model=ARITH_LM_DIR, reward_funcs="math_accuracy", args=args, train_dataset=[{"prompt": "a"}])

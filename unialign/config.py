@@ -473,13 +473,30 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output_dir: {str(out)!r} exists and is not a directory")
+    missing = [p for p in (out, *out.parents) if not p.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
             pass
     except OSError as err:
         raise UserError(f"--output_dir: {str(out)!r} is not a writable directory ({err.strerror or err})") from None
+    if missing:
+        _CREATED.append(missing)  # removed again if the run stops on a user error before writing anything
     return out
+
+
+_CREATED: list[list[Path]] = []  # the folders check_output_dir made, innermost first, per call
+
+
+def remove_unused_output_dirs() -> None:
+    """Remove the folders ``check_output_dir`` created that are still empty (a run refused after its config was
+    checked leaves no empty output directory behind); anything written in them keeps them."""
+    while _CREATED:
+        for folder in _CREATED.pop():
+            try:
+                folder.rmdir()  # only an empty folder goes
+            except OSError:
+                break
 
 
 @contextlib.contextmanager
@@ -492,6 +509,7 @@ def exit_on_user_error():
     try:
         yield
     except (HubUnavailableError, FileNotFoundError, ValueError) as err:
+        remove_unused_output_dirs()
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as err:  # a full disk in a write no writer of ours wraps: still one line

@@ -229,6 +229,17 @@ def append_text(path: str | Path, text: str, what: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------ folders
+def umask_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open`` would (0666 less the umask): some writers (safetensors
+    via transformers' ``save_pretrained``) create their files 0600, which another user or a container then cannot
+    read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)
+
+
 def temp_dir(final_dir: str | Path, token: str | None = None) -> Path:
     """A new empty temporary folder beside ``final_dir`` (``partial_name``). With a ``token`` (a run id: the same
     name on every process of a launch), a folder of that name left by a killed save of the same run is removed

@@ -29,9 +29,11 @@ after, on ``eval_dataset`` when given), curves, ``final/``; ``state.log_history`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +44,24 @@ from unialign.trainers.online import OnlineConfig
 from unialign.trainers.preference import PreferenceConfig
 
 
+@contextlib.contextmanager
+def python_words():
+    """The configs' and checks' messages speak of command-line flags (``--learning_rate: must be >= 0``); raised to a
+    Python caller they name keywords instead (``learning_rate: must be >= 0``)."""
+    try:
+        yield
+    except UserError as err:
+        text = str(err).replace("unknown flag --", "unknown keyword ").replace("; see --help", "")
+        raise UserError(re.sub(r"(?<![\w-])--([a-z][a-z0-9_]*)", r"\1", text)) from None
+
+
 class _TrlKeywords:
     """A config whose constructor takes TRL's keywords too (keywords only, as TRL's configs)."""
 
     def __init__(self, **kwargs: Any) -> None:
         base = next(c for c in type(self).__mro__[1:] if dataclasses.is_dataclass(c) and c is not _TrlKeywords)
-        values = resolve_names(type(self), kwargs)  # UserError for a refused or unknown name
+        with python_words():
+            values = resolve_names(type(self), kwargs)  # UserError for a refused or unknown name
         base.__init__(self, **values)
         self._given = dict(kwargs)  # what the user wrote (num_train_epochs vs max_steps, TRL's precedence)
         record_origin(self, set(values), None)  # the defaults nobody set that differ from TRL's are printed
@@ -295,11 +309,14 @@ class _Wrapper:
         ``args.output_dir``, as TRL; ``train()`` also wrote them to ``<output_dir>/final``, atomically). The files
         are written into the folder as TRL writes them (it may hold other things: checkpoints); a full disk is one
         line (``DiskFullError``)."""
-        from unialign.files import writing
+        from pathlib import Path
+
+        from unialign.files import umask_modes, writing
 
         target = str(output_dir or self.args.output_dir)
         with writing(None, f"the model in {target}"):
             self.policy.save(target)
+        umask_modes(Path(target))
 
     @property
     def model(self):
@@ -327,7 +344,8 @@ class GRPOTrainer(_Wrapper):
             raise UserError("reward_processing_classes: a reward model is a reward function here "
                             "(get_reward('reward_model', path=...)), with its own tokenizer")
         super().__init__(args)
-        validate(args)
+        with python_words():
+            validate(args)
         train = prompt_rows(_rows(train_dataset, "train_dataset") or [], "train_dataset")
         held = prompt_rows(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset is not None else []
         train, held = _with_images(train, held)
@@ -389,7 +407,8 @@ class DPOTrainer(_Wrapper):
                             f"{did_you_mean(args.loss_type, DPO_LOSS_TYPES)}")
         _unsupported(callbacks, optimizers)
         super().__init__(args)
-        validate(args)
+        with python_words():
+            validate(args)
         try:
             train = normalize_pairs(_rows(train_dataset, "train_dataset") or [], "train_dataset")
             held = normalize_pairs(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset else []

@@ -61,9 +61,13 @@ def test_a_full_fine_tune_saves_a_pipeline_stock_diffusers_loads(make_policy, to
             p.add_(0.01)  # weights no source folder has
     policy.save(str(tmp_path))
     snippet = policy.load_snippet(str(tmp_path))
-    assert len(snippet.splitlines()) == 2 and "DiffusionPipeline.from_pretrained" in snippet
+    assert len(snippet.splitlines()) == 3 and "DiffusionPipeline.from_pretrained" in snippet
+    # the run's sampling settings are recorded and passed: the stock defaults would sample something else
+    settings = json.loads((tmp_path / "sampling.json").read_text())
+    assert settings == policy.sampling_settings() and settings["num_inference_steps"] == policy.num_steps
+    assert all(f"{k}={v!r}" in snippet.splitlines()[2] for k, v in settings.items())
     scope: dict = {}
-    exec(snippet, scope)  # what the run prints and final/README.md says
+    exec("\n".join(snippet.splitlines()[:2]), scope)  # what the run prints and final/README.md says: the load
     pipe = scope["pipe"]
     cls = policy._pipeline_class()
     assert type(pipe) is cls and same_weights(getattr(pipe, policy.denoiser_subfolder), policy.denoiser)
@@ -87,9 +91,10 @@ def test_a_lora_save_is_unchanged(make_policy, tmp_path):
     """LoRA: only ``pytorch_lora_weights.safetensors`` (``load_lora_weights``), and the snippet names the base."""
     policy = make_policy("sdxl", lora_rank=2)
     policy.save(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_lora_weights.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_lora_weights.safetensors", "sampling.json"]
     snippet = policy.load_snippet(str(tmp_path), "org/base")
     assert "StableDiffusionXLPipeline.from_pretrained('org/base')" in snippet and "load_lora_weights" in snippet
+    assert "num_inference_steps=" in snippet.splitlines()[-1]
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -520,17 +521,26 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         optional = set(getattr(cls, "_optional_components", ()))
         return [n for n, v in self._pipeline_components().items() if v is None and n not in optional]
 
+    def sampling_settings(self) -> dict[str, Any]:
+        """The stock pipeline's call arguments this policy samples with (steps, guidance, size): the stock
+        defaults (50 steps, guidance 7, the model's default size) draw something else, for the embedded models a
+        malformed image. ``save`` writes them to ``sampling.json`` and ``load_snippet`` passes them."""
+        return {"num_inference_steps": int(self.num_steps), "guidance_scale": float(self.guidance_scale),
+                "height": int(self.height), "width": int(getattr(self, "width", None) or self.height)}
+
     def load_snippet(self, path: str, base: str | None = None) -> str:
-        """Two lines of Python that load what ``save(path)`` wrote: the pipeline folder (full fine-tuning; with
+        """Three lines of Python that load what ``save(path)`` wrote -- the pipeline folder (full fine-tuning; with
         ``<name>=None`` for each ``_absent_components``), or ``base`` (the hub id / folder the run loaded; a
-        placeholder when None) with the LoRA on top."""
+        placeholder when None) with the LoRA on top -- and sample as the run did (``sampling_settings``)."""
         cls = self._pipeline_class().__name__
         absent = "".join(f", {name}=None" for name in self._absent_components())
+        call = ", ".join(f"{k}={v!r}" for k, v in self.sampling_settings().items())
+        sample = f"\nimage = pipe('a prompt', {call}).images[0]"
         if self.lora_rank == 0:
             return (f"from diffusers import DiffusionPipeline\n"
-                    f"pipe = DiffusionPipeline.from_pretrained({str(path)!r}{absent})")
+                    f"pipe = DiffusionPipeline.from_pretrained({str(path)!r}{absent}){sample}")
         return (f"from diffusers import {cls}\npipe = {cls}.from_pretrained({base or '<the base model>'!r}{absent}); "
-                f"pipe.load_lora_weights({str(path)!r})")
+                f"pipe.load_lora_weights({str(path)!r}){sample}")
 
     def save(self, path: str) -> None:
         """Full fine-tuning (``lora_rank=0``): a whole diffusers pipeline folder in ``path`` -- the stock pipeline
@@ -554,6 +564,8 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         if not is_main_rank():
             return
         os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "sampling.json"), "w", encoding="utf-8") as f:  # how the run sampled
+            json.dump(self.sampling_settings(), f, indent=1)
         if self.lora_rank == 0:
             self._pipeline_class()(**self._pipeline_components()).save_pretrained(path, safe_serialization=True)
             with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:

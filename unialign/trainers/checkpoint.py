@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import numbers
 import pickle
 import re
@@ -178,6 +179,19 @@ def prune_checkpoints(output_dir: str | Path, keep: int, run_id: str | None, leg
             shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR):
+    """``name``'s log records below ``level`` dropped for the block: accelerate's "Removed shared tensor ... while
+    saving" warning on every checkpoint of a model with tied weights is expected (the checkpoint round-trips)."""
+    log = logging.getLogger(name)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
 def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: int, run_id: str | None = None,
                     random_states: dict[str, torch.Tensor] | None = None, legacy: bool = False,
                     state_tensors: dict[str, torch.Tensor] | None = None) -> Path:
@@ -199,8 +213,8 @@ def save_checkpoint(acc, output_dir: str | Path, step: int, state: dict, keep: i
                              "away, then --resume_from_checkpoint latest)")
         tmp = temp_dir(final, run_id if run_id and RUN_ID_RE.fullmatch(run_id) else None)
     tmp = Path(agreed(acc, None if tmp is None else str(tmp)))  # every process writes its part into the same folder
-    with writing(tmp if acc.is_main_process else None, what):
-        acc.save_state(str(tmp))
+    with writing(tmp if acc.is_main_process else None, what), quiet_logger("accelerate.utils.other"):
+        acc.save_state(str(tmp))  # tied weights (an LM's shared embeddings) are saved once, as they should be
         acc.wait_for_everyone()  # every process's files are in before the checksums are taken
         if acc.is_main_process:
             if random_states:

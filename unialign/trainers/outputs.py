@@ -21,6 +21,7 @@ from unialign.files import (
     refuse_link,
     replace_dir,
     temp_dir,
+    umask_modes,
     write_json,
     write_with,
     writing,
@@ -140,6 +141,7 @@ def _save_final(acc, out: Path, save, run_id: str | None) -> None:
         acc.wait_for_everyone()
         if acc.is_main_process:
             if any(tmp.iterdir()):  # a saver may write nothing (tests, a frozen policy)
+                umask_modes(tmp)  # safetensors writes 0600: final/ is for others to load too
                 fsync_tree(tmp)
                 replace_dir(tmp, final, what)
             else:
