@@ -102,9 +102,8 @@ def main(cfg: DPOTextConfig) -> dict:
         raise UserError(f"--algorithm {cfg.algorithm}: vrpo is DPO for masked-diffusion LMs, and "
                         f"{cfg.model_name_or_path} is {'' if policy is not None else 'not '}one (use "
                         f"{'vrpo' if policy is not None else 'dpo'})")
-    policy = policy or load_policy(model_path(cfg.model_name_or_path), cfg.freeze_vision, lora_rank=cfg.lora_rank,
-                                   torch_dtype=cfg.torch_dtype, max_new_tokens=cfg.max_new_tokens,
-                                   chat_template=cfg.chat_template)
+    policy = policy or load_policy(model_path(cfg.model_name_or_path), cfg.freeze_vision, **cfg.model_kwargs(),
+                                   max_new_tokens=cfg.max_new_tokens, chat_template=cfg.chat_template)
     train, held_out = fit_pairs(policy.tokenizer, prompt_token_counter(policy), train, held_out, cfg, data_info)
     objective = DPOObjective(policy, knobs["beta"], loss, cfg.label_smoothing, cache_reference=cfg.precompute_ref_log_probs,
                              rpo_alpha=knobs["rpo_alpha"], loss_params=params)

@@ -91,7 +91,7 @@ def main(cfg: GRPOMathConfig) -> dict:
     if policy is not None:  # the trainer checks that the algorithm's estimator is the policy's
         cfg.log_prob_estimator = policy.log_prob_estimator
     policy = policy or CausalLMPolicy.from_pretrained(
-        model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
+        model_path(cfg.model_name_or_path), **cfg.model_kwargs(),
         sampling=cfg.sampling(), system_prompt=cfg.system_prompt, chat_template=cfg.chat_template,
         generation_cache=cfg.generation_cache, **cfg.rollout_kwargs(cfg.seed))
     train_rows, eval_rows = fit_prompts(policy, train_rows, eval_rows, cfg, data_info)  # before any forward

@@ -77,7 +77,7 @@ def main(cfg: GRPOVisionConfig) -> dict:
     check_rewards(cfg.eval_reward or cfg.reward_funcs, None if cfg.eval_reward else cfg.reward_weights,
                   columns_of(eval_rows), "--eval_reward" if cfg.eval_reward else "--reward_funcs", modality="text")
     policy = VisionLanguagePolicy.from_pretrained(
-        model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
+        model_path(cfg.model_name_or_path), **cfg.model_kwargs(),
         processor_kwargs=processor_kwargs(cfg), freeze_vision=cfg.freeze_vision, sampling=cfg.sampling(),
         system_prompt=cfg.system_prompt,
         chat_template=cfg.chat_template, value_head=cfg.algo_spec().value_coef > 0)  # PPO: the shared critic head

@@ -73,7 +73,7 @@ def main(cfg: PPOConfig) -> dict:
     # a bad reward-model path fails before the policy loads; the RM renders prompts as the policy does
     rm = get_reward("reward_model", path=str(rm_path), chat_template=cfg.chat_template)
     policy = CausalLMPolicy.from_pretrained(
-        model_path(cfg.model_name_or_path), lora_rank=cfg.lora_rank, torch_dtype=cfg.torch_dtype,
+        model_path(cfg.model_name_or_path), **cfg.model_kwargs(),
         sampling=cfg.sampling(), value_head=cfg.value_head, system_prompt=cfg.system_prompt,
         generation_cache=cfg.generation_cache, chat_template=cfg.chat_template)
     train, eval_rows = fit_prompts(policy, train, eval_rows, cfg, data_info)  # before any forward

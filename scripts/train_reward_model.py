@@ -42,6 +42,8 @@ class RewardModelConfig(EmbeddedPairArgs, RunArgs, TextDataArgs, PreferenceConfi
     max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring",
                                  group="data", min=1)
     torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (less memory)",
+                                       group="model")
     learning_rate: float = default(1e-4)  # TRL's
     lr_scheduler_type: str = default("linear")
     max_steps: int = default(150)
@@ -56,7 +58,8 @@ def main(cfg: RewardModelConfig) -> dict:
     start = time.time()
     set_seed(cfg.seed)  # the new score head is initialised below
     train, held_out, data_info = load_pair_data(cfg)
-    rm = RewardModel.from_pretrained(model_path(cfg.model_name_or_path), torch_dtype=cfg.torch_dtype, max_length=cfg.max_length,
+    rm = RewardModel.from_pretrained(model_path(cfg.model_name_or_path), torch_dtype=cfg.torch_dtype,
+                                   gradient_checkpointing=cfg.gradient_checkpointing, max_length=cfg.max_length,
                                    chat_template=cfg.chat_template)
     tok = rm.tokenizer
 

@@ -34,10 +34,10 @@ def test_the_python_api_configs_start_from_trls_defaults():
         (1e-6, "linear", 0.0, 42, 512)
     assert (dpo.learning_rate, dpo.lr_scheduler_type, dpo.seed) == (1e-6, "linear", 42)
     # what remains different is one documented line each; what the user sets is theirs
-    assert [d["field"] for d in trl_departures(grpo, origin(grpo))] == ["loss_type"]
-    dapo = GRPOConfig(output_dir="/tmp/x-grpo", loss_type="dapo")
-    assert trl_departures(dapo, origin(dapo)) == []
-    assert trl_departures(dpo, origin(dpo)) == []
+    assert [d["field"] for d in trl_departures(grpo, origin(grpo))] == ["gradient_checkpointing", "loss_type"]
+    dapo = GRPOConfig(output_dir="/tmp/x-grpo", loss_type="dapo", gradient_checkpointing=False)
+    assert trl_departures(dapo, origin(dapo)) == []  # set by the user, even to unialign's value: theirs
+    assert [d["field"] for d in trl_departures(dpo, origin(dpo))] == ["gradient_checkpointing"]
 
 
 def _cfg(script: str, argv: list[str], tmp_path):
@@ -80,7 +80,7 @@ def test_a_users_model_gets_trls_values_and_the_departures_are_printed(tmp_path,
     announce_defaults(Accelerator(cpu=True), mine)
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines and all(line.startswith("default differs from TRL's GRPOConfig: ") for line in lines)
-    assert {line.split(": ")[1].split("=")[0] for line in lines} == {"seed", "loss_type"}
+    assert {line.split(": ")[1].split("=")[0] for line in lines} == {"seed", "loss_type", "gradient_checkpointing"}
     shipped = _cfg("grpo_math", [], tmp_path)
     announce_defaults(Accelerator(cpu=True), shipped)
     first = capsys.readouterr().out.splitlines()[0]
@@ -88,3 +88,102 @@ def test_a_users_model_gets_trls_values_and_the_departures_are_printed(tmp_path,
     record = defaults_record(shipped)
     assert record["model_defaults"]["values"]["lr_scheduler_type"] == "cosine"
     assert {d["field"] for d in record["trl_departures"]} >= {"learning_rate", "lr_scheduler_type", "warmup_steps"}
+
+
+TRL_DPO_METRICS = {"loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                   "rewards/margins", "logps/chosen", "logps/rejected"}
+
+
+def test_dpo_side_by_side_with_trl_same_steps_schedule_and_metric_names(tmp_path):
+    """TRL's DPOTrainer and unialign's on the same tiny model and pairs, TRL's defaults: the same number of steps,
+    the same learning rate at every step (TRL's linear schedule), TRL's metric names logged (unialign's kept too),
+    and the same loss on the first step, where both policies are their reference (log 2)."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unialign import DPOConfig, DPOTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import preference_pairs
+
+    pairs = Dataset.from_list(preference_pairs("train", n=16))
+    common = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, report_to="none")
+    theirs = trl.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(ARITH_LM_DIR)),
+                            processing_class=AutoTokenizer.from_pretrained(str(ARITH_LM_DIR)), train_dataset=pairs,
+                            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), logging_steps=1, bf16=False,
+                                               use_cpu=True, save_strategy="no", **common))
+    theirs.train()
+    ours = DPOTrainer(model=str(ARITH_LM_DIR), train_dataset=pairs, args=DPOConfig(output_dir=str(tmp_path / "ours"),
+                                                                                     **common))
+    ours.train()
+    t_rows = [h for h in theirs.state.log_history if "loss" in h]
+    o_rows = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
+    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
+    assert TRL_DPO_METRICS <= set(t_rows[0]) and TRL_DPO_METRICS <= set(o_rows[0])
+    assert o_rows[0]["loss"] == pytest.approx(t_rows[0]["loss"], abs=1e-6) == pytest.approx(0.6931, abs=1e-4)
+    assert o_rows[0]["rewards/accuracies"] == t_rows[0]["rewards/accuracies"] == 0.0  # ties count 0, as TRL
+    assert o_rows[0]["implicit_accuracy"] == 0.5  # unialign's own, ties 1/2
+
+
+class _Recorder:
+    """A transformers TrainerCallback recording each event and what it was given."""
+
+    def __new__(cls, stop_at: int | None = None):
+        from transformers import TrainerCallback
+
+        class Recorder(TrainerCallback):
+            def __init__(self):
+                self.events, self.stop_at = [], stop_at
+
+            def on_train_begin(self, args, state, control, **kw):
+                self.events.append(("on_train_begin", state.global_step))
+
+            def on_step_end(self, args, state, control, **kw):
+                self.events.append(("on_step_end", state.global_step))
+                assert kw["model"] is not None and kw["optimizer"] is not None
+                if self.stop_at is not None and state.global_step >= self.stop_at:
+                    control.should_training_stop = True
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                self.events.append(("on_log", state.global_step, "loss" in logs, "learning_rate" in logs))
+
+            def on_evaluate(self, args, state, control, metrics=None, **kw):
+                self.events.append(("on_evaluate", state.global_step, bool(metrics)))
+
+            def on_save(self, args, state, control, **kw):
+                self.events.append(("on_save", state.global_step))
+
+            def on_train_end(self, args, state, control, **kw):
+                self.events.append(("on_train_end", state.global_step, len(state.log_history)))
+
+        return Recorder()
+
+
+def test_trainer_callbacks_see_trls_events_and_can_stop_the_run(tmp_path):
+    from datasets import Dataset
+
+    from unialign import DPOConfig, DPOTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import preference_pairs
+
+    pairs = Dataset.from_list(preference_pairs("train", n=24))
+    recorder = _Recorder()
+    args = DPOConfig(output_dir=str(tmp_path / "a"), per_device_train_batch_size=4, max_steps=3, report_to="none",
+                     eval_steps=2)
+    trainer = DPOTrainer(model=str(ARITH_LM_DIR), args=args, train_dataset=pairs.select(range(16)),
+                         eval_dataset=pairs.select(range(16, 24)), callbacks=[recorder])
+    trainer.train()
+    names = [e[0] for e in recorder.events]
+    assert names[0] == "on_train_begin" and names[-1] == "on_train_end"
+    assert [e[1] for e in recorder.events if e[0] == "on_step_end"] == [1, 2, 3]
+    assert all(e[2] and e[3] for e in recorder.events if e[0] == "on_log")  # the step's metrics, TRL's names too
+    assert ("on_evaluate", 2, True) in recorder.events and ("on_save", 3) in recorder.events
+    # a callback stops the run: it ends there as at max_steps (evaluated, checkpointed, final/ written)
+    stopper = _Recorder(stop_at=1)
+    args = DPOConfig(output_dir=str(tmp_path / "b"), per_device_train_batch_size=4, max_steps=5, report_to="none")
+    trainer = DPOTrainer(model=str(ARITH_LM_DIR), args=args, train_dataset=pairs)
+    trainer.add_callback(stopper)
+    out = trainer.train()
+    assert out.global_step == 1 and (tmp_path / "b" / "final" / "config.json").is_file()
+    assert ("on_save", 1) in stopper.events

@@ -90,8 +90,8 @@ def test_trl_keys_in_a_yaml_file(tmp_path):
 # ---------------------------------------------------------------- the usual mistakes: one line, exit 2
 MISTAKES = [
     ("grpo_math", ["--num_train_epochs", "3"], "--num_train_epochs (TRL's name): unialign counts optimizer steps"),
-    ("grpo_math", ["--bf16"], "--torch_dtype bfloat16"),
-    ("dpo_text", ["--fp16", "true"], "--torch_dtype float16"),
+    ("dpo_text", ["--fp16", "true"], "--mixed_precision fp16: fp16 autocast needs a GPU"),
+    ("grpo_math", ["--load_in_4bit", "true"], "quantised (QLoRA) training is not supported"),
     ("grpo_math", ["--learning_rat", "1e-5"], "unknown flag --learning_rat (did you mean 'learning_rate'?)"),
     ("grpo_math", ["--algorithm", "grop"], "(did you mean 'grpo'?)"),
     ("grpo_math", ["--algorithm", "ddpo"], "'ddpo' is a preset for diffusion models"),

@@ -86,11 +86,20 @@ class _GRPOFields(OnlineConfig):
     top_k: int = arg(0, "sample among the k most likely tokens (0: all)", group="algorithm", min=0)
     min_p: float = arg(0.0, "min-p sampling: drop tokens below this share of the most likely token's probability "
                        "(0: off)", group="algorithm", min=0.0, lt=1.0)
+    repetition_penalty: float = arg(1.0, "penalty on tokens already in the prompt or completion (1: off)",
+                                    group="algorithm", gt=0.0)
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's GRPO default)", min=0.0)
     torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
     chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
                              choices=("auto", "always", "never"))
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
+                                       "default is on; here off: the fused head already avoids the largest tensor)",
+                                       group="model")
+    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
+                                          group="model")
+    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
+                                  group="model")
     system_prompt: str | None = arg(None, "system message before every templated prompt", group="model")
     generation_backend: str = arg("hf", "rollout engine: hf or vllm (colocated)",
                                   group="model", choices=("hf", "vllm"))
@@ -139,6 +148,13 @@ class _DPOFields(PreferenceConfig):
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
     chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
                              choices=("auto", "always", "never"))
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
+                                       "default is on; here off: the fused head already avoids the largest tensor)",
+                                       group="model")
+    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
+                                          group="model")
+    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
+                                  group="model")
     num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
                                          "ceil(epochs x rows / batch_size) unless max_steps is given too",
                                          group="optimisation", gt=0.0)
@@ -202,7 +218,10 @@ def _policy(model: Any, processing_class: Any, args: Any, peft_config: Any, **kw
     if isinstance(model, (str, os.PathLike)):  # a vision-language checkpoint gets a VisionLanguagePolicy
         from unialign.recipes.vision import load_policy
 
-        return load_policy(str(model), torch_dtype=args.torch_dtype, **_lora(args, peft_config), **kwargs)
+        return load_policy(str(model), torch_dtype=args.torch_dtype, **_lora(args, peft_config),
+                           gradient_checkpointing=args.gradient_checkpointing,
+                           attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+                           **kwargs)
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -251,10 +270,7 @@ def _steps_from_epochs(args: Any, rows: int, per_step: int) -> None:
         args.warmup_steps = math.ceil(float(given["warmup_ratio"]) * args.max_steps)  # transformers' rounding
 
 
-def _unsupported(callbacks: Any, optimizers: Any) -> None:
-    if callbacks:
-        raise UserError("callbacks: transformers TrainerCallbacks are not run by unialign's loop; read "
-                        "trainer.state.log_history or the tracker (--report_to) instead")
+def _unsupported(optimizers: Any) -> None:
     if optimizers not in (None, (None, None)):
         raise UserError("optimizers: the optimizer comes from args (optim, learning_rate, weight_decay, "
                         "lr_scheduler_type, warmup_steps)")
@@ -270,6 +286,20 @@ class _Wrapper:
         self.args = args
         self.state = TrainerState()
         self._start = time.time()
+
+    def add_callback(self, callback: Any) -> None:
+        """A ``transformers.TrainerCallback`` (object or class), run at TRL's events (``unialign.trainers.callbacks``)."""
+        self.trainer.callbacks.add(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.trainer.callbacks.remove(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.trainer.callbacks.remove(callback)
+
+    def _add_callbacks(self, callbacks: Any) -> None:
+        for cb in callbacks or ():
+            self.add_callback(cb)
 
     def evaluate(self) -> dict[str, float]:
         """The numbers (``eval/*``) on ``eval_dataset``, or without one on the first training rows
@@ -334,12 +364,13 @@ class GRPOTrainer(_Wrapper):
         from unialign.rewards import CombinedReward
         from unialign.text.data import prompt_rows
         from unialign.text.evaluate import GreedyHeldOut
+        from unialign.text.sampling import SamplingKnobs
         from unialign.trainers.online import OnlineTrainer
 
         args = GRPOConfig() if args is None else args
         if not isinstance(args, OnlineConfig):
             raise UserError(f"args: expected a GRPOConfig, got {type(args).__name__}")
-        _unsupported(callbacks, optimizers)
+        _unsupported(optimizers)
         if reward_processing_classes is not None:
             raise UserError("reward_processing_classes: a reward model is a reward function here "
                             "(get_reward('reward_model', path=...)), with its own tokenizer")
@@ -355,8 +386,10 @@ class GRPOTrainer(_Wrapper):
             if isinstance(f, str):
                 check_rewards(f, None, columns, "reward_funcs")
         reward = CombinedReward(list(funcs), on_error=args.reward_errors)
-        self.policy = _policy(model, processing_class, args, peft_config, max_new_tokens=args.max_completion_length,
-                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        self.policy = _policy(model, processing_class, args, peft_config, sampling=SamplingKnobs(
+                                  max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty),
                               system_prompt=args.system_prompt, chat_template=args.chat_template,
                               generation_backend=args.generation_backend,
                               vllm_options={"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
@@ -369,6 +402,7 @@ class GRPOTrainer(_Wrapper):
         self.evaluator = (GreedyHeldOut(self.policy, held, {"reward": as_trl_reward(reward)}, args.eval_batch_size)
                           if held else None)
         self.trainer = OnlineTrainer(self.policy, reward, train, args, evaluator=self.evaluator)
+        self._add_callbacks(callbacks)
 
     def _held_out(self) -> dict[str, float]:
         return self.trainer.evaluate() if self.evaluator is not None else {}
@@ -405,7 +439,7 @@ class DPOTrainer(_Wrapper):
 
             raise UserError(f"loss_type: {args.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}"
                             f"{did_you_mean(args.loss_type, DPO_LOSS_TYPES)}")
-        _unsupported(callbacks, optimizers)
+        _unsupported(optimizers)
         super().__init__(args)
         with python_words():
             validate(args)
@@ -425,6 +459,7 @@ class DPOTrainer(_Wrapper):
         objective = DPOObjective(self.policy, args.beta, args.loss_type, args.label_smoothing,
                                  cache_reference=args.precompute_ref_log_probs, rpo_alpha=args.rpo_alpha)
         self.trainer = PreferenceTrainer(objective, train, args, eval_rows=held or None)
+        self._add_callbacks(callbacks)
 
     def _held_out(self) -> dict[str, float]:
         return {f"eval/{k}": v for k, v in self.trainer.evaluate(self.held).items()} if self.held else {}

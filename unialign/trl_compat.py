@@ -182,10 +182,11 @@ TRL_NAMES: dict[str, TrlName] = {t.name: t for t in [
     _refused("max_length", "DPO", "--max_prompt_length, --max_completion_length",
              "prompt and completion are limited separately: --max_prompt_length and --max_completion_length"),
     # --- precision, engines
-    _refused("bf16", ALL, "--torch_dtype bfloat16",
-             "TRL's bf16 is autocast over float32 weights; here --torch_dtype bfloat16 loads the weights in bfloat16"),
-    _refused("fp16", ALL, "--torch_dtype float16",
-             "TRL's fp16 is autocast over float32 weights; here --torch_dtype float16 loads the weights in float16"),
+    TrlName("bf16", "alias", ALL, "--mixed_precision bf16",
+            "bf16 autocast over the weights' dtype, as TRL (--torch_dtype bfloat16 loads the weights in bfloat16)",
+            lambda v, ctx: {"mixed_precision": "bf16" if _bool("bf16", v) else "no"}),
+    TrlName("fp16", "alias", ALL, "--mixed_precision fp16", "fp16 autocast over the weights' dtype (a GPU), as TRL",
+            lambda v, ctx: {"mixed_precision": "fp16" if _bool("fp16", v) else "no"}),
     TrlName("use_vllm", "alias", GRPO, "--generation_backend vllm",
             "rollouts from vLLM (colocated in the training process)",
             lambda v, ctx: {"generation_backend": "vllm" if _bool("use_vllm", v) else "hf"}),
@@ -197,15 +198,14 @@ TRL_NAMES: dict[str, TrlName] = {t.name: t for t in [
     TrlName("use_peft", "alias", MODEL, "--lora_rank", "train a LoRA (rank --lora_r, TRL's default 16)", _use_peft),
     TrlName("lora_r", "alias", MODEL, "--lora_rank", "LoRA rank", _rename("lora_r", "lora_rank", _int)),
     _refused("lora_alpha", MODEL, "(2 x --lora_rank)",
-             "the text scripts' LoRA scales by alpha = 2 x rank (in Python: CausalLMPolicy.from_pretrained(..., "
-             "lora_alpha=...)); the image scripts have --lora_alpha"),
+             "this script's LoRA scales by alpha = 2 x rank; the text and image RL / DPO scripts have --lora_alpha"),
     _refused("lora_target_modules", MODEL, "(all linear layers)",
-             "LoRA goes on every linear layer of the denoiser / language model"),
+             "this script's LoRA goes on every linear layer; the text scripts have --lora_target_modules"),
     _refused("load_in_4bit", MODEL, "(none)", "quantised (QLoRA) training is not supported"),
-    _refused("attn_implementation", MODEL, "(none)", "the model's default attention (SDPA) is used"),
+    _refused("attn_implementation", MODEL, "(none)",
+             "this script loads the model's default attention (SDPA); the text scripts have --attn_implementation"),
     _refused("gradient_checkpointing", ALL, "(none)",
-             "the text scripts keep activations (their fused head already avoids [batch, length, vocabulary] "
-             "logits); dpo_sdxl.py has --gradient_checkpointing"),
+             "this script keeps activations; the text scripts and dpo_sdxl.py have --gradient_checkpointing"),
     # --- data (TRL scripts' ScriptArguments)
     TrlName("dataset_train_split", "alias", SCRIPT, "--train_split", "training split",
             _rename("dataset_train_split", "train_split")),
@@ -231,7 +231,6 @@ TRL_NAMES: dict[str, TrlName] = {t.name: t for t in [
             _rename("center_rewards_coefficient", "center_coef", _float)),
     _refused("sync_ref_model", "GRPO, DPO", "(none)", "the reference model stays the initial model (TR-DPO not built)"),
     _refused("delta", GRPO, "--dual_clip", "two-sided clipping of negative advantages: --dual_clip (Dual-clip PPO's c)"),
-    _refused("repetition_penalty", GRPO, "(none)", "sampling is left unpenalised: the log-probs are the model's"),
     _refused("reference_free", DPO, "(none)", "DPO always uses the reference model here (SimPO: --loss_type simpo)"),
     _refused("model_init_kwargs", "GRPO, DPO", "--torch_dtype", "the model is loaded with --torch_dtype only"),
     _refused("ref_model_init_kwargs", DPO, "--torch_dtype", "the reference is the initial model, same dtype"),
@@ -376,12 +375,12 @@ if __name__ == "__main__":
 # token_mean). A config says which TRL config it stands for with ``TRL_CONFIG`` (a class attribute).
 _TRAINING = dict(lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, seed=42)
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "GRPOConfig": dict(learning_rate=1e-6, **_TRAINING, beta=0.0, num_generations=8, max_completion_length=512,
-                       temperature=1.0, top_p=1.0, top_k=0, epsilon=0.2, loss_type="token_mean", scale_rewards="group",
-                       num_iterations=1),
-    "DPOConfig": dict(learning_rate=1e-6, **_TRAINING, beta=0.1, loss_type="sigmoid"),
-    "RewardConfig": dict(learning_rate=1e-4, **_TRAINING),
-    "SFTConfig": dict(learning_rate=2e-5, **_TRAINING),
+    "GRPOConfig": dict(learning_rate=1e-6, **_TRAINING, gradient_checkpointing=True, beta=0.0, num_generations=8,
+                       max_completion_length=512, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                       epsilon=0.2, loss_type="token_mean", scale_rewards="group", num_iterations=1),
+    "DPOConfig": dict(learning_rate=1e-6, **_TRAINING, gradient_checkpointing=True, beta=0.1, loss_type="sigmoid"),
+    "RewardConfig": dict(learning_rate=1e-4, **_TRAINING, gradient_checkpointing=True),
+    "SFTConfig": dict(learning_rate=2e-5, **_TRAINING, gradient_checkpointing=True),
 }
 # Why a departure that is not a model's own default is kept (config, field) -> one line (docs/coming_from_trl.md).
 TRL_DEPARTURES: dict[tuple[str, str], str] = {
@@ -391,6 +390,14 @@ TRL_DEPARTURES: dict[tuple[str, str], str] = {
                             "TRL's",
     ("GRPOConfig", "max_completion_length"): "the scripts generate --max_new_tokens; TRL's 512 is --max_new_tokens 512",
     ("DPOConfig", "beta"): "the pair loss's own default (--algorithm)",
+    ("GRPOConfig", "gradient_checkpointing"): "activations kept: the fused head already avoids [batch, length, "
+                                              "vocabulary] logits; --gradient_checkpointing true is TRL's",
+    ("RewardConfig", "gradient_checkpointing"): "activations kept (the embedded and small models need no "
+                                                "recomputation); --gradient_checkpointing true is TRL's",
+    ("SFTConfig", "gradient_checkpointing"): "activations kept: the fused head already avoids [batch, length, "
+                                             "vocabulary] logits; --gradient_checkpointing true is TRL's",
+    ("DPOConfig", "gradient_checkpointing"): "activations kept: the fused head already avoids [batch, length, "
+                                             "vocabulary] logits; --gradient_checkpointing true is TRL's",
     ("DPOConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",
     ("GRPOConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",
     ("RewardConfig", "seed"): "unialign seeds 0 by default; --seed 42 is TRL's",

@@ -33,6 +33,7 @@ from unialign.dlm.sampling import DiffusionSampling, block_decode
 from unialign.hub import hub_error, require_hub
 from unialign.policy import LossTerms, PolicyBase, ReferencePolicy
 from unialign.text import prefix
+from unialign.text.policy import load_model_options, prepare_model
 from unialign.text.prompts import PromptEncoder
 from unialign.types import PreferenceBatch, Trajectory
 from unialign.weights import check_finite
@@ -73,9 +74,12 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False, torch_dtype: str = "float32",
-                        lora_rank: int = 0, **kwargs: Any) -> MaskedDiffusionLMPolicy:
+                        lora_rank: int = 0, lora_alpha: float | None = None,
+                        lora_target_modules: list[str] | str | None = None, attn_implementation: str | None = None,
+                        gradient_checkpointing: bool = False, **kwargs: Any) -> MaskedDiffusionLMPolicy:
         """Load with transformers: ``AutoModelForMaskedLM`` (native masked LMs), ``AutoModel`` with remote code for
-        LLaDA / Dream / DiffuCoder, refused without ``trust_remote_code`` (one line saying why)."""
+        LLaDA / Dream / DiffuCoder, refused without ``trust_remote_code`` (one line saying why); LoRA, attention
+        kernel and activation checkpointing as ``CausalLMPolicy.from_pretrained``'s."""
         from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer, PretrainedConfig
 
         require_hub(name_or_path, "model")
@@ -90,16 +94,13 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
             loader = AutoModel if family.remote_code else AutoModelForMaskedLM
-            model = loader.from_pretrained(name_or_path, config=config, dtype=getattr(torch, torch_dtype),
-                                           trust_remote_code=trust_remote_code)
+            model = loader.from_pretrained(name_or_path, config=config, **load_model_options(
+                name_or_path, torch_dtype, trust_remote_code, attn_implementation))
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
         check_finite(model, name_or_path)
-        if lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
-                                                     target_modules="all-linear"))
+        model = prepare_model(model, lora_rank, lora_alpha, lora_target_modules or "all-linear",
+                              gradient_checkpointing, task_type=None)
         sampling = kwargs.pop("sampling", None) or DiffusionSampling(
             **{**family.sampling, **raw.get("unialign_sampling", {})})
         return cls(model, tokenizer, family, sampling=sampling, **kwargs)

@@ -3,15 +3,16 @@ declares only what is its own (its defaults with ``unialign.config.default``, it
 
     RunArgs           --preset (the script's ``PRESETS``) and --config (a YAML file)
     TextRLArgs        the online text scripts' sampling (``TextSamplingArgs``) and --algorithm (text presets)
-    TextModelArgs     the text policy: --model_name_or_path, --lora_rank, --torch_dtype
+    TextModelArgs     the text policy: --model_name_or_path, --lora_rank / --lora_alpha / --lora_target_modules,
+                      --torch_dtype, --attn_implementation, --gradient_checkpointing, --trust_remote_code
     SystemPromptArgs  --system_prompt
     GenerationCacheArgs  --generation_cache (transformers generate's KV cache)
     TextSamplingArgs  how completions are sampled (``SamplingKnobs``): --max_new_tokens, --temperature, --top_p,
-                      --top_k, --min_p, --stop
+                      --top_k, --min_p, --repetition_penalty, --stop
     RewardArgs        --reward_funcs, --reward_weights
     RolloutEngineArgs --generation_backend, --vllm_gpu_memory_utilization, --rollout_dtype
-    DiffusionLMArgs   a masked-diffusion LM's block decoding and log-prob estimator, --trust_remote_code (read
-                      only when the model is one: ``unialign.recipes.text.masked_diffusion_policy``)
+    DiffusionLMArgs   a masked-diffusion LM's block decoding and log-prob estimator (read only when the model is one:
+                      ``unialign.recipes.text.masked_diffusion_policy``)
 
 Put them first among a config's bases (``class C(RunArgs, ..., OnlineConfig)``): a dataclass orders fields from the
 last base to the first, so their flags come after the trainer's in each ``--help`` section, the groups listed last
@@ -21,10 +22,13 @@ first. The defaults naming the shipped demo worlds are the demo package's (``uni
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from unialign.config import DTYPES, arg
 from unialign.registry import algorithms_for
 from unialign.text.sampling import SamplingKnobs, parse_stop
+
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")  # transformers' names
 
 
 @dataclass
@@ -37,11 +41,32 @@ class RunArgs:
 
 @dataclass
 class TextModelArgs:
-    """The text policy a script loads."""
+    """The text policy a script loads, with TRL's ``ModelConfig`` knobs (``model_kwargs``: what
+    ``CausalLMPolicy.from_pretrained`` / ``VisionLanguagePolicy.from_pretrained`` take)."""
 
     model_name_or_path: str = arg("", "Hub id or local directory of the model", group="model")
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank instead of the full model", group="model", min=0)
+    lora_alpha: float | None = arg(None, "LoRA alpha, the adapter's scale alpha / rank (unset: 2 x --lora_rank)",
+                                   group="model", gt=0.0)
+    lora_target_modules: str | None = arg(None, "comma-separated module names the LoRA goes on (e.g. q_proj,v_proj), "
+                                          "or all-linear (unset: every linear layer; VLMs: the language model's "
+                                          "projections)", group="model")
     torch_dtype: str = arg("float32", "model dtype", group="model", choices=DTYPES)
+    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default, SDPA "
+                                          "where it has it)", group="model", choices=ATTENTION)
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass instead of "
+                                       "keeping them (less memory, about a third more compute)", group="model")
+    trust_remote_code: bool = arg(False, "run modelling code from the model's Hub repository (LLaDA, Dream, "
+                                  "DiffuCoder need it); off: such a model is refused", group="model")
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The loading knobs as the policies' ``from_pretrained`` keywords."""
+        targets = self.lora_target_modules
+        if targets is not None and targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        return dict(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, lora_target_modules=targets,
+                    torch_dtype=self.torch_dtype, attn_implementation=self.attn_implementation,
+                    gradient_checkpointing=self.gradient_checkpointing, trust_remote_code=self.trust_remote_code)
 
 
 @dataclass
@@ -89,6 +114,9 @@ class TextSamplingArgs:
     top_k: int = arg(0, "sample among the k most likely tokens (0: all)", group="algorithm", min=0)
     min_p: float = arg(0.0, "min-p sampling: drop tokens below this share of the most likely token's probability "
                        "(0: off)", group="algorithm", min=0.0, lt=1.0)
+    repetition_penalty: float = arg(1.0, "CTRL's penalty on tokens already in the prompt or completion (TRL's name; "
+                                    "1: off); it shapes what is sampled, the loss scores the model's log-probs",
+                                    group="algorithm", gt=0.0)
     stop: str | None = arg(None, "end each completion at this string, as at EOS (kept in its tokens, cut from the text "
                            "the rewards read; sampling and evaluation): one string, \\n and \\t understood, or a "
                            "JSON list of strings", group="algorithm", check=parse_stop)
@@ -96,7 +124,8 @@ class TextSamplingArgs:
     def sampling(self) -> SamplingKnobs:
         """The policy's ``sampling`` value."""
         return SamplingKnobs(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                             top_k=self.top_k, min_p=self.min_p, stop=parse_stop(self.stop))
+                             top_k=self.top_k, min_p=self.min_p, stop=parse_stop(self.stop),
+                             repetition_penalty=self.repetition_penalty)
 
 
 @dataclass
@@ -127,8 +156,6 @@ class DiffusionLMArgs:
     dlm_family: str | None = arg(None, "the masked-diffusion LM family of a Hub model (llada, dream, modernbert: "
                                  "unialign.dlm.families); a local folder's is read from its config.json",
                                  group="model", choices=("llada", "dream", "modernbert"))
-    trust_remote_code: bool = arg(False, "run modelling code from the model's Hub repository (LLaDA, Dream, "
-                                  "DiffuCoder need it); off: such a model is refused", group="model")
     gen_length: int | None = arg(None, "masked-diffusion LM: completion block in tokens (unset: the model's recorded "
                                  "sampling, else its family's)", group="diffusion LM", min=1)
     block_length: int | None = arg(None, "masked-diffusion LM: semi-autoregressive block length (gen_length: one "

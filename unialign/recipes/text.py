@@ -486,8 +486,8 @@ def masked_diffusion_policy(cfg: Any, name_or_path: str, estimator: str | None =
     try:
         knobs = DiffusionSampling(**sampling)
         policy = MaskedDiffusionLMPolicy.from_pretrained(
-            name_or_path, trust_remote_code=cfg.trust_remote_code, torch_dtype=cfg.torch_dtype,
-            lora_rank=cfg.lora_rank, sampling=knobs, estimator=estimator, system_prompt=getattr(cfg, "system_prompt", None),
+            name_or_path, **cfg.model_kwargs(), sampling=knobs, estimator=estimator,
+            system_prompt=getattr(cfg, "system_prompt", None),
             chat_template=cfg.chat_template, estimator_options=EstimatorOptions(
                 num_t=cfg.num_t, p_mask_prompt=cfg.p_mask_prompt, eubo_beta=cfg.eubo_beta,
                 trace_shrink=cfg.trace_shrink))

@@ -142,11 +142,14 @@ class CausalLMPolicy(PolicyBase, Critic):
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, name_or_path: str, lora_rank: int = 0, lora_alpha: int | None = None,
-                        lora_target_modules: list[str] | None = None, torch_dtype: str = "float32",
-                        trust_remote_code: bool = False, **kwargs) -> CausalLMPolicy:
-        """Load a causal LM and tokenizer by hub id or local directory; optional LoRA through peft.
-        Fails at once with a clear message when the weights are not reachable (offline)."""
+    def from_pretrained(cls, name_or_path: str, lora_rank: int = 0, lora_alpha: float | None = None,
+                        lora_target_modules: list[str] | str | None = None, torch_dtype: str = "float32",
+                        trust_remote_code: bool = False, attn_implementation: str | None = None,
+                        gradient_checkpointing: bool = False, **kwargs) -> CausalLMPolicy:
+        """Load a causal LM and tokenizer by hub id or local directory; optional LoRA through peft (``lora_alpha``
+        default 2 x rank, ``lora_target_modules`` default every linear layer), transformers' ``attn_implementation``
+        and activation checkpointing (``load_model_options`` / ``prepare_model``). Fails at once with a clear
+        message when the weights are not reachable (offline)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if kwargs.get("generation_backend") == "vllm":  # before any weights load
@@ -154,20 +157,15 @@ class CausalLMPolicy(PolicyBase, Critic):
 
             check_vllm_available()
         require_hub(name_or_path, "model")
+        options = load_model_options(name_or_path, torch_dtype, trust_remote_code, attn_implementation)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, dtype=getattr(torch, torch_dtype), trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **options)
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
         check_finite(model, name_or_path)  # NaN / inf weights: refused now, by tensor name
         install_fused_head(model, kwargs.get("chunk_size", 1024))
-        if lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(
-                r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, task_type="CAUSAL_LM",
-                target_modules=lora_target_modules or "all-linear"))
+        model = prepare_model(model, lora_rank, lora_alpha, lora_target_modules or "all-linear", gradient_checkpointing)
         return cls(model, tokenizer, **kwargs)
 
     # ---------------------------------------------------------------- prompts (``prompt_encoder``)
@@ -397,3 +395,46 @@ def _sequence_log_prob(policy: CausalLMPolicy, model, batch: PreferenceBatch, le
         total = total / mask.sum(-1).clamp(min=1)
     chosen, rejected = total.chunk(2)
     return chosen, rejected
+
+
+def load_model_options(name_or_path: str, torch_dtype: str = "float32", trust_remote_code: bool = False,
+                       attn_implementation: str | None = None) -> dict[str, Any]:
+    """transformers ``from_pretrained`` keywords of a text / vision-language policy: the dtype, transformers'
+    ``attn_implementation`` when given (eager, sdpa, flash_attention_2, ...), and ``trust_remote_code`` -- off
+    unless asked, and then said once, since it runs the repository's Python code on this machine."""
+    options: dict[str, Any] = {"dtype": getattr(torch, torch_dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    if trust_remote_code:
+        print(f"trust_remote_code: running the modelling code of {name_or_path!r} from its repository (read it "
+              f"first)")
+    return options
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing, non-reentrant (TRL's default), under its current name
+    (``activation_checkpointing_enable``; ``gradient_checkpointing_enable`` before transformers 5)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def prepare_model(model: torch.nn.Module, lora_rank: int = 0, lora_alpha: float | None = None,
+                  target_modules: list[str] | str = "all-linear", gradient_checkpointing: bool = False,
+                  task_type: str | None = "CAUSAL_LM") -> torch.nn.Module:
+    """Activation checkpointing (transformers' ``gradient_checkpointing_enable``, non-reentrant, as TRL's default:
+    each layer's activations recomputed in the backward pass instead of kept) and a peft LoRA of ``lora_rank``
+    (alpha ``lora_alpha``, default 2 x rank; ``target_modules`` a list of module names or "all-linear"; peft's
+    ``task_type``, None for a model that is no causal LM)."""
+    if gradient_checkpointing:
+        checkpoint_activations(model)
+        if lora_rank > 0:
+            model.enable_input_require_grads()  # frozen embeddings: the checkpointed blocks still see a grad input
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank,
+                                                 task_type=task_type, target_modules=target_modules))
+    return model

@@ -35,8 +35,9 @@ class RewardModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, trust_remote_code: bool = False, torch_dtype: str = "float32",
-                        **kwargs) -> RewardModel:
-        """A sequence-classification model with one label; from a causal-LM checkpoint the head is new."""
+                        gradient_checkpointing: bool = False, **kwargs) -> RewardModel:
+        """A sequence-classification model with one label; from a causal-LM checkpoint the head is new;
+        ``gradient_checkpointing``: activations recomputed in the backward pass (transformers', non-reentrant)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         require_hub(name_or_path, "model")
@@ -47,6 +48,10 @@ class RewardModel:
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
         check_finite(model, name_or_path)
+        if gradient_checkpointing:
+            from unialign.text.policy import checkpoint_activations
+
+            checkpoint_activations(model)
         return cls(model, tokenizer, **kwargs)
 
     @property

@@ -4,7 +4,8 @@ image policies. A new knob is a field here with its two translations (``hf_kwarg
 in ``unialign.recipes.args.TextSamplingArgs``.
 
 Greedy decoding (held-out evaluation) ignores every knob but ``max_new_tokens`` and ``stop``. The log-prob a
-trainer scores is the model's at ``temperature`` (TRL's convention): top-p, top-k and min-p shape what is sampled, not the density
+trainer scores is the model's at ``temperature`` (TRL's convention): top-p, top-k, min-p and the repetition penalty
+shape what is sampled, not the density
 the loss differentiates; the vLLM engine reports the log-prob of the distribution it sampled from (its
 ``processed_logprobs`` mode) for the importance-sampling correction.
 
@@ -35,17 +36,20 @@ class SamplingKnobs:
     top_k: int = 0               # the k most likely tokens; 0: off
     min_p: float = 0.0           # drop tokens under min_p x the most likely one's probability (Nguyen et al. 2024); 0: off
     stop: tuple[str, ...] = ()   # end a completion at the first of these strings (module docstring); (): off
+    repetition_penalty: float = 1.0  # CTRL's penalty on tokens already in the prompt or completion (> 0); 1: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
             raise ValueError(f"sampling: stop={self.stop!r} must be a sequence of non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))  # a list given is held as a tuple (hashable, frozen)
         checks = {"max_new_tokens": self.max_new_tokens >= 1, "temperature": self.temperature > 0,
-                  "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0, "min_p": 0 <= self.min_p < 1}
+                  "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0, "min_p": 0 <= self.min_p < 1,
+                  "repetition_penalty": self.repetition_penalty > 0}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"sampling: {name}={getattr(self, name)!r} is out of range "
-                                 "(max_new_tokens >= 1, temperature > 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p < 1)")
+                                 "(max_new_tokens >= 1, temperature > 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p < 1, "
+                                 "repetition_penalty > 0)")
 
     def with_(self, **changes: Any) -> SamplingKnobs:
         """A copy with ``changes`` (checked again)."""
@@ -53,7 +57,7 @@ class SamplingKnobs:
 
     def hf_kwargs(self, greedy: bool = False) -> dict[str, Any]:
         """transformers ``generate`` keyword arguments, the limit included; temperature, top-p and top-k always
-        (overriding a checkpoint's ``generation_config``), min-p only when on."""
+        (overriding a checkpoint's ``generation_config``), min-p and the repetition penalty only when on."""
         out: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": self.max_new_tokens}
         if self.stop:  # generate needs the tokenizer beside them (``tokenizer=``), which the engine adds
             out["stop_strings"] = list(self.stop)
@@ -61,6 +65,8 @@ class SamplingKnobs:
             out.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
             if self.min_p:
                 out["min_p"] = self.min_p
+            if self.repetition_penalty != 1.0:
+                out["repetition_penalty"] = self.repetition_penalty
         return out
 
     def vllm_kwargs(self, greedy: bool = False) -> dict[str, Any]:
@@ -73,6 +79,8 @@ class SamplingKnobs:
                                "top_p": float(self.top_p), "top_k": int(self.top_k) if self.top_k > 0 else -1}
         if self.min_p:
             out["min_p"] = float(self.min_p)
+        if self.repetition_penalty != 1.0:
+            out["repetition_penalty"] = float(self.repetition_penalty)
         return out
 
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from unialign.config import validate
 from unialign.files import append_text, write_text, writing
 from unialign.trainers import rundir
+from unialign.trainers.callbacks import Callbacks
 from unialign.trainers.checkpoint import (
     STATE_TENSORS_FILE,
     agreed,
@@ -57,6 +58,14 @@ COMPLETIONS_FILE = "completions.jsonl"  # the held-out sample table of every eva
 COMPLETIONS_TAG = "eval/completions"  # its tracker name (TensorBoard: a text summary holding a markdown table)
 
 
+def autocast_context(mixed_precision: str, acc: Accelerator):
+    """``--mixed_precision``'s autocast: bf16 -> ``torch.autocast`` in bfloat16 on the accelerator's device (weights
+    stay in their dtype; no loss scaling needed); fp16 -> accelerate's (its GradScaler, a GPU); no -> nothing."""
+    if mixed_precision == "bf16":
+        return torch.autocast(acc.device.type, dtype=torch.bfloat16)
+    return acc.autocast()  # fp16 when the accelerator was made with it, else a no-op
+
+
 class TrainerLoop:
     progress_desc = "train"
 
@@ -77,12 +86,16 @@ class TrainerLoop:
         out = Path(config.output_dir)
         self.acc = accelerator or Accelerator(
             log_with=None if config.report_to == "none" else config.report_to,
+            # fp16 through accelerate (its loss scaling); bf16 is torch's autocast (``autocast``), which needs
+            # none and leaves accelerate's process-wide state alone (a second run in one process may differ)
+            mixed_precision="fp16" if getattr(config, "mixed_precision", "no") == "fp16" else "no",
             project_config=ProjectConfiguration(project_dir=str(out),
                                                 logging_dir=str(out / "logs" / (self.run.run_id or "run"))))
         check_launch(self.acc)
         watch_launcher()  # under `accelerate launch`: the launcher exiting is a stop request, not an orphaned run
         self.run_id = agreed(self.acc, self.run.run_id)  # every process names temporary folders alike
         announce_defaults(self.acc, config)  # a model's own defaults, and where the defaults differ from TRL's
+        self.callbacks = Callbacks(config, is_main=self.acc.is_main_process)  # TrainerCallbacks (add_callback)
         # completions.jsonl: a resume keeps the rows of the steps its checkpoint covers (see _write_samples)
         self._samples_resume_step = self._resume.state["step"] if self._resume is not None else None
         self._samples_started = False
@@ -103,6 +116,7 @@ class TrainerLoop:
             torch.set_num_threads(threads)
         self.optimizer, self.scheduler = make_optimizer(params, cfg)
         model, self.optimizer, self.scheduler = self.acc.prepare(model, self.optimizer, self.scheduler)
+        self._callback_model = model  # what a TrainerCallback's ``model=`` is
         self.step, self.cursor, self.history = 0, 0, []
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._trackers = "new"  # new -> open -> closed
@@ -190,6 +204,7 @@ class TrainerLoop:
                                self.run_id, random_states=generator_states(self._random_sources()),
                                legacy=self.run.legacy, state_tensors=source_state_tensors(self._random_sources()))
         self._last_save = time.monotonic()
+        self._fire("on_save")
         return path
 
     def load_checkpoint(self, resume: Any) -> None:
@@ -231,20 +246,24 @@ class TrainerLoop:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         self._start_trackers()
         self._last_save = time.monotonic()
+        self._fire("on_train_begin")
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not acc.is_local_main_process, desc=self.progress_desc)
         last = "the last checkpoint is whole" if cfg.save_steps or cfg.save_minutes else "no checkpoint is saved"
         with StopSignals(second=f"no checkpoint of this step ({last}; --resume_from_checkpoint latest)",
                          log_dir=cfg.output_dir) as stop:
             while self.step < cfg.max_steps:
                 t0 = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]  # the learning rate this step trains with, as TRL logs it
                 stats = self.train_step()
                 self.step += 1
-                stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0,
-                              "lr": self.scheduler.get_last_lr()[0], **self.counters})
+                stats.update({"step": self.step, "step_seconds": time.perf_counter() - t0, "lr": lr,
+                              "learning_rate": lr, **self.counters})  # TRL's name beside unialign's
                 self.history.append(stats)
+                self._fire("on_step_end")
                 if self.step % cfg.logging_steps == 0:
                     with self._tracker_writes():
                         acc.log({k: v for k, v in stats.items() if k != "step"}, step=self.step)
+                    self._fire("on_log", logs=dict(stats))
                 if cfg.eval_steps and self.step % cfg.eval_steps == 0:
                     self._scheduled_eval()
                 bar.update(1)
@@ -256,6 +275,9 @@ class TrainerLoop:
                 if self.step < cfg.max_steps and ((cfg.save_steps and self.step % cfg.save_steps == 0)
                                                   or self._agree(int(bool(due)))):
                     self.save_checkpoint()
+                if self._agree(int(self.callbacks.should_stop)):  # a callback asked: end as at max_steps
+                    acc.print(f"stopped by a callback (control.should_training_stop) after step {self.step}")
+                    break
             bar.close()
             self._scheduled_eval()  # the final held-out numbers, while the trackers are open (cached if just run)
             path = self.save_checkpoint()
@@ -265,7 +287,19 @@ class TrainerLoop:
         if acc.is_main_process:
             self.save_curves()
         self._end_trackers()
+        self._fire("on_train_end")
         return self.history
+
+    def autocast(self):
+        """The forward passes' autocast for ``cfg.mixed_precision`` (``autocast_context``)."""
+        return autocast_context(getattr(self.cfg, "mixed_precision", "no"), self.acc)
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        """A ``TrainerCallback`` event (``unialign.trainers.callbacks``), with the model and optimizer as
+        transformers passes them."""
+        self.callbacks.fire(event, self.step, self.history, model=getattr(self, "_callback_model", None),
+                            optimizer=getattr(self, "optimizer", None), lr_scheduler=getattr(self, "scheduler", None),
+                            **kwargs)
 
     def _agree(self, value: int) -> int:
         """``value`` as the main process has it, on every process (a signal or a clock decides a save only where
@@ -285,7 +319,8 @@ class TrainerLoop:
 
     def _scheduled_eval(self) -> None:
         with preserved_random_state(self._random_sources()):
-            self.evaluate()
+            metrics = self.evaluate()
+        self._fire("on_evaluate", metrics=dict(metrics or {}))
 
     # ------------------------------------------------------------------ what a loop writes
     def train_step(self) -> dict[str, float]:

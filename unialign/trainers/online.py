@@ -234,7 +234,8 @@ class OnlineTrainer(TrainerLoop):
             prompts += [row["prompt"]] * G
             for k in names:
                 columns.setdefault(k, []).extend([row.get(k)] * G)
-        traj = self.policy.sample(prompts, record_logp=not self._old_logp_from_update)
+        with self.autocast():  # --mixed_precision: sampled under the same autocast as trained
+            traj = self.policy.sample(prompts, record_logp=not self._old_logp_from_update)
         traj.columns = columns
         return traj
 
@@ -368,7 +369,8 @@ class OnlineTrainer(TrainerLoop):
         if step_mask is not None:
             mb = dataclasses.replace(mb, mask_B_T=step_mask)
         mask = mb.mask_B_T.to(self.acc.device)
-        out = self.policy.loss_forward(mb, self._request)
+        with self.autocast():  # --mixed_precision (a no-op without it); the loss itself in float32
+            out = self.policy.loss_forward(mb, self._request)
         logp, entropy, values, kl = out.logp_B_T, out.entropy_B_T, out.values_B_T, out.kl_B_T
         adv = mb.advantages_B_T.to(logp.device)
         # one optimizer step per batch: the sampling policy is the current one, as TRL / verl use
@@ -407,7 +409,8 @@ class OnlineTrainer(TrainerLoop):
         return loss, m
 
     def _check_ratio(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> None:
-        tol = self.cfg.ratio_check_tol or (1e-3 if self._param_dtype == torch.float32 else 5e-2)
+        full = self._param_dtype == torch.float32 and getattr(self.cfg, "mixed_precision", "no") == "no"
+        tol = self.cfg.ratio_check_tol or (1e-3 if full else 5e-2)
         gap = float(((logp - old_logp).abs() * mask).max()) if mask.any() else 0.0
         if not gap <= tol:
             raise RatioCheckError(

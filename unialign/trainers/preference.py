@@ -157,7 +157,11 @@ class PairObjective:
             nll = algos.chosen_nll_loss(chosen, length)
             losses = losses + self.nll_coef * nll
             extra["nll_loss"] = nll.detach().mean()
-        metrics = {**extra, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margin": (rc - rr).mean(),
+        margins = (rc - rr).mean()
+        # TRL's DPOTrainer names (rewards/margins, rewards/accuracies: a tie counts 0) beside unialign's own
+        # (rewards/margin, implicit_accuracy: a tie counts 1/2, the before-training value 0.5)
+        metrics = {**extra, "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margins": margins,
+                   "rewards/margin": margins, "rewards/accuracies": (rc > rr).float().mean(),
                    "implicit_accuracy": implicit_accuracy(rc, rr),
                    "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
         if self.reference is not None:
@@ -192,8 +196,12 @@ class BradleyTerryObjective:
         sc, sr = self.reward_model.pair_scores(batch)
         margin = batch.margin_B.to(sc.device, sc.dtype) if batch.margin_B is not None else None
         losses = algos.bradley_terry_loss(sc, sr, margin, self.center_coef)
+        both = torch.cat([sc.detach(), sr.detach()])
+        margin = (sc - sr).detach().mean()
+        # TRL's RewardTrainer names (margin, min / mean / max_reward) beside unialign's (rewards/*)
         metrics = {"accuracy": implicit_accuracy(sc.detach(), sr.detach()), "rewards/chosen": sc.detach().mean(),
-                   "rewards/rejected": sr.detach().mean(), "rewards/margin": (sc - sr).detach().mean()}
+                   "rewards/rejected": sr.detach().mean(), "rewards/margin": margin, "margin": margin,
+                   "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max()}
         return losses, metrics
 
 
@@ -235,7 +243,8 @@ class PreferenceTrainer(TrainerLoop):
         for j, chunk in enumerate(micro):
             ctx = acc.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
             with ctx:
-                losses, m = self.obj.losses(self.obj.batch([self.rows[i] for i in chunk]), chunk)
+                with self.autocast():  # --mixed_precision (a no-op without it)
+                    losses, m = self.obj.losses(self.obj.batch([self.rows[i] for i in chunk]), chunk)
                 loss = losses.sum() / per  # the mean over this process's pairs; DDP averages processes
                 acc.backward(loss)
             total += float(loss.detach())
@@ -300,7 +309,8 @@ class PreferenceTrainer(TrainerLoop):
         if self.eval_rows is None:
             return
         with preserved_random_state(self._random_sources()):
-            self.evaluate()
+            metrics = self.evaluate()
+        self._fire("on_evaluate", metrics={f"eval/{k}": v for k, v in metrics.items()})
 
     def _random_sources(self) -> dict[str, Any]:
         owner = self.obj.policy if hasattr(self.obj, "policy") else getattr(self.obj, "reward_model", None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from unialign.config import OPTIMIZERS, REPORT_TO, SCHEDULERS, arg, check_output_dir, check_tracker
 from unialign.errors import UserError
 from unialign.trainers import rundir
@@ -27,6 +29,9 @@ class TrainConfig:
                                  choices=SCHEDULERS)
     warmup_steps: int = arg(0, "linear warmup steps", group="optimisation", min=0)
     max_grad_norm: float = arg(1.0, "clip the gradient norm to this", group="optimisation", gt=0.0)
+    mixed_precision: str = arg("no", "autocast the forward passes (TRL's --bf16 / --fp16): the weights stay in "
+                               "their dtype, matmuls run in bf16 / fp16 (fp16: GPU only)", group="optimisation",
+                               choices=("no", "bf16", "fp16"))
     seed: int = arg(0, "seed of sampling, data order and initialisation", group="optimisation")
     num_threads: int | None = arg(
         None, "torch intra-op CPU threads (<= 0: torch's choice; unset: 1 for a model under 20 M parameters on CPU, "
@@ -57,6 +62,9 @@ class TrainConfig:
         fresh run does not mix with another run's outputs unless ``overwrite_output_dir``), and a resume finds its
         checkpoint, whole."""
         check_tracker(self.report_to)
+        if self.mixed_precision == "fp16" and not torch.cuda.is_available():
+            raise UserError("--mixed_precision fp16: fp16 autocast needs a GPU (torch's CPU autocast is bf16: "
+                            "--mixed_precision bf16)")
         if not str(self.output_dir).strip():
             rundir.check(self.output_dir, False, False)  # the one line for an empty name
         rundir.check_links(Path(self.output_dir))  # a broken link is named as one, not as "not writable"

@@ -31,7 +31,7 @@ from unialign.dist import unwrap
 from unialign.errors import UserError
 from unialign.hub import hub_error, require_hub
 from unialign.text.head import install_fused_head
-from unialign.text.policy import CausalLMPolicy
+from unialign.text.policy import CausalLMPolicy, load_model_options, prepare_model
 from unialign.text.prefix import cached_prefix, prefix_sharing_safe
 from unialign.types import PreferenceBatch
 from unialign.vision import families
@@ -70,10 +70,11 @@ class VisionLanguagePolicy(CausalLMPolicy):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, lora_rank: int = 0, lora_alpha: int | None = None,
-                        lora_target_modules: list[str] | None = None, torch_dtype: str = "float32",
+    def from_pretrained(cls, name_or_path: str, lora_rank: int = 0, lora_alpha: float | None = None,
+                        lora_target_modules: list[str] | str | None = None, torch_dtype: str = "float32",
                         trust_remote_code: bool = False, processor_kwargs: dict[str, Any] | None = None,
-                        freeze_vision: bool = False, **kwargs: Any) -> VisionLanguagePolicy:
+                        freeze_vision: bool = False, attn_implementation: str | None = None,
+                        gradient_checkpointing: bool = False, **kwargs: Any) -> VisionLanguagePolicy:
         """Load an ``AutoModelForImageTextToText`` and its ``AutoProcessor`` by hub id or folder (safetensors
         only); ``processor_kwargs`` sets the processor's image-size knobs (``max_pixels`` ...); LoRA on the text
         tower's projections by default; ``freeze_vision`` freezes the vision tower. Fails at once offline."""
@@ -84,8 +85,8 @@ class VisionLanguagePolicy(CausalLMPolicy):
             processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                                       **(processor_kwargs or {}))
             model = AutoModelForImageTextToText.from_pretrained(
-                name_or_path, dtype=getattr(torch, torch_dtype), trust_remote_code=trust_remote_code,
-                use_safetensors=True)
+                name_or_path, use_safetensors=True,
+                **load_model_options(name_or_path, torch_dtype, trust_remote_code, attn_implementation))
         except (OSError, ValueError) as err:
             raise hub_error(name_or_path, err) from None
         check_finite(model, name_or_path)
@@ -94,12 +95,8 @@ class VisionLanguagePolicy(CausalLMPolicy):
             for name, p in model.named_parameters():
                 if "visual" in name or "vision" in name:
                     p.requires_grad_(False)
-        if lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(
-                r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, task_type="CAUSAL_LM",
-                target_modules=lora_target_modules or LORA_TEXT_TARGETS))
+        model = prepare_model(model, lora_rank, lora_alpha, lora_target_modules or LORA_TEXT_TARGETS,
+                              gradient_checkpointing)
         return cls(model, processor, **kwargs)
 
     # ---------------------------------------------------------------- prompts
