@@ -187,3 +187,14 @@ def test_trainer_callbacks_see_trls_events_and_can_stop_the_run(tmp_path):
     out = trainer.train()
     assert out.global_step == 1 and (tmp_path / "b" / "final" / "config.json").is_file()
     assert ("on_save", 1) in stopper.events
+
+
+def test_every_remaining_departure_has_its_row_in_the_docs():
+    from pathlib import Path
+
+    from unialign.trl_compat import TRL_DEPARTURES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "coming_from_trl.md").read_text()
+    table = doc[doc.index("## Where unialign's defaults deliberately differ from TRL's"):]
+    for _, field in TRL_DEPARTURES:
+        assert f"`{field}`" in table, field

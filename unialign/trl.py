@@ -59,7 +59,7 @@ class _TrlKeywords:
     """A config whose constructor takes TRL's keywords too (keywords only, as TRL's configs)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        base = next(c for c in type(self).__mro__[1:] if dataclasses.is_dataclass(c) and c is not _TrlKeywords)
+        base = next(c for c in type(self).__mro__[1:] if dataclasses.is_dataclass(c) and not issubclass(c, _TrlKeywords))
         with python_words():
             values = resolve_names(type(self), kwargs)  # UserError for a refused or unknown name
         base.__init__(self, **values)
@@ -166,6 +166,89 @@ class DPOConfig(_TrlKeywords, _DPOFields):
     """TRL's ``DPOConfig`` for ``DPOTrainer``: the pairwise loop's fields, DPO's, and TRL's names."""
 
     TRL_CONFIG = "DPOConfig"
+
+
+@dataclass
+class _SFTFields(PreferenceConfig):
+    """``PreferenceConfig``'s loop plus what TRL's ``SFTConfig`` holds (defaults TRL's)."""
+
+    learning_rate: float = arg(2e-5, "peak learning rate (TRL's SFT default)", min=0.0)
+    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
+                                 group="optimisation", choices=SCHEDULERS)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
+    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
+                             choices=("auto", "always", "never"))
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
+                                       "default is on; here off: the fused head already avoids the largest tensor)",
+                                       group="model")
+    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
+                                          group="model")
+    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
+                                  group="model")
+    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
+                                         "ceil(epochs x rows / batch_size) unless max_steps is given too",
+                                         group="optimisation", gt=0.0)
+    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
+    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
+
+
+class SFTConfig(_TrlKeywords, _SFTFields):
+    """TRL's ``SFTConfig`` for ``SFTTrainer``: the pairwise loop's fields over rows, and TRL's names."""
+
+    TRL_CONFIG = "SFTConfig"
+
+
+class RLOOConfig(GRPOConfig):
+    """TRL's ``RLOOConfig`` for ``RLOOTrainer``: ``GRPOConfig`` with RLOO's leave-one-out baseline
+    (``algorithm="rloo"``) and TRL's RLOO defaults (2 generations per prompt, a KL to the reference at beta 0.05, in
+    the loss: unialign's RLOO advantage reads sequence rewards, not per-token KL-shaped ones)."""
+
+    TRL_CONFIG = "RLOOConfig"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"algorithm": "rloo", "num_generations": 2, "beta": 0.05, **kwargs})
+
+
+class PPOConfig(GRPOConfig):
+    """TRL's ``PPOConfig`` for ``PPOTrainer``: ``GRPOConfig`` with PPO's preset (``algorithm="ppo"``: a critic,
+    GAE, the KL to the reference in the reward) and one completion per prompt."""
+
+    TRL_CONFIG = None  # TRL's PPO lives in trl.experimental: no stable defaults to list departures from
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"algorithm": "ppo", "num_generations": 1, "beta": None, **kwargs})
+
+
+@dataclass
+class _RewardFields(PreferenceConfig):
+    """``PreferenceConfig``'s loop plus what TRL's ``RewardConfig`` holds (defaults TRL's)."""
+
+    learning_rate: float = arg(1e-4, "peak learning rate (TRL's reward-model default)", min=0.0)
+    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
+                                 group="optimisation", choices=SCHEDULERS)
+    center_coef: float = arg(0.0, "weight of the reward-centring term (TRL: center_rewards_coefficient)",
+                             group="algorithm", min=0.0)
+    max_length: int | None = arg(1024, "truncate prompt + completion to this many tokens (TRL's)", group="data",
+                                 min=1)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
+    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
+                             choices=("auto", "always", "never"))
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass",
+                                       group="model")
+    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
+                                  group="model")
+    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
+                                         "ceil(epochs x rows / batch_size) unless max_steps is given too",
+                                         group="optimisation", gt=0.0)
+    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
+    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
+
+
+class RewardConfig(_TrlKeywords, _RewardFields):
+    """TRL's ``RewardConfig`` for ``RewardTrainer``: the pairwise loop's fields, Bradley-Terry's, TRL's names."""
+
+    TRL_CONFIG = "RewardConfig"
 
 
 @dataclass
@@ -359,7 +442,8 @@ class GRPOTrainer(_Wrapper):
 
     def __init__(self, model: Any, reward_funcs: Any, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
-                 callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None):
+                 callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None,
+                 value_model: Any = None):
         from unialign.recipes.text import as_trl_reward, check_rewards, fit_prompts
         from unialign.rewards import CombinedReward
         from unialign.text.data import prompt_rows
@@ -386,7 +470,8 @@ class GRPOTrainer(_Wrapper):
             if isinstance(f, str):
                 check_rewards(f, None, columns, "reward_funcs")
         reward = CombinedReward(list(funcs), on_error=args.reward_errors)
-        self.policy = _policy(model, processing_class, args, peft_config, sampling=SamplingKnobs(
+        critic = value_model if value_model is not None else args.algo_spec().value_coef > 0  # PPO's critic
+        self.policy = _policy(model, processing_class, args, peft_config, value_head=critic, sampling=SamplingKnobs(
                                   max_new_tokens=args.max_completion_length, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                   repetition_penalty=args.repetition_penalty),
@@ -467,3 +552,154 @@ class DPOTrainer(_Wrapper):
     def _summary(self, before: dict, after: dict) -> dict[str, Any]:
         return {"metric": "implicit_accuracy", "before": before.get("eval/implicit_accuracy"),
                 "after": after.get("eval/implicit_accuracy")}
+
+
+class SFTTrainer(_Wrapper):
+    """TRL's ``SFTTrainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, ..., peft_config)``
+    over ``PreferenceTrainer`` with ``SFTObjective``: the completion's token-mean NLL given the prompt (TRL's
+    ``completion_only_loss``; a ``messages`` row trains its last, assistant, turn). Rows: TRL's prompt-completion or
+    conversational formats (``unialign.text.sft.sft_rows``). ``model``: a Hub id or folder (a masked-diffusion LM
+    folder trains on its ELBO), a loaded transformers model (with ``processing_class``) or a policy."""
+
+    def __init__(self, model: Any, args: SFTConfig | None = None, data_collator: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, callbacks: Any = None,
+                 optimizers: Any = (None, None), peft_config: Any = None):
+        from unialign.text.sft import sft_rows
+        from unialign.trainers.preference import PreferenceTrainer, SFTObjective
+
+        args = SFTConfig() if args is None else args
+        if not isinstance(args, PreferenceConfig):
+            raise UserError(f"args: expected an SFTConfig, got {type(args).__name__}")
+        if data_collator is not None:
+            raise UserError("data_collator: rows are tokenised by the policy (prompt, then completion + EOS)")
+        _unsupported(optimizers)
+        super().__init__(args)
+        with python_words():
+            validate(args)
+        train = sft_rows(_rows(train_dataset, "train_dataset") or [], "train_dataset")
+        held = sft_rows(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset is not None else []
+        self.policy = _sft_policy(model, processing_class, args, peft_config)
+        self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
+        held = held or self._train_sample(train)
+        _steps_from_epochs(args, len(train), args.batch_size)
+        self.held = held
+        self.trainer = PreferenceTrainer(SFTObjective(self.policy, train), train, args, eval_rows=held)
+        self._add_callbacks(callbacks)
+
+    def _held_out(self) -> dict[str, float]:
+        return {f"eval/{k}": v for k, v in self.trainer.evaluate(self.held).items()}
+
+    def _summary(self, before: dict, after: dict) -> dict[str, Any]:
+        return {"metric": "nll_per_token", "before": before.get("eval/nll_per_token"),
+                "after": after.get("eval/nll_per_token")}
+
+
+def _sft_policy(model: Any, processing_class: Any, args: Any, peft_config: Any):
+    """A masked-diffusion LM folder's ``MaskedDiffusionLMPolicy`` (its ELBO estimator), else ``_policy``'s."""
+    if isinstance(model, (str, os.PathLike)):
+        from unialign.recipes.text import is_masked_diffusion_model
+
+        if is_masked_diffusion_model(str(model)):
+            from unialign.dlm.policy import MaskedDiffusionLMPolicy
+
+            return MaskedDiffusionLMPolicy.from_pretrained(str(model), torch_dtype=args.torch_dtype,
+                                                           trust_remote_code=args.trust_remote_code,
+                                                           estimator="elbo_mc", chat_template=args.chat_template,
+                                                           **_lora(args, peft_config))
+    return _policy(model, processing_class, args, peft_config, chat_template=args.chat_template)
+
+
+class RLOOTrainer(GRPOTrainer):
+    """TRL's ``RLOOTrainer(model, reward_funcs, args=RLOOConfig(...), train_dataset, ...)``: ``GRPOTrainer`` with
+    ``RLOOConfig``'s leave-one-out baseline."""
+
+    def __init__(self, model: Any, reward_funcs: Any, args: RLOOConfig | None = None, **kwargs: Any):
+        super().__init__(model, reward_funcs, RLOOConfig() if args is None else args, **kwargs)
+
+
+class RewardTrainer(_Wrapper):
+    """TRL's ``RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, ...)`` over
+    ``PreferenceTrainer`` with ``BradleyTerryObjective``: a one-label sequence classifier trained on preference
+    pairs (TRL's formats), ``summary.json`` the held-out pair accuracy before / after. ``model``: a Hub id or folder
+    (a causal LM's gets a new score head), or a loaded ``AutoModelForSequenceClassification`` with
+    ``processing_class``."""
+
+    def __init__(self, model: Any, args: RewardConfig | None = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None):
+        from unialign.text.preference import normalize_pairs
+        from unialign.text.reward_model import RewardModel
+        from unialign.trainers.preference import BradleyTerryObjective, PreferenceTrainer
+
+        args = RewardConfig() if args is None else args
+        if not isinstance(args, PreferenceConfig):
+            raise UserError(f"args: expected a RewardConfig, got {type(args).__name__}")
+        if data_collator is not None or peft_config is not None:
+            raise UserError("data_collator / peft_config: the reward model is trained whole, its pairs tokenised "
+                            "by it")
+        _unsupported(optimizers)
+        super().__init__(args)
+        with python_words():
+            validate(args)
+        try:
+            train = normalize_pairs(_rows(train_dataset, "train_dataset") or [], "train_dataset")
+            held = normalize_pairs(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset else []
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        options = dict(max_length=args.max_length, chat_template=args.chat_template)
+        if isinstance(model, (str, os.PathLike)):
+            self.policy = RewardModel.from_pretrained(str(model), torch_dtype=args.torch_dtype,
+                                                      trust_remote_code=args.trust_remote_code,
+                                                      gradient_checkpointing=args.gradient_checkpointing, **options)
+        elif processing_class is None:
+            raise UserError("processing_class: a loaded reward model needs its tokenizer (processing_class=tokenizer)")
+        else:
+            self.policy = RewardModel(model, processing_class, **options)
+        self.data_info: dict[str, Any] = {"train_rows": len(train), "eval_rows": len(held)}
+        held = held or self._train_sample(train)  # pairs longer than max_length are truncated when scored
+        _steps_from_epochs(args, len(train), args.batch_size)
+        self.held = held
+        self.trainer = PreferenceTrainer(BradleyTerryObjective(self.policy, args.center_coef), train, args,
+                                         eval_rows=held)
+        self._add_callbacks(callbacks)
+
+    def _held_out(self) -> dict[str, float]:
+        return {f"eval/{k}": v for k, v in self.trainer.evaluate(self.held).items()}
+
+    def _summary(self, before: dict, after: dict) -> dict[str, Any]:
+        return {"metric": "accuracy", "before": before.get("eval/accuracy"), "after": after.get("eval/accuracy")}
+
+
+class PPOTrainer(GRPOTrainer):
+    """TRL's ``PPOTrainer(args, processing_class, model, ref_model, reward_model, train_dataset, value_model, ...,
+    eval_dataset, callbacks, peft_config)`` over ``OnlineTrainer`` with ``PPOConfig``: ``reward_model`` a
+    sequence-classification checkpoint's folder (``get_reward("reward_model", path=...)``) or a TRL reward
+    function; ``value_model`` None (a value head on the policy's backbone) or a sequence-classification folder
+    whose backbone and score head become the critic, as TRL's; ``ref_model`` None (the reference is the initial
+    model)."""
+
+    def __init__(self, args: PPOConfig | None = None, processing_class: Any = None, model: Any = None,
+                 ref_model: Any = None, reward_model: Any = None, train_dataset: Any = None, value_model: Any = None,
+                 data_collator: Any = None, eval_dataset: Any = None, optimizers: Any = (None, None),
+                 callbacks: Any = None, peft_config: Any = None):
+        from unialign.rewards import get_reward
+
+        args = PPOConfig() if args is None else args
+        if ref_model is not None:
+            raise UserError("ref_model: the reference is the initial model (a frozen copy, or the LoRA base); pass "
+                            "None")
+        if data_collator is not None:
+            raise UserError("data_collator: prompts are tokenised by the policy")
+        if isinstance(reward_model, (str, os.PathLike)):
+            reward = get_reward("reward_model", path=str(reward_model), chat_template=args.chat_template)
+        elif callable(reward_model) and not hasattr(reward_model, "parameters"):
+            reward = reward_model
+        else:
+            raise UserError("reward_model: a sequence-classification model's folder (save_pretrained) or a reward "
+                            "function f(prompts, completions, **columns)")
+        if isinstance(value_model, os.PathLike):
+            value_model = str(value_model)
+        if value_model is not None and not isinstance(value_model, str):
+            raise UserError("value_model: None (a value head on the policy) or a sequence-classification folder")
+        super().__init__(model, reward, args, train_dataset, eval_dataset, processing_class, callbacks=callbacks,
+                         optimizers=optimizers, peft_config=peft_config, value_model=value_model)

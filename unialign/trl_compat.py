@@ -378,18 +378,21 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "GRPOConfig": dict(learning_rate=1e-6, **_TRAINING, gradient_checkpointing=True, beta=0.0, num_generations=8,
                        max_completion_length=512, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
                        epsilon=0.2, loss_type="token_mean", scale_rewards="group", num_iterations=1),
+    "RLOOConfig": dict(learning_rate=1e-6, **_TRAINING, gradient_checkpointing=True, beta=0.05, num_generations=2,
+                       max_completion_length=512, temperature=1.0, epsilon=0.2, num_iterations=1),
     "DPOConfig": dict(learning_rate=1e-6, **_TRAINING, gradient_checkpointing=True, beta=0.1, loss_type="sigmoid"),
     "RewardConfig": dict(learning_rate=1e-4, **_TRAINING, gradient_checkpointing=True),
     "SFTConfig": dict(learning_rate=2e-5, **_TRAINING, gradient_checkpointing=True),
 }
-# Why a departure that is not a model's own default is kept (config, field) -> one line (docs/coming_from_trl.md).
+# Why a departure that is not a model's own default is kept (config, field) -> one line; each field has its row in
+# docs/coming_from_trl.md's table (tests/test_trl_defaults.py).
 TRL_DEPARTURES: dict[tuple[str, str], str] = {
     ("GRPOConfig", "loss_type"): "--algorithm grpo is GRPO as published (per-sequence token mean); TRL's is "
                                  "--loss_type dapo (or --algorithm dapo)",
     ("GRPOConfig", "beta"): "the grpo algorithm as published (DeepSeekMath) keeps KL to the reference; --beta 0 is "
                             "TRL's",
-    ("GRPOConfig", "max_completion_length"): "the scripts generate --max_new_tokens; TRL's 512 is --max_new_tokens 512",
-    ("DPOConfig", "beta"): "the pair loss's own default (--algorithm)",
+    ("RLOOConfig", "gradient_checkpointing"): "activations kept: the fused head already avoids [batch, length, "
+                                              "vocabulary] logits; --gradient_checkpointing true is TRL's",
     ("GRPOConfig", "gradient_checkpointing"): "activations kept: the fused head already avoids [batch, length, "
                                               "vocabulary] logits; --gradient_checkpointing true is TRL's",
     ("RewardConfig", "gradient_checkpointing"): "activations kept (the embedded and small models need no "
@@ -424,7 +427,7 @@ def trl_departures(cfg: Any, record: Mapping[str, Any]) -> list[dict[str, Any]]:
     names = {f.name for f in dataclasses.fields(cfg)}
     aliases = field_aliases(type(cfg))
     out = []
-    for trl_name, trl_value in TRL_DEFAULTS[trl_config].items():
+    for trl_name, trl_value in TRL_DEFAULTS.get(trl_config, {}).items():
         name = aliases.get(trl_name, trl_name)  # the GRPO scripts' max_completion_length is their max_new_tokens
         if name not in names or name in record["set"]:
             continue

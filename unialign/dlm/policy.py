@@ -281,6 +281,13 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
     def sequence_log_prob(self, batch: PreferenceBatch, length_normalize: bool = False):
         return self._sequence_log_prob(self.model, batch, length_normalize)
 
+    def completion_log_prob(self, side: dict[str, Any]) -> torch.Tensor:
+        """Per-token terms [B, T] of the estimator's log-likelihood of one side of a ``preference_batch``, 0 where
+        padded: their sum is the sequence's (a lower bound for the ELBO estimators), so minus it is masked-diffusion
+        SFT's loss (LLaDA's: the masked tokens' cross-entropy weighted 1 / t)."""
+        mask = side["completion_mask"].to(self.device).float()
+        return self._estimate(self.model, side) * mask
+
     def _sequence_log_prob(self, model: torch.nn.Module, batch: PreferenceBatch, length_normalize: bool):
         """The estimator's sequence log-likelihood of each side, [B] each, on the pair's shared masks."""
         out = []

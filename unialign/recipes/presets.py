@@ -49,6 +49,15 @@ GRPO_MATH: dict[str, dict] = {
         torch_dtype="bfloat16", warmup_steps=0, lr_scheduler_type="constant", output_dir="outputs/grpo_modernbert_gsm8k"),
 }
 
+SFT: dict[str, dict] = {
+    # TRL's SFT recipe shape on GSM8K's worked answers (TRL's lr 2e-5, linear decay): the start of an RL recipe
+    "qwen2.5-0.5b-gsm8k": dict(
+        model_name_or_path="Qwen/Qwen2.5-0.5B", dataset_name="openai/gsm8k", dataset_config="main",
+        chat_template="always", learning_rate=2e-5, lr_scheduler_type="linear", warmup_steps=20, batch_size=32,
+        micro_batch_size=8, max_steps=700, num_eval=256, torch_dtype="bfloat16", gradient_checkpointing=True,
+        output_dir="outputs/sft_qwen_gsm8k"),
+}
+
 PPO_RLHF: dict[str, dict] = {
     "qwen2.5-0.5b-rm": dict(
         model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="openai/gsm8k", dataset_config="main",

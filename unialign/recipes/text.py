@@ -107,6 +107,24 @@ def load_pair_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
     return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
 
 
+def load_sft_data(cfg: Any) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, held-out, info) SFT rows (``unialign.text.sft.sft_rows``: TRL's prompt-completion or messages
+    formats, or GSM8K's) of ``cfg``'s data fields: a built-in data set's own train / test splits, else the held-out
+    rules of every script (``--eval_split``, ``--eval_dataset_name``, ``--eval_fraction``)."""
+    from unialign.text.data import NAMED_DATASETS, load_rows
+    from unialign.text.sft import sft_rows
+
+    name = cfg.dataset_name
+    if name in NAMED_DATASETS:
+        _no_streaming(cfg)
+        train = sft_rows(load_rows(name, "train"), f"{name} [train]")
+        held_out, info = sft_rows(load_rows(name, "test"), f"{name} [test]"), {"eval_source": f"{name} [test]"}
+    else:
+        train, held_out, info = _split(cfg, sft_rows)
+    held_out = held_out[:cfg.num_eval]
+    return train, held_out, {**info, "train_rows": len(train), "eval_rows": len(held_out)}
+
+
 def _split(cfg: Any, prepare) -> tuple[list[dict], list[dict], dict[str, Any]]:
     errors = getattr(cfg, "encoding_errors", "strict")
     if getattr(cfg, "streaming", False):
@@ -416,6 +434,26 @@ def train_pair_run(cfg: Any, objective, train: list[dict], held_out: list[dict],
                "first_nll_loss": history[0].get("nll_loss") if history else None, "steps": trainer.step,
                "wall_seconds": time.time() - start, "num_eval_pairs": len(held_out), **data_info}
     return finish_run(trainer.acc, cfg, summary, policy.save)
+
+
+def train_sft_run(cfg: Any, objective, train: list[dict], held_out: list[dict], data_info: dict[str, Any],
+                  start: float, task_score=None) -> dict[str, Any]:
+    """The run of ``sft.py``: ``PreferenceTrainer`` on ``objective`` (``SFTObjective``) and the summary: the held-out
+    completions' token NLL before / after (``nll_before`` / ``nll_after``; the metric unless ``task_score()``, a
+    built-in task's greedy accuracy, is given), the first logged loss. Returns the summary."""
+    from unialign.recipes.outputs import finish_run
+    from unialign.trainers.preference import PreferenceTrainer
+
+    trainer = PreferenceTrainer(objective, train, cfg, eval_rows=held_out)
+    task_before, nll_before = task_score and task_score(), trainer.evaluate(held_out)["nll_per_token"]
+    history = [h for h in trainer.train() if "loss" in h]
+    task_after, nll_after = task_score and task_score(), trainer.evaluate(held_out)["nll_per_token"]
+    summary = {"metric": "accuracy" if task_score else "nll_per_token",
+               "before": task_before if task_score else nll_before, "after": task_after if task_score else nll_after,
+               "nll_before": nll_before, "nll_after": nll_after, "first_loss": history[0]["loss"] if history else None,
+               "steps": trainer.step, "wall_seconds": time.time() - start, "num_eval_rows": len(held_out),
+               **data_info}
+    return finish_run(trainer.acc, cfg, summary, objective.policy.save)
 
 
 # ------------------------------------------------------------------ masked-diffusion LMs

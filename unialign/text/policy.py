@@ -326,6 +326,12 @@ class CausalLMPolicy(PolicyBase, Critic):
         rejected sides, [B] each."""
         return _sequence_log_prob(self, self.model, batch, length_normalize)
 
+    def completion_log_prob(self, side: dict[str, Any]) -> torch.Tensor:
+        """Differentiable per-token log-probs [B, T] of one side of a ``preference_batch`` (its completion given
+        its prompt), 0 where the completion is padding: supervised fine-tuning's likelihood."""
+        logp, _, _ = self._forward(self.model, side, False)
+        return logp * side["completion_mask"].to(logp.dtype)
+
     # ---------------------------------------------------------------- reference
     def reference(self) -> ReferencePolicy:
         """Adapters disabled when the model is a PEFT model, else a frozen copy made once."""

@@ -61,7 +61,17 @@ def implicit_accuracy(chosen_B: torch.Tensor, rejected_B: torch.Tensor) -> torch
     return ((chosen_B > rejected_B).float() + 0.5 * (chosen_B == rejected_B).float()).mean()
 
 
-class PairObjective:
+class RowObjective:
+    """What ``PreferenceTrainer`` trains: ``batch(rows)``, ``losses(batch, row_ids)`` -> (per-row losses [B], metrics),
+    ``model``, ``parameters()``. The step's loss is the mean of the per-row losses over the step's rows;
+    ``begin_step`` hears which rows a step holds (every process's), for an objective whose normaliser is not the
+    row count (SFT's token mean)."""
+
+    def begin_step(self, row_ids: list[int]) -> None:
+        pass
+
+
+class PairObjective(RowObjective):
     """Per-pair losses of a policy under a registered pair loss (``algos.PAIR_LOSSES``, through ``algos.dpo_loss``).
 
     The entry's data decide everything variant-specific: ``needs_reference`` (the reference comes from
@@ -172,7 +182,7 @@ class PairObjective:
 DPOObjective = PairObjective  # the name the scripts, tests and README use
 
 
-class BradleyTerryObjective:
+class BradleyTerryObjective(RowObjective):
     """Bradley-Terry reward-model training (``algos.bradley_terry_loss``, optional margin and centring)."""
 
     def __init__(self, reward_model, center_coef: float = 0.0):
@@ -205,6 +215,56 @@ class BradleyTerryObjective:
         return losses, metrics
 
 
+class SFTObjective(RowObjective):
+    """Supervised fine-tuning (TRL's ``SFTTrainer`` loss): the negative log-likelihood of each row's completion
+    given its prompt, the mean over every completion token of the optimizer step (TRL's token mean, across
+    micro-batches and processes), through the policy's ``completion_log_prob`` -- a causal LM's token
+    log-probs, a masked-diffusion LM's estimator terms (LLaDA's SFT: the masked tokens' cross-entropy weighted 1 /
+    t). Rows: ``{"prompt", "completion"}`` (``unialign.text.sft.sft_rows``); the prompt's tokens are never trained."""
+
+    def __init__(self, policy, rows: list[dict[str, Any]] | None = None):
+        self.policy, self.rows = policy, rows
+        self._lengths: dict[int, int] = {}
+        self._step_tokens: float | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    def resume_settings(self) -> dict[str, Any]:
+        return {"objective": "sft"}
+
+    def parameters(self):
+        return self.policy.trainable_parameters()
+
+    def batch(self, rows: list[dict[str, Any]]) -> PreferenceBatch:
+        return self.policy.preference_batch([{"prompt": r["prompt"], "chosen": r["completion"],
+                                              "rejected": r["completion"]} for r in rows])
+
+    def _length(self, i: int) -> int:
+        """Row ``i``'s trained tokens: its completion's (a string, as ``sft_rows`` gives it) and the EOS after it, as
+        ``preference_batch`` encodes them (the tokenizer alone: no random state moves)."""
+        if i not in self._lengths:
+            ids = self.policy.tokenizer.encode(self.rows[i]["completion"], add_special_tokens=False)
+            self._lengths[i] = len(ids) + 1
+        return self._lengths[i]
+
+    def begin_step(self, row_ids: list[int]) -> None:
+        """The step's completion tokens (every process's rows): the token mean's denominator."""
+        self._step_tokens = float(sum(self._length(i) for i in row_ids)) / max(1, len(row_ids))
+
+    def losses(self, batch: PreferenceBatch, row_ids: list[int] | None = None):
+        logp = self.policy.completion_log_prob(batch.chosen)
+        tokens = batch.chosen["completion_mask"].to(logp.device, logp.dtype).sum(-1)
+        nll = -logp.sum(-1)
+        # the loop averages per-row losses over the step's rows: row NLL / (tokens per row of the step) makes that
+        # mean the step's token mean; outside a step (evaluation) the batch's own token mean
+        per_row = self._step_tokens if (row_ids is not None and self._step_tokens) else float(tokens.mean())
+        losses = nll / max(per_row, 1.0)
+        metrics = {"completion_tokens": tokens.sum().detach(), "nll_per_token": (nll.sum() / tokens.sum().clamp(min=1)).detach()}
+        return losses, metrics
+
+
 class PreferenceTrainer(TrainerLoop):
     """Trains ``objective`` on preference ``rows``. ``eval_rows`` (optional held-out pairs) are evaluated
     by ``evaluate()`` every ``eval_steps`` and at the end; their numbers go to the trackers and the history
@@ -233,6 +293,7 @@ class PreferenceTrainer(TrainerLoop):
         cfg, acc = self.cfg, self.acc
         t0 = time.perf_counter()
         ids = self._next_rows()
+        self.obj.begin_step(ids)
         per = len(ids) // acc.num_processes
         mine = ids[acc.process_index * per:(acc.process_index + 1) * per]
         micro = [mine[i:i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
