@@ -198,3 +198,79 @@ def test_every_remaining_departure_has_its_row_in_the_docs():
     table = doc[doc.index("## Where unialign's defaults deliberately differ from TRL's"):]
     for _, field in TRL_DEPARTURES:
         assert f"`{field}`" in table, field
+
+
+TRL_GRPO_METRICS = {"loss", "grad_norm", "learning_rate", "reward", "reward_std", "rewards/math_accuracy/mean",
+                    "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
+                    "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy", "frac_reward_zero_std"}
+
+
+def test_grpo_side_by_side_with_trl_same_steps_schedule_and_metric_names(tmp_path):
+    """TRL's GRPOTrainer and unialign's on the same tiny model, rows and reward: the same steps, the same learning
+    rate at every step, TRL's metric names in both logs."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unialign import GRPOConfig, GRPOTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import arithmetic_dataset
+    from unialign.rewards import get_reward
+
+    accuracy = get_reward("math_accuracy")
+
+    def math_accuracy(prompts, completions, answer, **kwargs):
+        return accuracy(prompts, completions, answer=answer)
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}],
+                               "answer": r["answer"].split("#### ")[-1]} for r in arithmetic_dataset("train", n=16)])
+    common = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=24, max_steps=3,
+                  learning_rate=1e-4, report_to="none")
+    theirs = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(ARITH_LM_DIR)),
+                             processing_class=AutoTokenizer.from_pretrained(str(ARITH_LM_DIR)),
+                             reward_funcs=[math_accuracy], train_dataset=rows,
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), logging_steps=1, bf16=False,
+                                                 use_cpu=True, save_strategy="no", **common))
+    theirs.train()
+    ours = GRPOTrainer(model=str(ARITH_LM_DIR), reward_funcs=[math_accuracy], train_dataset=rows,
+                       args=GRPOConfig(output_dir=str(tmp_path / "ours"), **common))
+    ours.train()
+    t_rows = [h for h in theirs.state.log_history if "loss" in h]
+    o_rows = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
+    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
+    assert TRL_GRPO_METRICS <= set(t_rows[0]) and TRL_GRPO_METRICS <= set(o_rows[0])
+    assert all(0.0 <= h["reward"] <= 1.0 for h in o_rows)
+
+
+TRL_REWARD_METRICS = {"loss", "grad_norm", "learning_rate", "accuracy", "margin", "min_reward", "mean_reward",
+                      "max_reward"}
+
+
+def test_reward_trainer_side_by_side_with_trl_same_steps_schedule_and_metric_names(tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from unialign import RewardConfig, RewardTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import preference_pairs
+
+    pairs = Dataset.from_list(preference_pairs("train", n=16))
+    common = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, report_to="none")
+    tokenizer = AutoTokenizer.from_pretrained(str(ARITH_LM_DIR))
+    model = AutoModelForSequenceClassification.from_pretrained(str(ARITH_LM_DIR), num_labels=1)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    theirs = trl.RewardTrainer(model=model, processing_class=tokenizer, train_dataset=pairs,
+                               args=trl.RewardConfig(output_dir=str(tmp_path / "trl"), logging_steps=1, bf16=False,
+                                                     use_cpu=True, save_strategy="no", **common))
+    theirs.train()
+    ours = RewardTrainer(model=str(ARITH_LM_DIR), train_dataset=pairs,
+                         args=RewardConfig(output_dir=str(tmp_path / "ours"), **common))
+    ours.train()
+    t_rows = [h for h in theirs.state.log_history if "loss" in h]
+    o_rows = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
+    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
+    assert TRL_REWARD_METRICS <= set(t_rows[0]) and TRL_REWARD_METRICS <= set(o_rows[0])

@@ -121,6 +121,13 @@ class RatioCheckError(RuntimeError):
     pass
 
 
+# TRL's GRPOTrainer names of the step metrics, logged beside unialign's (each reward function's mean is also
+# TRL's rewards/<name>/mean)
+TRL_ONLINE_NAMES = {"reward/mean": "reward", "reward/std": "reward_std", "completion_length": "completions/mean_length",
+                    "truncated_frac": "completions/clipped_ratio", "clip_frac": "clip_ratio/region_mean",
+                    "clip_frac_low": "clip_ratio/low_mean", "clip_frac_high": "clip_ratio/high_mean"}
+
+
 class OnlineTrainer(TrainerLoop):
     """Trains ``policy`` on prompts rows (dicts with a ``prompt`` key; other keys are passed to the
     reward as dataset columns) to maximise ``reward_fn`` under the preset of ``config.algorithm``."""
@@ -251,7 +258,9 @@ class OnlineTrainer(TrainerLoop):
             lengths = traj.mask_B_T.sum(-1)
             rewards = rewards + algos.overlong_penalty(lengths, cfg.max_completion_length, cache_len)
         traj.rewards_B = rewards
-        stats = {f"reward/{k}": float(torch.nanmean(v.double())) for k, v in per_fn.items()}
+        means = {k: float(torch.nanmean(v.double())) for k, v in per_fn.items()}
+        stats = {f"reward/{k}": v for k, v in means.items()}
+        stats.update({f"rewards/{k}/mean": v for k, v in means.items()})  # TRL's name of each function's mean
         stats.update({f"reward/{k}": v for k, v in out.function_metrics.items()})
         return stats
 
@@ -510,6 +519,7 @@ class OnlineTrainer(TrainerLoop):
         stats.update(tokens_per_second=float(counts[0]) / seconds, samples_per_second=float(counts[1]) / seconds)
         if self.spec.kl_in_reward and "kl_seq" in stats:
             self.kl_ctl.update(stats["kl_seq"], cfg.prompts_per_step * cfg.num_generations)
+        stats.update({trl: stats[ours] for ours, trl in TRL_ONLINE_NAMES.items() if ours in stats})
         return stats
 
     def _random_sources(self) -> dict[str, Any]:
