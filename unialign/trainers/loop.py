@@ -51,8 +51,10 @@ from unialign.trainers.outputs import (
 from unialign.trainers.resume import load_checkpoint, plan_resume, resume_settings
 from unialign.trainers.schedule import make_optimizer
 
-# below this many parameters a CPU run sets one torch thread when num_threads is unset: small kernels lose more to
-# threading than they gain (the shipped 0.4 M-parameter model: 6 GRPO steps in 51 s on 2 threads vs 8.6 s on 1)
+# below this many parameters a CPU run sets one torch thread when num_threads is unset: small kernels gain nothing
+# from threads and lose much when the cores are shared (the shipped 0.5 M-parameter model, 6 GRPO steps through the
+# Python API: 9-10 s either way on a quiet 2-core machine; 6.1 s on 1 thread vs 8.1 s on 2 beside a test run; 8.6 s
+# vs 51 s reported on a busier shared machine)
 SMALL_MODEL_PARAMS = 20_000_000
 COMPLETIONS_FILE = "completions.jsonl"  # the held-out sample table of every evaluation, one JSON object per row
 COMPLETIONS_TAG = "eval/completions"  # its tracker name (TensorBoard: a text summary holding a markdown table)
