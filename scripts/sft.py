@@ -1,5 +1,5 @@
 """Supervised fine-tuning (TRL's SFTTrainer): the completion's negative log-likelihood given the prompt, as the
-token mean of each optimizer step, on a causal LM, a vision-language model or a masked-diffusion LM.
+token mean of each optimizer step, on a causal LM or a masked-diffusion LM.
 
     accelerate launch scripts/sft.py                                          # offline: embedded arithmetic model
     accelerate launch scripts/sft.py --model_name_or_path embedded-mdlm       # its masked-diffusion twin (LLaDA's SFT)
@@ -55,7 +55,7 @@ class SFTScriptConfig(EmbeddedTaskArgs, RunArgs, DiffusionLMArgs, TextModelArgs,
 
 def main(cfg: SFTScriptConfig) -> dict:
     register()  # the demo worlds by name: data set and model 'embedded', 'embedded-mdlm'
-    check_model_kind(cfg.model_name_or_path, ("text", "vision"))  # a model of another kind: one line, now
+    check_model_kind(cfg.model_name_or_path, ("text",))  # a model of another kind: one line, now
     start = time.time()
     check_masked_diffusion_source(cfg)  # a Hub masked-diffusion LM: remote code allowed, reachable
     train, held_out, data_info = load_sft_data(cfg)  # rows checked before the model loads

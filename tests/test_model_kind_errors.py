@@ -89,3 +89,9 @@ def test_a_refused_run_leaves_no_empty_output_directory(tmp_path, capsys):
     _exit_line("grpo_math", ["--model_name_or_path", "embeded", "--output_dir", str(tmp_path / "kept")], tmp_path,
                capsys)
     assert (tmp_path / "kept").is_dir()  # a folder the user had stays
+
+
+def test_a_local_folder_that_does_not_load_is_named_as_one(tmp_path, capsys, folders):
+    """A folder of the right kind whose weights are missing: one line about the folder, not about the network."""
+    line = _exit_line("grpo_math", ["--model_name_or_path", folders["text"]], tmp_path, capsys)
+    assert f"could not load the local folder {folders['text']!r}" in line and "offline" not in line, line

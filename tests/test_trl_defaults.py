@@ -274,3 +274,106 @@ def test_reward_trainer_side_by_side_with_trl_same_steps_schedule_and_metric_nam
     assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
     assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
     assert TRL_REWARD_METRICS <= set(t_rows[0]) and TRL_REWARD_METRICS <= set(o_rows[0])
+
+
+def test_callbacks_see_the_same_step_events_as_under_trl(tmp_path):
+    """One TrainerCallback class on TRL's DPOTrainer and on unialign's: the same step events in the same order
+    (on_step_end then on_log, at steps 1, 2, 3), between on_train_begin and on_train_end."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unialign import DPOConfig, DPOTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import preference_pairs
+
+    pairs = Dataset.from_list(preference_pairs("train", n=12))
+    common = dict(per_device_train_batch_size=4, max_steps=3, report_to="none")
+    theirs, ours = _Recorder(), _Recorder()
+    trl.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(ARITH_LM_DIR)), train_dataset=pairs,
+                   processing_class=AutoTokenizer.from_pretrained(str(ARITH_LM_DIR)), callbacks=[theirs],
+                   args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), logging_steps=1, bf16=False, use_cpu=True,
+                                      save_strategy="no", **common)).train()
+    DPOTrainer(model=str(ARITH_LM_DIR), train_dataset=pairs, callbacks=[ours],
+               args=DPOConfig(output_dir=str(tmp_path / "ours"), **common)).train()
+
+    def steps(events):
+        return [e[:2] for e in events if e[0] in ("on_step_end", "on_log") and e[1] >= 1][:6]
+
+    assert steps(ours.events) == steps(theirs.events) == [(name, k) for k in (1, 2, 3)
+                                                          for name in ("on_step_end", "on_log")]
+    for recorder in (theirs, ours):
+        assert recorder.events[0][0] == "on_train_begin" and recorder.events[-1][0] == "on_train_end"
+
+
+def test_sft_and_rloo_side_by_side_with_trl_same_steps_schedule_and_names(tmp_path):
+    """TRL's SFTTrainer / RLOOTrainer and unialign's on the same model and rows, TRL's defaults: the same steps, the
+    same learning rate at every step, TRL's names of the loss, the gradient norm and (RLOO) the reward."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unialign import RLOOConfig, RLOOTrainer, SFTConfig, SFTTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import arithmetic_dataset
+    from unialign.rewards import get_reward
+
+    def hf(cls, config, **kw):
+        return cls(model=AutoModelForCausalLM.from_pretrained(str(ARITH_LM_DIR)),
+                   processing_class=AutoTokenizer.from_pretrained(str(ARITH_LM_DIR)), args=config, **kw)
+
+    trl_args = dict(logging_steps=1, bf16=False, use_cpu=True, save_strategy="no", report_to="none")
+    common = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-4)
+    sft_rows = Dataset.from_list([{"prompt": r["question"] + " ", "completion": r["answer"]}
+                                  for r in arithmetic_dataset("train", n=16)])
+    accuracy = get_reward("math_accuracy")
+
+    def math_accuracy(prompts, completions, answer, **kwargs):
+        return accuracy(prompts, completions, answer=answer)
+
+    rl_rows = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}],
+                                  "answer": r["answer"].split("#### ")[-1]} for r in arithmetic_dataset("train", n=16)])
+    pairs = [
+        (hf(trl.SFTTrainer, trl.SFTConfig(output_dir=str(tmp_path / "t1"), **common, **trl_args),
+            train_dataset=sft_rows),
+         SFTTrainer(model=str(ARITH_LM_DIR), train_dataset=sft_rows,
+                    args=SFTConfig(output_dir=str(tmp_path / "o1"), report_to="none", **common)),
+         {"loss", "grad_norm", "learning_rate"}),
+        (hf(trl.RLOOTrainer, trl.RLOOConfig(output_dir=str(tmp_path / "t2"), max_completion_length=16, **common,
+                                            **trl_args), reward_funcs=[math_accuracy], train_dataset=rl_rows),
+         RLOOTrainer(model=str(ARITH_LM_DIR), reward_funcs=[math_accuracy], train_dataset=rl_rows,
+                     args=RLOOConfig(output_dir=str(tmp_path / "o2"), max_completion_length=16, report_to="none",
+                                     **common)),
+         {"loss", "grad_norm", "learning_rate", "reward", "reward_std", "rewards/math_accuracy/mean"}),
+    ]
+    for theirs, ours, names in pairs:
+        theirs.train()
+        ours.train()
+        t_rows = [h for h in theirs.state.log_history if "loss" in h]
+        o_rows = [h for h in ours.state.log_history if "loss" in h]
+        assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
+        assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
+        assert names <= set(t_rows[0]) and names <= set(o_rows[0]), (names - set(t_rows[0]), names - set(o_rows[0]))
+
+
+def test_a_small_model_on_cpu_runs_on_one_thread_unless_told(tmp_path, capsys):
+    """The Python API's num_threads unset: one torch thread for a model under 20 M parameters on CPU (what the
+    scripts set), said once; --num_threads 0 leaves torch's choice."""
+    import torch
+
+    from unialign import DPOConfig, DPOTrainer
+    from unialign.embedded import ARITH_LM_DIR
+    from unialign.embedded.arith import preference_pairs
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        DPOTrainer(model=str(ARITH_LM_DIR), train_dataset=preference_pairs("train", n=8),
+                   args=DPOConfig(output_dir=str(tmp_path / "a"), max_steps=1, report_to="none"))
+        assert torch.get_num_threads() == 1 and "num_threads=1: a 0.5 M-parameter model" in capsys.readouterr().out
+        torch.set_num_threads(2)
+        DPOTrainer(model=str(ARITH_LM_DIR), train_dataset=preference_pairs("train", n=8),
+                   args=DPOConfig(output_dir=str(tmp_path / "b"), max_steps=1, report_to="none", num_threads=0))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -222,6 +222,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
     script's own ``check``. ``presets`` default to the class's own ``PRESETS`` (a ``ClassVar``). Unknown flags exit 2 (argparse); unknown YAML keys, values of the wrong type
     or outside their rules raise ``UserError`` naming the field."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _CREATED.clear()  # a user error from here on removes only the output folders this run's checks make
     presets = getattr(cls, "PRESETS", None) if presets is None else presets
     parsed, unknown = build_parser(cls).parse_known_args(argv)
     given = {(k[len(ALIAS_DEST):] if k.startswith(ALIAS_DEST) else k): v for k, v in vars(parsed).items()}

@@ -13,9 +13,16 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from unialign.errors import UserError
+
 
 class HubUnavailableError(RuntimeError):
     pass
+
+
+class ModelLoadError(UserError, RuntimeError):
+    """A model or data set that could not be loaded: a ``RuntimeError`` to Python code, one line and exit status 2
+    from a script (``UserError``)."""
 
 
 KIND_WORDS = {"text": "text model", "vision": "vision-language model", "image": "image (diffusers) model"}
@@ -88,18 +95,22 @@ def require_hub(name: str, kind: str = "model", timeout: float = 3.0, use_cache:
             f"cannot stream the {kind} {name!r}: {reason}, and streaming reads the Hub itself. Drop --streaming "
             "(to use a downloaded copy in the local cache) or pass a local file or folder instead.")
     if reason:
-        raise HubUnavailableError(
-            f"cannot load the {kind} {name!r}: {reason}, and it is not in the local cache.\n"
-            f"Pass a local directory or file instead, or run where the Hugging Face Hub is reachable "
-            f"(the scripts' offline defaults need no download: run the script without --preset)."
+        raise HubUnavailableError(  # one line: a script prints it as its whole error
+            f"cannot load the {kind} {name!r}: {reason}, and it is not in the local cache; pass a local directory "
+            f"or file instead, or run where the Hugging Face Hub is reachable (the scripts' offline defaults need "
+            f"no download: run the script without --preset)"
         )
 
 
-def hub_error(name: str, err: Exception) -> RuntimeError:
+def hub_error(name: str, err: Exception) -> ModelLoadError:
     """The one-line error for a ``from_pretrained`` of ``name`` that failed with ``err`` (offline, or no such
     folder)."""
-    return RuntimeError(
-        f"could not load {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
-        "Weights and datasets cannot be downloaded on this machine (offline). Pass a local directory "
-        "(e.g. one written by save_pretrained), or run where the Hugging Face Hub is reachable."
+    first = str(err).splitlines()[0] if str(err) else ""
+    if is_local(name):  # a folder that is there but does not load: its own problem, not the network's
+        return ModelLoadError(f"could not load the local folder {name!r}: {type(err).__name__}: {first} (is it a "
+                            f"complete save_pretrained folder of the kind this script trains?)")
+    return ModelLoadError(  # one line: a script prints it as its whole error
+        f"could not load {name!r}: {type(err).__name__}: {first}; "
+        "weights and datasets cannot be downloaded on this machine (offline): pass a local directory "
+        "(e.g. one written by save_pretrained), or run where the Hugging Face Hub is reachable"
     )
