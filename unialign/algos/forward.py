@@ -23,6 +23,15 @@ velocity models, eps for epsilon-prediction UNets). Pure functions of tensors, f
             loss = (r mean_D (x0^+ - x0)^2 / w+ + (1 - r) mean_D (x0^- - x0)^2 / w-) / beta
         with no gradient through v_old. ``nft_loss_terms`` is the same in clean-image space for any prediction
         affine in the model output (an epsilon model's x0 = (x_t - sigma eps) / alpha mixes the same way).
+    dgpo_loss(err, ref_err, advantages, group_size, beta, old_err, clip_range) -> loss (err's shape)
+        DGPO's group-level DPO on forward-process likelihoods (Luo, Hu & Tang, ICLR 2026, arXiv 2510.08425;
+        Luo-Yihong/DGPO ``scripts/train_sd3_dgpo.py``): with err / ref_err the policy's and the reference's matching
+        errors at the same (t, eps), per group g of ``group_size`` contiguous samples (and per shared timestep k)
+            s_g = beta / G  sum_{i in g} A_i (err_i - ref_i)        (the partition function cancels: sum_g A = 0)
+            loss_i = sg[sigmoid(s_g)] A_i err_i
+        whose gradient is (G / beta) x that of sum_g softplus(s_g); with ``old_err`` and ``clip_range`` eps,
+        rho = exp(old_err - err) and err is held (no gradient) where (A > 0 and rho > 1 + eps) or (A <= 0 and
+        rho < 1 - eps), PPO's clip on the likelihood ratio.
 """
 
 from __future__ import annotations
@@ -98,3 +107,22 @@ def nft_loss(v_B_D: Tensor, v_old_B_D: Tensor, x0_B_D: Tensor, xt_B_D: Tensor, s
     v_old = v_old_B_D.detach().double()
     old_err = xt_B_D.double() - sigma * v_old - x0_B_D.double()
     return nft_loss_terms(old_err, -sigma * (v_B_D.double() - v_old), r_B, beta)
+
+
+def dgpo_loss(err: Tensor, ref_err: Tensor, advantages: Tensor, group_size: int, beta: float,
+              old_err: Tensor | None = None, clip_range: float | None = None) -> Tensor:
+    """DGPO's per-sample surrogate (module docstring). ``err``, ``ref_err`` (and ``old_err``): [B] or [B, K] matching
+    errors mean_D (pred - target)^2, K timesteps shared within each group; ``advantages`` [B], groups of
+    ``group_size`` contiguous samples (B a multiple of it). Returns the loss, ``err``'s shape (sum or mean it)."""
+    B = err.shape[0]
+    if group_size < 1 or B % group_size:
+        raise ValueError(f"dgpo_loss: {B} samples are not whole groups of {group_size}")
+    A = advantages.reshape(B, *([1] * (err.dim() - 1))).to(err.dtype)
+    gap = (A * (err - ref_err)).detach().reshape(B // group_size, group_size, *err.shape[1:])
+    weight = torch.sigmoid(beta / group_size * gap.sum(1)).repeat_interleave(group_size, dim=0)
+    trained = err
+    if old_err is not None and clip_range is not None:
+        rho = torch.exp(old_err.to(err.dtype) - err).detach()
+        held = ((A > 0) & (rho > 1 + clip_range)) | ((A <= 0) & (rho < 1 - clip_range))
+        trained = torch.where(held, err.detach(), err)
+    return weight * A * trained
