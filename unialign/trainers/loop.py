@@ -277,7 +277,7 @@ class TrainerLoop:
                 if self.step < cfg.max_steps and ((cfg.save_steps and self.step % cfg.save_steps == 0)
                                                   or self._agree(int(bool(due)))):
                     self.save_checkpoint()
-                if self._agree(int(self.callbacks.should_stop)):  # a callback asked: end as at max_steps
+                if self.callbacks.items and self._agree(int(self.callbacks.should_stop)):  # a callback asked: end here
                     acc.print(f"stopped by a callback (control.should_training_stop) after step {self.step}")
                     break
             bar.close()
