@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from unialign.algos.preference import DPO_LOSS_TYPES
-from unialign.config import UserError, arg, default, exit_on_user_error, model_defaults_key, parse_config
+from unialign.config import UserError, arg, default, exit_on_user_error, origin, parse_config
 from unialign.embedded import MDLM_NAME, NAME, VLM_NAME, check_model_kind, model_path, register
 from unialign.embedded.args import EmbeddedPairArgs, tuned_for
 from unialign.recipes import presets
@@ -87,7 +87,7 @@ def main(cfg: DPOTextConfig) -> dict:
     register()  # the demo worlds by name: data set 'embedded', the shape verifiers, GenEval's 'shapes' backend
     check_model_kind(cfg.model_name_or_path, ("text", "vision"))  # a model of another kind: one line, now
     start = time.time()
-    shipped = model_defaults_key(DPOTextConfig.MODEL_DEFAULTS, cfg.model_name_or_path) is not None
+    shipped = origin(cfg)["model"] is not None  # parse_config found the model among MODEL_DEFAULTS
     loss, knobs, params = pair_loss(cfg, MEASURED if shipped else ALGORITHM_DEFAULTS)
     if shipped and cfg.rpo_alpha is None and knobs["rpo_alpha"]:
         print(f"rpo_alpha={knobs['rpo_alpha']}: measured on the shipped model {cfg.model_name_or_path!r} "

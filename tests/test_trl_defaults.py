@@ -3,11 +3,24 @@ measured values for those models only, and every remaining difference from TRL p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.test_scripts import load_script
 from unialign.config import origin, parse_config
 from unialign.trl_compat import TRL_DEFAULTS, trl_departures
+
+
+def _same_steps_schedule_and_names(theirs, ours, names: set[str]) -> tuple[list[dict], list[dict]]:
+    """TRL's trainer and unialign's after training: the same logged steps (1, 2, 3), the same learning rate at each,
+    ``names`` in both logs. Returns their logged rows."""
+    t_rows = [h for h in theirs.state.log_history if "loss" in h]
+    o_rows = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
+    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
+    assert names <= set(t_rows[0]) and names <= set(o_rows[0]), (names - set(t_rows[0]), names - set(o_rows[0]))
+    return t_rows, o_rows
 
 
 def _trl_config(name: str):
@@ -116,12 +129,8 @@ def test_dpo_side_by_side_with_trl_same_steps_schedule_and_metric_names(tmp_path
     ours = DPOTrainer(model=str(ARITH_LM_DIR), train_dataset=pairs, args=DPOConfig(output_dir=str(tmp_path / "ours"),
                                                                                      **common))
     ours.train()
-    t_rows = [h for h in theirs.state.log_history if "loss" in h]
-    o_rows = [h for h in ours.state.log_history if "loss" in h]
-    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
-    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
-    assert TRL_DPO_METRICS <= set(t_rows[0]) and TRL_DPO_METRICS <= set(o_rows[0])
-    assert o_rows[0]["loss"] == pytest.approx(t_rows[0]["loss"], abs=1e-6) == pytest.approx(0.6931, abs=1e-4)
+    t_rows, o_rows = _same_steps_schedule_and_names(theirs, ours, TRL_DPO_METRICS)
+    assert o_rows[0]["loss"] == pytest.approx(t_rows[0]["loss"], abs=1e-6) == pytest.approx(math.log(2), abs=1e-6)
     assert o_rows[0]["rewards/accuracies"] == t_rows[0]["rewards/accuracies"] == 0.0  # ties count 0, as TRL
     assert o_rows[0]["implicit_accuracy"] == 0.5  # unialign's own, ties 1/2
 
@@ -235,11 +244,7 @@ def test_grpo_side_by_side_with_trl_same_steps_schedule_and_metric_names(tmp_pat
     ours = GRPOTrainer(model=str(ARITH_LM_DIR), reward_funcs=[math_accuracy], train_dataset=rows,
                        args=GRPOConfig(output_dir=str(tmp_path / "ours"), **common))
     ours.train()
-    t_rows = [h for h in theirs.state.log_history if "loss" in h]
-    o_rows = [h for h in ours.state.log_history if "loss" in h]
-    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
-    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
-    assert TRL_GRPO_METRICS <= set(t_rows[0]) and TRL_GRPO_METRICS <= set(o_rows[0])
+    t_rows, o_rows = _same_steps_schedule_and_names(theirs, ours, TRL_GRPO_METRICS)
     assert all(0.0 <= h["reward"] <= 1.0 for h in o_rows)
 
 
@@ -269,11 +274,7 @@ def test_reward_trainer_side_by_side_with_trl_same_steps_schedule_and_metric_nam
     ours = RewardTrainer(model=str(ARITH_LM_DIR), train_dataset=pairs,
                          args=RewardConfig(output_dir=str(tmp_path / "ours"), **common))
     ours.train()
-    t_rows = [h for h in theirs.state.log_history if "loss" in h]
-    o_rows = [h for h in ours.state.log_history if "loss" in h]
-    assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
-    assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
-    assert TRL_REWARD_METRICS <= set(t_rows[0]) and TRL_REWARD_METRICS <= set(o_rows[0])
+    _same_steps_schedule_and_names(theirs, ours, TRL_REWARD_METRICS)
 
 
 def test_callbacks_see_the_same_step_events_as_under_trl(tmp_path):
@@ -349,11 +350,7 @@ def test_sft_and_rloo_side_by_side_with_trl_same_steps_schedule_and_names(tmp_pa
     for theirs, ours, names in pairs:
         theirs.train()
         ours.train()
-        t_rows = [h for h in theirs.state.log_history if "loss" in h]
-        o_rows = [h for h in ours.state.log_history if "loss" in h]
-        assert [h["step"] for h in o_rows] == [h["step"] for h in t_rows] == [1, 2, 3]
-        assert [h["learning_rate"] for h in o_rows] == pytest.approx([h["learning_rate"] for h in t_rows])
-        assert names <= set(t_rows[0]) and names <= set(o_rows[0]), (names - set(t_rows[0]), names - set(o_rows[0]))
+        _same_steps_schedule_and_names(theirs, ours, names)
 
 
 def test_a_small_model_on_cpu_runs_on_one_thread_unless_told(tmp_path, capsys):

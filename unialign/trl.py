@@ -68,15 +68,45 @@ class _TrlKeywords:
 
 
 @dataclass
-class _GRPOFields(OnlineConfig):
+class _TrlRun:
+    """The fields every TRL-style config here shares, at TRL's defaults (put first among the bases: they override
+    the loop's own defaults)."""
+
+    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
+                                 group="optimisation", choices=SCHEDULERS)
+    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
+    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
+                             choices=("auto", "always", "never"))
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
+                                       "default is on; here off: the fused head already avoids the largest tensor)",
+                                       group="model")
+    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
+                                  group="model")
+    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
+                                         "ceil(epochs x rows / the rows of one step: prompts_per_step, or "
+                                         "batch_size for pairs and SFT rows) unless max_steps is given too",
+                                         group="optimisation", gt=0.0)
+    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
+    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
+
+
+@dataclass
+class _TrlPolicy(_TrlRun):
+    """``_TrlRun`` and the knobs of a trained policy's loading (TRL's ``peft_config`` / ``model_init_kwargs``)."""
+
+    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
+    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
+                                          group="model")
+
+
+@dataclass
+class _GRPOFields(_TrlPolicy, OnlineConfig):
     """``OnlineConfig`` plus the generation settings TRL's ``GRPOConfig`` holds (defaults TRL's)."""
 
     max_completion_length: int | None = arg(512, "generation length in tokens (TRL's name), also the loss "
                                             "normaliser's L and DAPO's limit", min=1)
     beta: float | None = arg(0.0, "KL coefficient to the reference model (TRL's 0.0: no reference model; None: the "
                              "algorithm's, e.g. grpo's published 0.04)", group="algorithm", min=0.0)
-    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
-                                 group="optimisation", choices=SCHEDULERS)
     max_prompt_length: int | None = arg(512, "longest prompt in tokens; longer rows are refused (overlong_rows)",
                                         group="data", min=1)
     overlong_rows: str = arg("error", "rows over max_prompt_length: 'error' or 'drop'",
@@ -89,28 +119,12 @@ class _GRPOFields(OnlineConfig):
     repetition_penalty: float = arg(1.0, "penalty on tokens already in the prompt or completion (1: off)",
                                     group="algorithm", gt=0.0)
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's GRPO default)", min=0.0)
-    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
-    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
-                             choices=("auto", "always", "never"))
-    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
-                                       "default is on; here off: the fused head already avoids the largest tensor)",
-                                       group="model")
-    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
-                                          group="model")
-    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
-                                  group="model")
     system_prompt: str | None = arg(None, "system message before every templated prompt", group="model")
     generation_backend: str = arg("hf", "rollout engine: hf or vllm (colocated)",
                                   group="model", choices=("hf", "vllm"))
     vllm_gpu_memory_utilization: float = arg(0.3, "vllm: share of the GPU memory the engine takes",
                                              group="model", gt=0.0, max=1.0)
     eval_batch_size: int = arg(64, "prompts per held-out greedy evaluation batch", group="logging", min=1)
-    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
-                                         "ceil(epochs x rows / prompts_per_step) unless max_steps is given too",
-                                         group="optimisation", gt=0.0)
-    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
-    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
 class GRPOConfig(_TrlKeywords, _GRPOFields):
@@ -122,7 +136,7 @@ class GRPOConfig(_TrlKeywords, _GRPOFields):
 
 
 @dataclass
-class _DPOFields(PreferenceConfig):
+class _DPOFields(_TrlPolicy, PreferenceConfig):
     """``PreferenceConfig`` plus what TRL's ``DPOConfig`` holds (defaults TRL's)."""
 
     beta: float = arg(0.1, "DPO temperature: strength of the implicit KL to the reference",
@@ -142,24 +156,6 @@ class _DPOFields(PreferenceConfig):
     precompute_ref_log_probs: bool = arg(False, "score every pair with the reference once, up front",
                                          group="algorithm")
     learning_rate: float = arg(1e-6, "peak learning rate (TRL's DPO default)", min=0.0)
-    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
-                                 group="optimisation", choices=SCHEDULERS)
-    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
-    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
-                             choices=("auto", "always", "never"))
-    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
-                                       "default is on; here off: the fused head already avoids the largest tensor)",
-                                       group="model")
-    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
-                                          group="model")
-    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
-                                  group="model")
-    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
-                                         "ceil(epochs x rows / batch_size) unless max_steps is given too",
-                                         group="optimisation", gt=0.0)
-    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
-    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
 class DPOConfig(_TrlKeywords, _DPOFields):
@@ -169,28 +165,10 @@ class DPOConfig(_TrlKeywords, _DPOFields):
 
 
 @dataclass
-class _SFTFields(PreferenceConfig):
+class _SFTFields(_TrlPolicy, PreferenceConfig):
     """``PreferenceConfig``'s loop plus what TRL's ``SFTConfig`` holds (defaults TRL's)."""
 
     learning_rate: float = arg(2e-5, "peak learning rate (TRL's SFT default)", min=0.0)
-    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
-                                 group="optimisation", choices=SCHEDULERS)
-    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
-    lora_rank: int = arg(0, "> 0: train a LoRA of this rank (TRL: peft_config / use_peft)", group="model", min=0)
-    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
-                             choices=("auto", "always", "never"))
-    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass (TRL's "
-                                       "default is on; here off: the fused head already avoids the largest tensor)",
-                                       group="model")
-    attn_implementation: str | None = arg(None, "transformers' attention kernel (unset: the model's default)",
-                                          group="model")
-    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
-                                  group="model")
-    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
-                                         "ceil(epochs x rows / batch_size) unless max_steps is given too",
-                                         group="optimisation", gt=0.0)
-    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
-    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
 class SFTConfig(_TrlKeywords, _SFTFields):
@@ -221,28 +199,14 @@ class PPOConfig(GRPOConfig):
 
 
 @dataclass
-class _RewardFields(PreferenceConfig):
+class _RewardFields(_TrlRun, PreferenceConfig):
     """``PreferenceConfig``'s loop plus what TRL's ``RewardConfig`` holds (defaults TRL's)."""
 
     learning_rate: float = arg(1e-4, "peak learning rate (TRL's reward-model default)", min=0.0)
-    lr_scheduler_type: str = arg("linear", "learning-rate schedule after warmup (TRL's linear decay)",
-                                 group="optimisation", choices=SCHEDULERS)
     center_coef: float = arg(0.0, "weight of the reward-centring term (TRL: center_rewards_coefficient)",
                              group="algorithm", min=0.0)
     max_length: int | None = arg(1024, "truncate prompt + completion to this many tokens (TRL's)", group="data",
                                  min=1)
-    torch_dtype: str = arg("float32", "dtype the weights are loaded in", group="model", choices=DTYPES)
-    chat_template: str = arg("auto", "auto (a string prompt raw, a conversation templated), always, never",
-                             choices=("auto", "always", "never"))
-    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward pass",
-                                       group="model")
-    trust_remote_code: bool = arg(False, "run modelling code from the model's repository (off unless asked)",
-                                  group="model")
-    num_train_epochs: float | None = arg(None, "epochs over train_dataset (TRL's name): the trainer sets max_steps to "
-                                         "ceil(epochs x rows / batch_size) unless max_steps is given too",
-                                         group="optimisation", gt=0.0)
-    seed: int = arg(42, "seed of sampling, data order and initialisation (TRL's)", group="optimisation")
-    output_dir: str = arg("trainer_output", "folder for checkpoints, logs, curves, summary.json and final/")
 
 
 class RewardConfig(_TrlKeywords, _RewardFields):
@@ -365,7 +329,15 @@ TRAIN_SAMPLE = 64  # training rows evaluated before / after when no eval_dataset
 class _Wrapper:
     """``train()`` / ``evaluate()`` / ``save_model()`` / ``state`` over one of unialign's trainers."""
 
-    def __init__(self, args: Any):
+    def __init__(self, args: Any, default: type, loop_config: type, optimizers: Any = (None, None)):
+        """``args`` (``default()`` when None) checked to be a ``loop_config`` and valid, as a Python caller reads it
+        (``python_words``); ``optimizers`` refused (they come from ``args``)."""
+        args = default() if args is None else args
+        if not isinstance(args, loop_config):
+            raise UserError(f"args: expected a {default.__name__}, got {type(args).__name__}")
+        _unsupported(optimizers)
+        with python_words():
+            validate(args)
         self.args = args
         self.state = TrainerState()
         self._start = time.time()
@@ -451,16 +423,11 @@ class GRPOTrainer(_Wrapper):
         from unialign.text.sampling import SamplingKnobs
         from unialign.trainers.online import OnlineTrainer
 
-        args = GRPOConfig() if args is None else args
-        if not isinstance(args, OnlineConfig):
-            raise UserError(f"args: expected a GRPOConfig, got {type(args).__name__}")
-        _unsupported(optimizers)
         if reward_processing_classes is not None:
             raise UserError("reward_processing_classes: a reward model is a reward function here "
                             "(get_reward('reward_model', path=...)), with its own tokenizer")
-        super().__init__(args)
-        with python_words():
-            validate(args)
+        super().__init__(args, GRPOConfig, OnlineConfig, optimizers)
+        args = self.args
         train = prompt_rows(_rows(train_dataset, "train_dataset") or [], "train_dataset")
         held = prompt_rows(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset is not None else []
         train, held = _with_images(train, held)
@@ -513,21 +480,16 @@ class DPOTrainer(_Wrapper):
         from unialign.text.preference import normalize_pairs
         from unialign.trainers.preference import DPOObjective, PreferenceTrainer
 
-        args = DPOConfig() if args is None else args
-        if not isinstance(args, PreferenceConfig):
-            raise UserError(f"args: expected a DPOConfig, got {type(args).__name__}")
         if ref_model is not None:
             raise UserError("ref_model: the reference is the initial model (a frozen copy, or the LoRA base); "
                             "pass None")
+        super().__init__(args, DPOConfig, PreferenceConfig, optimizers)
+        args = self.args
         if args.loss_type not in DPO_LOSS_TYPES:
             from unialign.errors import did_you_mean
 
             raise UserError(f"loss_type: {args.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}"
                             f"{did_you_mean(args.loss_type, DPO_LOSS_TYPES)}")
-        _unsupported(optimizers)
-        super().__init__(args)
-        with python_words():
-            validate(args)
         try:
             train = normalize_pairs(_rows(train_dataset, "train_dataset") or [], "train_dataset")
             held = normalize_pairs(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset else []
@@ -567,15 +529,10 @@ class SFTTrainer(_Wrapper):
         from unialign.text.sft import sft_rows
         from unialign.trainers.preference import PreferenceTrainer, SFTObjective
 
-        args = SFTConfig() if args is None else args
-        if not isinstance(args, PreferenceConfig):
-            raise UserError(f"args: expected an SFTConfig, got {type(args).__name__}")
         if data_collator is not None:
             raise UserError("data_collator: rows are tokenised by the policy (prompt, then completion + EOS)")
-        _unsupported(optimizers)
-        super().__init__(args)
-        with python_words():
-            validate(args)
+        super().__init__(args, SFTConfig, PreferenceConfig, optimizers)
+        args = self.args
         train = sft_rows(_rows(train_dataset, "train_dataset") or [], "train_dataset")
         held = sft_rows(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset is not None else []
         self.policy = _sft_policy(model, processing_class, args, peft_config)
@@ -631,16 +588,11 @@ class RewardTrainer(_Wrapper):
         from unialign.text.reward_model import RewardModel
         from unialign.trainers.preference import BradleyTerryObjective, PreferenceTrainer
 
-        args = RewardConfig() if args is None else args
-        if not isinstance(args, PreferenceConfig):
-            raise UserError(f"args: expected a RewardConfig, got {type(args).__name__}")
         if data_collator is not None or peft_config is not None:
             raise UserError("data_collator / peft_config: the reward model is trained whole, its pairs tokenised "
                             "by it")
-        _unsupported(optimizers)
-        super().__init__(args)
-        with python_words():
-            validate(args)
+        super().__init__(args, RewardConfig, PreferenceConfig, optimizers)
+        args = self.args
         try:
             train = normalize_pairs(_rows(train_dataset, "train_dataset") or [], "train_dataset")
             held = normalize_pairs(_rows(eval_dataset, "eval_dataset"), "eval_dataset") if eval_dataset else []
