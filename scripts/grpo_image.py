@@ -49,8 +49,8 @@ class GRPOImageConfig(ImageRLDefaults):
                           "metadata)")
     reward_funcs: str = arg("shape_verifier_partial", "comma-separated registry names (shape_verifier[_partial], "
                             "geneval, ocr, aesthetic, clip_score, pickscore, jpeg_compressibility, ...)")
-    algorithm: str = arg("grpo", "grpo | flow_grpo | pref_grpo | awm | nft | dapo | dr_grpo | gspo | gspo_token | rloo "
-                         "| reinforce")
+    algorithm: str = arg("grpo", "grpo | flow_grpo | grpo_guard | flow_dppo | pref_grpo | awm | nft | dgpo | dapo | "
+                         "dr_grpo | gspo | gspo_token | rloo | reinforce")
     sde_window_size: int = arg(3, "flow matching: only a window of this many consecutive steps per sampling call is "
                                "stochastic and trained, the rest deterministic Euler steps (Flow-GRPO-Fast / MixGRPO); "
                                "0: every step")

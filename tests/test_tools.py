@@ -121,12 +121,13 @@ def test_the_clip_stage_rebuilds_bit_identically():
 def test_arith_check_rebuilds_with_the_shipped_record_and_compares_every_file_it_writes(tmp_path, capsys):
     """Wiring only (3 steps, not the shipped 280): the files that do not depend on training are identical, the
     weights and the record are not; the full check is ``python -m tools.build_arith_lm check``."""
+    from tools.asset_check import PASSING
     from tools.build_arith_lm import BUILT_FILES, check, main
 
     result = check(ARITH, keep=tmp_path / "lm", steps=3, eval_rows=0, verbose=False)
     verdicts = {p: v for p, v, _ in result.rows}
     assert set(verdicts) == set(BUILT_FILES) and not result.ok
-    assert {p for p, v in verdicts.items() if v != "identical"} == {"model.safetensors", "build_metrics.json"}
+    assert {p for p, v in verdicts.items() if v not in PASSING} == {"model.safetensors", "build_metrics.json"}
     record = json.loads((tmp_path / "lm" / "build_metrics.json").read_text())
     shipped = json.loads((ARITH / "build_metrics.json").read_text())
     arguments = ("seed", "batch_size", "lr", "warmup", "num_threads", "carry_drop")  # taken from the shipped record
@@ -164,3 +165,15 @@ def test_the_builders_run_as_modules_from_the_repository_root():
         res = subprocess.run([sys.executable, "-m", module, "check", "--help"], capture_output=True, text=True,
                              cwd=ROOT)
         assert res.returncode == 0 and "--keep" in res.stdout, res.stderr
+
+
+def test_a_config_differing_only_in_the_library_version_stamp_passes(tmp_path):
+    from tools.asset_check import EQUAL_WITHOUT_VERSIONS, compare
+
+    for name, version, width in (("built", "5.25.0", 8), ("shipped", "5.24.0", 8)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"transformers_version": version, "width": width}))
+        (tmp_path / name / "other.json").write_text(json.dumps({"transformers_version": version,
+                                                                "width": width + (name == "built")}))
+    rows = {p: v for p, v, _ in compare(tmp_path / "built", tmp_path / "shipped").rows}
+    assert rows == {"config.json": EQUAL_WITHOUT_VERSIONS, "other.json": "DIFFERENT"}

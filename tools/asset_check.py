@@ -25,7 +25,11 @@ import torch
 
 IDENTICAL = "identical"
 EQUAL_WITHOUT_TIMINGS = "equal without timings"
-PASSING = (IDENTICAL, EQUAL_WITHOUT_TIMINGS)
+EQUAL_WITHOUT_VERSIONS = "equal but for the library version"
+PASSING = (IDENTICAL, EQUAL_WITHOUT_TIMINGS, EQUAL_WITHOUT_VERSIONS)
+# the stamp save_pretrained writes into a config: the installed library's version, not a property of the asset (a
+# rebuild under transformers 5.25 writes the same model as one under 5.24)
+VERSION_KEYS = ("transformers_version", "_diffusers_version")
 
 
 def sha256(path: str | Path) -> str:
@@ -58,7 +62,9 @@ class Comparison:
         lines += [f"{p:<{width}}  {v}{'  (' + d + ')' if d else ''}" for p, v, d in self.rows]
         n = sum(v == IDENTICAL for _, v, _ in self.rows)
         m = sum(v == EQUAL_WITHOUT_TIMINGS for _, v, _ in self.rows)
-        lines.append(f"{n} of {len(self.rows)} files bit-identical, {m} records equal without their timings: "
+        k = sum(v == EQUAL_WITHOUT_VERSIONS for _, v, _ in self.rows)
+        lines.append(f"{n} of {len(self.rows)} files bit-identical, {m} records equal without their timings"
+                     + (f", {k} configs equal but for the library version" if k else "") + ": "
                      + ("OK" if self.ok else "DIFFERENT"))
         return "\n".join(lines)
 
@@ -106,9 +112,22 @@ def compare(built: str | Path, shipped: str | Path, prefixes: Iterable[str] = ("
             out.rows.append((path, IDENTICAL, ""))
         elif path in views and views[path](b.read_bytes()) == views[path](s.read_bytes()):
             out.rows.append((path, EQUAL_WITHOUT_TIMINGS, ""))
+        elif path.endswith(".json") and _without_versions(b) == _without_versions(s) is not None:
+            out.rows.append((path, EQUAL_WITHOUT_VERSIONS, ""))
         else:
             out.rows.append((path, "DIFFERENT", _tensor_detail(b, s)))
     return out
+
+
+def _without_versions(path: Path) -> Any:
+    """A JSON config without its library version stamps (``VERSION_KEYS``, top level); None if it is not JSON."""
+    import json
+
+    try:
+        record = json.loads(path.read_bytes())
+    except ValueError:
+        return None
+    return {k: v for k, v in record.items() if k not in VERSION_KEYS} if isinstance(record, dict) else record
 
 
 def json_without(*keys: str) -> Callable[[bytes], Any]:

@@ -14,6 +14,8 @@ lists them among its bases; ``isinstance`` then answers the trainer, which check
     LossTerms           ``log_prob_terms``: the extra per-step terms a registered policy loss reads (NFT's)
     StepChunks          ``step_chunks``: a micro-batch's trained steps in chunks, one backward each (memory)
     OptimizerStepHook   ``after_optimizer_step``: work after each optimizer step (an old policy's average)
+    StepStatistics      ``per_step_diagnostics``: whether step t is the same step for every sample (a sampler's
+                        denoising steps), so the importance ratio's statistics per step mean something
 
 ``PolicyBase`` gives a policy ``loss_forward`` built from the capabilities it declares, and the default
 ``log_prob_estimator`` ("sampler": the sampler's own step or token densities).
@@ -88,7 +90,12 @@ class KLWeights(Protocol):
 @runtime_checkable
 class LossTerms(Protocol):
     """``log_prob_terms(trajectory, names, with_kl) -> (logp_B_T, entropy_B_T, kl_B_T or None, {name: term})``:
-    the extra per-step terms a registered policy loss reads, in the log-probs' own model call."""
+    the extra per-step terms a registered policy loss reads, in the log-probs' own model call;
+    ``prepare_terms(names)``, called once by the trainer before it samples: record at sampling what those terms
+    need (a flow policy's step means), ValueError for a term the policy does not offer."""
+
+    def prepare_terms(self, names: tuple[str, ...]) -> None:
+        ...
 
     def log_prob_terms(self, trajectory: Trajectory, names: tuple[str, ...],
                        with_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
@@ -108,6 +115,16 @@ class OptimizerStepHook(Protocol):
     """``after_optimizer_step(step)``: called by the trainer after optimizer step ``step`` (1-based)."""
 
     def after_optimizer_step(self, step: int) -> None: ...
+
+
+@runtime_checkable
+class StepStatistics(Protocol):
+    """``per_step_diagnostics``: True when a trajectory's step t is the same step for every sample (a sampler's
+    denoising steps, not token positions); the trainer then logs the importance ratio's mean, spread and clip
+    fraction per step (``unialign.algos.diagnostics``)."""
+
+    @property
+    def per_step_diagnostics(self) -> bool: ...
 
 
 @runtime_checkable

@@ -86,6 +86,9 @@ class AlgoSpec:
     advantage_scale: float = 1.0
     nft_beta: float = 1.0
     spg_mix_weight: float = 0.5
+    dgpo_beta: float = 100.0
+    kl_mask_threshold: float = 1e-5
+    ema_beta: float = 0.0
 
     def with_overrides(self, **kw) -> AlgoSpec:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -164,6 +167,14 @@ class AlgoOverrides:
     spg_mix_weight: float | None = arg(None, "SPG: the EUBO's share in the bound of negative-advantage samples (1: "
                                        "SPG-EUBO, 0.5: SPG-Mix) (unset: the algorithm's)", group="algorithm",
                                        min=0.0, max=1.0)
+    dgpo_beta: float | None = arg(None, "DGPO: the DPO temperature of its group score s_g = beta / G sum_g A (err - "
+                                  "err_ref) (its GenEval runs: 100) (unset: the algorithm's)", group="algorithm", gt=0.0)
+    kl_mask_threshold: float | None = arg(None, "Flow-DPPO: a step whose exact Gaussian KL to the sampling step reaches "
+                                          "this and whose ratio moves with its advantage is dropped (verl-omni: 1e-5) "
+                                          "(unset: the algorithm's)", group="algorithm", gt=0.0)
+    ema_beta: float | None = arg(None, "forward process: weight of the trust term mean (pred - pred_old)^2 to the old "
+                                 "policy, a moving average of the trained weights (AWM: 1) (unset: the algorithm's)",
+                                 group="algorithm", min=0.0)
 
 
 KNOBS = tuple(f.name for f in fields(AlgoOverrides))  # the names of AlgoSpec's knobs
@@ -225,11 +236,12 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     # forward-process matching log-prob (its weighting, ghuber p 0.25, is the policy's: unialign.recipes.image
     # FORWARD_PROCESS), clip range 1 (inactive at one optimizer step per batch, where the ratio is 1, as in the
     # paper's configs), per-prompt means over the batch's std, advantages clipped to +-5 then divided by 5, the
-    # "uniform velocity KL" mean (v - v_ref)^2 at beta 0.001 (GenEval; OCR 0.003, PickScore 1e-4), mean over pairs.
-    # Left out: its second trust term, 1.0 x mean (v - v_ema)^2 to a moving average of the LoRA.
+    # "uniform velocity KL" mean (v - v_ref)^2 at beta 0.001 (GenEval; OCR 0.003, PickScore 1e-4), mean over pairs,
+    # and its second trust term, ema_beta 1 x mean (v - v_old)^2 to a moving average of the LoRA decayed by
+    # min(0.3, 0.001 step) (config/dgx_awm.py kl_ema_*: "Uniform", linear; the policy's old policy: FORWARD_PROCESS).
     "awm": AlgoSpec("awm", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean", epsilon=1.0,
                     advantage_clip=5.0, advantage_scale=0.2, beta=0.001, kl_estimator="prediction_mse",
-                    log_prob_estimator="forward"),
+                    log_prob_estimator="forward", ema_beta=1.0),
     # DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117, ICLR 2026; NVlabs/DiffusionNFT scripts/train_nft_sd3.py,
     # config/nft.py): the NFT loss with r = clip(A, -5, 5) / 5 / 2 + 1/2 and beta 1 (OCR 0.1), times A_max as the
     # code scales it, no ratio; per-prompt means over the batch's std; the velocity MSE to the reference at 1e-4;
@@ -238,6 +250,28 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     "nft": AlgoSpec("nft", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean", policy_loss="nft",
                     advantage_clip=5.0, beta=1e-4, kl_estimator="prediction_mse", log_prob_estimator="forward",
                     nft_beta=1.0),
+    # DGPO (Luo, Hu & Tang, ICLR 2026, arXiv 2510.08425; Luo-Yihong/DGPO scripts/train_sd3_dgpo.py, config/
+    # dgpo_wocfg.py geneval_sd3_4gpu): group-level DPO on the forward process (``unialign.algos.forward.dgpo_loss``)
+    # with beta_dpo 100 on the plain velocity MSE (weighting "uniform"), CFG-free collection by a deterministic
+    # solver, K = 4 pairs shared by each group from the noisiest half of the steps (FORWARD_PROCESS), PPO's clip at
+    # 1e-3 on exp(err_old - err) against the old policy (a moving average decayed by min(0.3, 0.001 step)), group
+    # advantages (per-prompt std: global_std False) clipped to +-5, the velocity KL mean (v - v_ref)^2 at beta 0.02.
+    # Left out: its reference with CFG 4.5 (kl_cfg; the embedded world samples CFG-free), its sampling from the
+    # old policy after step 500 (switch_ema_ref).
+    "dgpo": AlgoSpec("dgpo", IMAGE, advantage="group", scale_rewards="group", loss_type="token_mean",
+                     policy_loss="dgpo", epsilon=1e-3, advantage_clip=5.0, beta=0.02, kl_estimator="prediction_mse",
+                     log_prob_estimator="forward", dgpo_beta=100.0),
+    # GRPO-Guard (arXiv 2510.22319; verl-project/verl-omni GRPOGuardLoss, examples/grpoguard_trainer): Flow-GRPO's SDE
+    # steps with RatioNorm (the log-ratio's mean shift removed, its scale the step's std) and each step's loss
+    # weighted by 1 / |dt|; clip 2e-6 on the normalised ratio, advantages clipped to +-5, no KL (verl-omni's example);
+    # per-prompt means over the batch's std as Flow-GRPO.
+    "grpo_guard": AlgoSpec("grpo_guard", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean",
+                           policy_loss="grpo_guard", epsilon=2e-6, advantage_clip=5.0),
+    # Flow-DPPO (arXiv 2606.11025; Tencent-Hunyuan/UniRL flowdppo.py, verl-omni FlowDPPOLoss): -A rho on Flow-GRPO's SDE
+    # steps without a clip; a step whose exact Gaussian KL to the sampling step reaches 1e-5 and whose ratio moves
+    # with its advantage is dropped; advantages as Flow-GRPO's, no KL (verl-omni's example).
+    "flow_dppo": AlgoSpec("flow_dppo", IMAGE, advantage="group", scale_rewards="batch", loss_type="token_mean",
+                          policy_loss="flow_dppo", advantage_clip=5.0, kl_mask_threshold=1e-5),
     # ---- masked-diffusion LMs (unialign.dlm; the estimators: unialign.algos.masked_diffusion)
     # diffu-GRPO (d1, Zhao et al. 2025, arXiv 2504.12216; dllm-reasoning/d1): GRPO with the one-step estimate (the
     # completion masked, prompt tokens at p 0.15), mu = 12 inner iterations on one batch, beta 0.04, clip 0.2. d1

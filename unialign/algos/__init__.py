@@ -19,6 +19,7 @@ from unialign.algos.advantages import (
     win_rates,
 )
 from unialign.algos.aggregate import aggregate, local_normalizer, register_aggregation
+from unialign.algos.diagnostics import add_step_sums, step_ratio_stats, step_ratio_sums
 from unialign.algos.flow_trust import dppo_mask, guard_step_weight, ratio_norm
 from unialign.algos.forward import dgpo_loss, matching_logprob, nft_loss, nft_loss_terms, nft_weight
 from unialign.algos.importance_sampling import (
@@ -103,6 +104,9 @@ __all__ = [
     "PairLoss",
     "PerPromptStatTracker",
     "aggregate",
+    "add_step_sums",
+    "step_ratio_stats",
+    "step_ratio_sums",
     "bradley_terry_loss",
     "clipped_policy_loss",
     "clipped_value_loss",

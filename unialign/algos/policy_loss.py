@@ -93,6 +93,7 @@ def clipped_policy_loss(
             "dual_clip_frac": _masked_mean(capped.to(mask.dtype), mask),
             "ratio_mean": _masked_mean(rho.detach(), mask),
             "approx_kl": _masked_mean(torch.expm1(-log_ratio.detach()) + log_ratio.detach(), mask),
+            "clipped_B_T": (low + high) * mask,
         }
     return loss, metrics
 
@@ -102,15 +103,21 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
-def register_policy_loss(name: str, inputs: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(name: str, inputs: tuple[str, ...] = (),
+                         whole_groups: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator over ``fn(logp_B_T, old_logp_B_T, advantages, mask_B_T, spec, **terms) -> (loss_B_T, metrics)``;
     ``spec`` is any object with the ``AlgoSpec`` fields the loss reads. The trainer looks the preset's
     ``policy_loss`` up here (verl's ``register_policy_loss``). ``inputs``: names of extra per-step terms the loss
     reads, which the policy computes beside its log-probs (``log_prob_terms``; e.g. DiffusionNFT's ``"nft"``); a
-    policy without them is refused when the trainer starts. They arrive as keyword arguments (``fn.inputs``)."""
+    policy without them is refused when the trainer starts. They arrive as keyword arguments (``fn.inputs``).
+    ``whole_groups``: the loss couples the samples of a group (DGPO's group score), so the trainer hands it
+    micro-batches of whole groups, contiguous, and ``group_size=G`` (``fn.whole_groups``).
+
+    Metrics whose name ends in ``_B_T`` are per-step tensors (e.g. ``clipped_B_T``: where the clip held the
+    ratio), which the trainer reduces per trajectory step; every other metric is a scalar."""
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         add_new(POLICY_LOSSES, name, fn, "policy loss")
-        fn.inputs = tuple(inputs)
+        fn.inputs, fn.whole_groups = tuple(inputs), whole_groups
         return fn
     return add
 
@@ -145,3 +152,77 @@ def _nft(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec:
         metrics = {"nft_r_mean": _masked_mean(r.view(b, t).to(mask.dtype), mask),
                    "ratio_mean": _masked_mean(torch.exp(logp.detach() - old_logp.detach()), mask)}
     return loss, metrics
+
+
+def _live_gauss(mask: Tensor, step_gauss: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, ...]:
+    """``step_gauss`` (mean, old mean, std, dt) with a masked step's std and dt set to 1 and -1 (the last CPS step
+    has std 0: never trained, never divided by)."""
+    mean, old_mean, std, dt = step_gauss
+    live = mask > 0
+    return (mean, old_mean.detach(), torch.where(live, std.to(mean.dtype), torch.ones_like(std, dtype=mean.dtype)),
+            torch.where(live, dt.to(mean.dtype), -torch.ones_like(dt, dtype=mean.dtype)))
+
+
+@register_policy_loss("grpo_guard", inputs=("step_gauss",))
+def _grpo_guard(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec: Any,
+                step_gauss: tuple[Tensor, Tensor, Tensor, Tensor]):
+    """GRPO-Guard (arXiv 2510.22319; verl-project/verl-omni ``GRPOGuardLoss``): PPO's clip (``spec.epsilon``) on
+    RatioNorm's ratio ``unialign.algos.flow_trust.ratio_norm`` with m = mean_D (mu_theta - mu_old)^2 (differentiable
+    through mu_theta), each step's loss times ``guard_step_weight(dt)`` = 1 / |dt|. ``step_gauss``: (mean, old
+    mean [B, T, ...], std [B, T], dt [B, T]) from the policy (a flow policy's SDE steps)."""
+    from unialign.algos.flow_trust import _mean_D, guard_step_weight, ratio_norm
+
+    mean, old_mean, std, dt = _live_gauss(mask, step_gauss)
+    log_ratio = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
+    log_rho = ratio_norm(log_ratio, _mean_D((mean - old_mean) ** 2).to(logp.dtype), std.to(logp.dtype))
+    loss, metrics = clipped_policy_loss(log_rho, torch.zeros_like(log_rho), advantages, mask, spec.epsilon,
+                                        spec.epsilon_high)
+    metrics["ratio_norm_mean"] = metrics.pop("ratio_mean")
+    metrics["ratio_mean"] = _masked_mean(torch.exp(log_ratio.detach()), mask)
+    return loss * guard_step_weight(dt).to(loss.dtype), metrics
+
+
+@register_policy_loss("flow_dppo", inputs=("step_gauss",))
+def _flow_dppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec: Any,
+               step_gauss: tuple[Tensor, Tensor, Tensor, Tensor]):
+    """Flow-DPPO (arXiv 2606.11025; Tencent-Hunyuan/UniRL ``flowdppo.py``, verl-omni ``FlowDPPOLoss``): -A rho on the
+    steps ``unialign.algos.flow_trust.dppo_mask`` keeps at ``spec.kl_mask_threshold``, unclipped; 0 on the dropped
+    ones (``dropped_B_T``). ``step_gauss`` as for ``grpo_guard``."""
+    from unialign.algos.flow_trust import _mean_D, dppo_mask
+
+    mean, old_mean, std, _ = _live_gauss(mask, step_gauss)
+    mask = mask.to(logp.dtype)
+    adv = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages).to(logp.dtype).expand_as(logp)
+    log_ratio = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
+    keep = dppo_mask(log_ratio.detach(), mean.detach(), old_mean, std, adv, spec.kl_mask_threshold)
+    rho = torch.exp(log_ratio)
+    loss = torch.where(keep, -adv * rho, torch.zeros_like(rho)) * mask
+    with torch.no_grad():
+        dropped = (~keep).to(mask.dtype) * mask
+        kl = _mean_D((mean.detach() - old_mean) ** 2) / (2 * std * std)
+        metrics = {"ratio_mean": _masked_mean(rho.detach(), mask), "dropped_frac": _masked_mean(dropped, mask),
+                   "kl_old_mean": _masked_mean(kl.to(mask.dtype), mask), "dropped_B_T": dropped}
+    return loss, metrics
+
+
+@register_policy_loss("dgpo", inputs=("dgpo",), whole_groups=True)
+def _dgpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec: Any,
+          dgpo: tuple[Tensor, Tensor], group_size: int):
+    """DGPO (Luo, Hu & Tang, ICLR 2026; Luo-Yihong/DGPO ``compute_group_dgpo_loss_allreduce``):
+    ``unialign.algos.forward.dgpo_loss`` with err = -logp (the matching log-prob; DGPO's velocity MSE under the
+    "uniform" weighting), ref_err and old_err from the policy's ``"dgpo"`` term (the reference's and the old
+    policy's log-probs at the same pairs), ``spec.dgpo_beta`` and the clip ``spec.epsilon``. Micro-batches of whole
+    groups of ``group_size`` samples, contiguous, each group's K pairs shared (``[B, K]``); ``advantages`` per
+    sample ([B] or its [B, K] expansion)."""
+    from unialign.algos.forward import dgpo_loss
+
+    ref_logp, ema_logp = (t.detach().to(logp.dtype) for t in dgpo)
+    adv = advantages[:, 0] if advantages.dim() == 2 else advantages
+    mask = mask.to(logp.dtype)
+    loss = dgpo_loss(-logp, -ref_logp, adv.to(logp.dtype), group_size, spec.dgpo_beta, -ema_logp, spec.epsilon)
+    with torch.no_grad():
+        A = adv.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+        rho = torch.exp(logp.detach() - ema_logp)
+        held = (((A > 0) & (rho > 1 + spec.epsilon)) | ((A <= 0) & (rho < 1 - spec.epsilon))).to(mask.dtype) * mask
+        metrics = {"ratio_mean": _masked_mean(rho, mask), "clip_frac": _masked_mean(held, mask), "clipped_B_T": held}
+    return loss * mask, metrics

@@ -240,6 +240,12 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
     def log_prob_and_entropy(self, trajectory: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
         return self._log_prob(self.model, trajectory, True)
 
+    def prepare_terms(self, names: tuple[str, ...]) -> None:
+        """``LossTerms.prepare_terms``: nothing to record at sampling; ValueError for a term it lacks."""
+        unknown = sorted(set(names) - set(TERMS))
+        if unknown:
+            raise ValueError(f"a masked-diffusion policy computes the terms {list(TERMS)}; asked for {unknown}")
+
     def log_prob_terms(self, trajectory: Trajectory, names: tuple[str, ...], with_kl: bool = False):
         """``LossTerms``: the log-probs and, for "eubo", SPG's upper bound from the same forwards (the log-probs
         are then SPG's lower bound, whatever ``estimator`` is)."""

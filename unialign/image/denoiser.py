@@ -52,6 +52,7 @@ from unialign.policy import (
     PolicyBase,
     ReferencePolicy,
     StepChunks,
+    StepStatistics,
 )
 from unialign.types import PreferenceBatch, Trajectory
 
@@ -59,7 +60,7 @@ Tensor = torch.Tensor
 TEXT_PARTS = ("text_encoder", "tokenizer")  # the prefixes of the text parts' component names
 
 
-class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerStepHook):
+class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerStepHook, StepStatistics):
     """What every denoising policy shares (module docstring). ``DiffusionPolicy`` (SD1.x / SDXL UNets, the DDIM
     step) and ``FlowPolicyBase`` (SD3 / FLUX transformers, Flow-GRPO's SDE step) implement the hooks."""
 
@@ -303,20 +304,28 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         """The kernel's log-probs of ``trajectory`` under ``model`` (with entropy; with a reference: the KL)."""
         return self.kernel.log_prob(self, model, trajectory, with_entropy, reference)
 
+    def prepare_terms(self, names: tuple[str, ...]) -> None:
+        """``LossTerms.prepare_terms``: the step kernel's (``offered_terms``); call it again after
+        ``use_forward_process``, which replaces the kernel."""
+        self.kernel.prepare_terms(tuple(names))
+
     def log_prob_terms(self, trajectory: Trajectory, names: tuple[str, ...],
                        with_kl: bool = False) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Any]]:
         """(logp_B_T, entropy_B_T, kl_B_T or None, {name: ...}): the log-probs with the extra per-step terms a
         registered policy loss reads (``unialign.algos.policy_loss``; e.g. ``"nft"``), in one model call; the
         closed-form KL to ``reference()`` when ``with_kl``."""
-        terms = getattr(self.kernel, "terms", None)
-        if terms is None:
-            raise ValueError(f"the {type(self.kernel).__name__} offers no extra loss terms {list(names)}")
-        return terms(self, self.model, trajectory, tuple(names), self.reference() if with_kl else None)
+        return self.kernel.terms(self, self.model, trajectory, tuple(names), self.reference() if with_kl else None)
 
     @property
     def closed_form_kls(self) -> tuple[str, ...]:
         """The closed-form KL estimators the kernel computes (``log_prob_and_kl``)."""
         return self.kernel.closed_form_kls
+
+    @property
+    def per_step_diagnostics(self) -> bool:
+        """``StepStatistics``: a sampler's steps are the same for every sample; the forward
+        process's pairs are not (their times are drawn per sample)."""
+        return self.kernel.estimator == "sampler"
 
     @property
     def log_prob_estimator(self) -> str:

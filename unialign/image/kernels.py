@@ -43,21 +43,41 @@ from unialign.types import Trajectory
 Tensor = torch.Tensor
 
 
+def check_terms(kernel: Any, names: tuple[str, ...]) -> None:
+    """ValueError naming the loss terms ``names`` asks of ``kernel`` that it does not offer (``offered_terms``)."""
+    unknown = sorted(set(names) - set(kernel.offered_terms))
+    if unknown:
+        raise ValueError(f"the {type(kernel).__name__} offers no loss terms {unknown} (it offers "
+                         f"{list(kernel.offered_terms)})")
+
+
 class GaussianStepKernel:
     """The shared part of the Gaussian-step kernels: the sampling loop with per-step log-prob recording and the
     recomputed log-probs (with entropy and the closed-form KL) of the trained steps. A subclass gives the steps:
 
         window(generator)                                [start, end) of the stochastic steps
         plan(policy)                                     every step's coefficients (opaque here)
-        transition(policy, i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B)
+        transition(policy, i, out, t_B, x, generator, plan, stochastic) -> (x', logp_B, mean or None)
         trained_mask(policy, batch, generator, window, plan) -> mask_B_T
         step_logprob(policy, out, t_R, x_R, next_R) -> (logp_R, mean, std) of recorded steps
         step_std(policy, timesteps_B_T)                  the step Gaussian's std [B, N] (entropy)
         step_kl(mean, ref_mean, std)                     the closed-form KL [R]
+
+    Extra loss terms (``terms``; ``offered_terms`` names them, ``prepare_terms`` asks for them before sampling):
+    ``"step_gauss"`` -- (mean [B, N, C, H, W] of the trained steps under the current weights, differentiable; the
+    sampling policy's means, recorded at sampling; the step std [B, N]; the step's dt [B, N]), what GRPO-Guard's
+    RatioNorm and Flow-DPPO's trust region read (``unialign.algos.flow_trust``); a kernel with ``step_dt``.
     """
 
     estimator = "sampler"  # the log-prob is the sampler's own step density
     closed_form_kls: tuple[str, ...] = ("gaussian",)
+    offered_terms: tuple[str, ...] = ()
+    record_means = False  # set by prepare_terms("step_gauss"): the sampler keeps every step's mean
+
+    def prepare_terms(self, names: tuple[str, ...]) -> None:
+        """Record at sampling what the loss terms ``names`` read (ValueError for a term the kernel lacks)."""
+        check_terms(self, names)
+        self.record_means = "step_gauss" in names
 
     def sample(self, policy: Any, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None,
                record_logp: bool = True) -> Trajectory:
@@ -74,14 +94,19 @@ class GaussianStepKernel:
         start, end = self.window(generator)
         timesteps = policy.scheduler.timesteps.to(policy.device)
         plan = self.plan(policy)
-        all_latents, all_logps = [latents], []
+        all_latents, all_logps, all_means = [latents], [], []
         for i, t in enumerate(timesteps):
             t_B = t.expand(batch)
             out = policy._denoise(model, latents, t_B, cond, policy._cfg)
-            latents, logp = self.transition(policy, i, out, t_B, latents, generator, plan, start <= i < end)
+            x, logp, mean = self.transition(policy, i, out, t_B, latents, generator, plan, start <= i < end)
+            if self.record_means:  # a deterministic step's mean is never read (it is not trained): zeros
+                all_means.append(mean.float() if mean is not None else torch.zeros_like(latents, dtype=torch.float32))
+            latents = x
             all_latents.append(latents)
             all_logps.append(logp)
         payload = {"latents": torch.stack(all_latents, dim=1), "timesteps": timesteps.expand(batch, -1).clone(), **cond}
+        if self.record_means:
+            payload["means"] = torch.stack(all_means, dim=1)
         return Trajectory(prompts=list(prompts), completions=policy.decode(latents),
                           mask_B_T=self.trained_mask(policy, batch, generator, (start, end), plan),
                           old_logp_B_T=torch.stack(all_logps, dim=1),
@@ -93,6 +118,38 @@ class GaussianStepKernel:
         ``kl_B_T`` to it) of the trained steps. Every trained (sample, step) pair of the batch in ONE model call
         (each row its own x_t, t and conditioning): a micro-batch's trained steps are scattered over the N
         columns, and a call per column runs the model on a few rows at a time."""
+        logp_B_T, kl_B_T, _ = self._evaluate(policy, model, trajectory, reference)
+        if not with_entropy:
+            return logp_B_T
+        entropy_B_T = self._entropy(policy, trajectory)
+        if reference is None:
+            return logp_B_T, entropy_B_T
+        return logp_B_T, entropy_B_T, kl_B_T
+
+    def terms(self, policy: Any, model: torch.nn.Module, trajectory: Trajectory, names: tuple[str, ...],
+              reference: Any = None) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Any]]:
+        """(logp, entropy, kl or None, {name: ...}) in one model call (the class docstring's terms)."""
+        check_terms(self, names)
+        logp_B_T, kl_B_T, rows = self._evaluate(policy, model, trajectory, reference)
+        extra: dict[str, Any] = {}
+        if "step_gauss" in names:
+            payload = trajectory.payload
+            if "means" not in payload:
+                raise ValueError("the 'step_gauss' term reads the sampling policy's step means, which this trajectory "
+                                 "lacks (prepare_terms(('step_gauss',)) before sampling)")
+            old = payload["means"].to(logp_B_T.device).float()
+            mean = torch.zeros_like(old)
+            if rows is not None:
+                (r, c), mean_R = rows
+                mean = mean.index_put((r, c), mean_R.float())
+            timesteps = payload["timesteps"]
+            extra["step_gauss"] = (mean, old, self.step_std(policy, timesteps).to(logp_B_T.device),
+                                   self.step_dt(policy, timesteps).to(logp_B_T.device))
+        return logp_B_T, self._entropy(policy, trajectory), (kl_B_T if reference is not None else None), extra
+
+    def _evaluate(self, policy: Any, model: torch.nn.Module, trajectory: Trajectory, reference: Any = None):
+        """(logp_B_T, kl_B_T, ((rows, cols), mean_R) or None): the trained steps' log-probs in one model call, the
+        closed-form KL to a ``reference`` (zeros without one), and the trained steps' means (differentiable)."""
         payload = trajectory.payload
         latents, timesteps = payload["latents"], payload["timesteps"]
         mask = trajectory.mask_B_T.to(latents.device)
@@ -100,26 +157,28 @@ class GaussianStepKernel:
         logp_B_T = torch.zeros(batch, steps, device=latents.device, dtype=torch.float32)
         kl_B_T = torch.zeros_like(logp_B_T)
         rows, cols = (mask > 0).nonzero(as_tuple=True)
-        if rows.numel() > 0:
-            t_R, x_R, next_R = timesteps[rows, cols], latents[rows, cols], latents[rows, cols + 1]
-            cond = {k: payload[k][rows] for k in policy.cond_keys}
-            out = policy._denoise(model, x_R, t_R, cond, policy._cfg)
-            logp, mean, std = self.step_logprob(policy, out, t_R, x_R, next_R)
-            logp_B_T = logp_B_T.index_put((rows, cols), logp)
-            if reference is not None:
-                with reference._frozen():
-                    ref_out = policy._denoise(reference.model, x_R, t_R, cond, policy._cfg)
-                    ref_mean = self.step_logprob(policy, ref_out, t_R, x_R, next_R)[1]
-                kl_B_T = kl_B_T.index_put((rows, cols), self.step_kl(mean, ref_mean, std))
-        if not with_entropy:
-            return logp_B_T
-        std_B_T = self.step_std(policy, timesteps).to(logp_B_T.device)
+        if rows.numel() == 0:
+            return logp_B_T, kl_B_T, None
+        t_R, x_R, next_R = timesteps[rows, cols], latents[rows, cols], latents[rows, cols + 1]
+        cond = {k: payload[k][rows] for k in policy.cond_keys}
+        out = policy._denoise(model, x_R, t_R, cond, policy._cfg)
+        logp, mean, std = self.step_logprob(policy, out, t_R, x_R, next_R)
+        logp_B_T = logp_B_T.index_put((rows, cols), logp)
+        if reference is not None:
+            with reference._frozen():
+                ref_out = policy._denoise(reference.model, x_R, t_R, cond, policy._cfg)
+                ref_mean = self.step_logprob(policy, ref_out, t_R, x_R, next_R)[1]
+            kl_B_T = kl_B_T.index_put((rows, cols), self.step_kl(mean, ref_mean, std))
+        return logp_B_T, kl_B_T, ((rows, cols), mean)
+
+    def _entropy(self, policy: Any, trajectory: Trajectory) -> Tensor:
+        """0.5 log(2 pi e std^2) of each trained step [B, N] (0 where masked or deterministic)."""
+        timesteps = trajectory.payload["timesteps"]
+        mask = trajectory.mask_B_T.to(timesteps.device)
+        std_B_T = self.step_std(policy, timesteps).to(timesteps.device)
         live = (mask > 0) & (std_B_T > 0)
-        entropy_B_T = torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
-                                  torch.zeros_like(std_B_T))
-        if reference is None:
-            return logp_B_T, entropy_B_T
-        return logp_B_T, entropy_B_T, kl_B_T
+        return torch.where(live, 0.5 + HALF_LOG_2PI + torch.log(std_B_T.clamp(min=1e-30)),
+                           torch.zeros_like(std_B_T))
 
     def step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
         """KL(N(mean, std^2) || N(ref_mean, std^2)) per row, mean over the other dims [R]."""
@@ -166,8 +225,9 @@ class DDIMKernel(GaussianStepKernel):
     def transition(self, policy: Any, i: int, out: Tensor, t_B: Tensor, latents: Tensor,
                    generator: torch.Generator | None, plan: dict[str, Tensor], stochastic: bool) -> tuple[Tensor, Tensor]:
         batch = latents.shape[0]
-        return ddim_step_with_logprob(policy.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
-                                      coefficients={k: v[i].expand(batch) for k, v in plan.items()})
+        x, logp = ddim_step_with_logprob(policy.scheduler, out, t_B, latents, eta=self.eta, generator=generator,
+                                         coefficients={k: v[i].expand(batch) for k, v in plan.items()})
+        return x, logp, None
 
     def trained_mask(self, policy: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
                      plan: dict[str, Tensor]) -> Tensor:
@@ -204,6 +264,7 @@ class FlowSDEKernel(GaussianStepKernel):
     0 (the last "cps" step) is never trained."""
 
     closed_form_kls = ("gaussian", "gaussian_g2")
+    offered_terms = ("step_gauss",)
     name = "flow_sde"
     knobs = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")  # the SamplerKnobs fields it reads
     solvers = ("euler",)  # the deterministic solver ForwardKernel collects with on this schedule
@@ -244,12 +305,12 @@ class FlowSDEKernel(GaussianStepKernel):
         coefs, sigmas = plan
         v, batch = out.float(), latents.shape[0]
         if stochastic:
-            latents, logp, _, _ = sde_step_with_logprob(
+            latents, logp, mean, _ = sde_step_with_logprob(
                 policy.scheduler, v, t_B, latents, self.noise_level, generator=generator, sde_type=self.sde_type,
                 coefficients={k: c[i].expand(batch) for k, c in coefs.items()})
-            return latents, logp
+            return latents, logp, mean
         # a deterministic Euler step (FlowMatchEulerDiscreteScheduler.step), not trained
-        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=policy.device)
+        return latents + (sigmas[i + 1] - sigmas[i]) * v, torch.zeros(batch, device=policy.device), None
 
     def trained_mask(self, policy: Any, batch: int, generator: torch.Generator | None, window: tuple[int, int],
                      plan: tuple[dict[str, Tensor], Tensor]) -> Tensor:
@@ -271,6 +332,12 @@ class FlowSDEKernel(GaussianStepKernel):
         std = flow_step_coefficients(policy.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
                                      self.noise_level, self.sde_type)["std"]
         return std.view(timesteps_B_T.shape).to(torch.float32)
+
+    def step_dt(self, policy: Any, timesteps_B_T: Tensor) -> Tensor:
+        """Each step's dt = sigma' - sigma [B, N] (< 0: from noise to data)."""
+        dt = flow_step_coefficients(policy.scheduler, timesteps_B_T.reshape(-1).cpu(), timesteps_B_T.numel(),
+                                    self.noise_level, self.sde_type)["dt"]
+        return dt.view(timesteps_B_T.shape).to(torch.float32)
 
     def step_kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
         return flow_step_kl(mean, ref_mean, std)  # refuses a step of std 0
@@ -316,10 +383,11 @@ class ForwardKernel:
 
     estimator = "forward"  # the log-prob is the forward-process matching surrogate
     closed_form_kls = ("prediction_mse",)
+    offered_terms = ("nft", "dgpo", "old_mse")
 
     def __init__(self, num_steps: int, train_timesteps: int = 6, timestep_fraction: float = 0.9,
                  time_sampling: str = "stratified", weighting: str = "ghuber", power: float = 0.25,
-                 sampler: str = "auto", sample_old: bool = False) -> None:
+                 sampler: str = "auto", sample_old: bool = False, share_pairs: bool = False) -> None:
         from unialign.algos.forward import WEIGHTINGS
 
         if sampler not in SAMPLERS:
@@ -336,7 +404,11 @@ class ForwardKernel:
                              f"{timestep_fraction} ({time_sampling}), got {train_timesteps}")
         self.num_steps, self.train_timesteps, self.timestep_fraction = num_steps, train_timesteps, timestep_fraction
         self.time_sampling, self.weighting, self.power, self.sampler = time_sampling, weighting, power, sampler
-        self.sample_old = sample_old
+        self.sample_old, self.share_pairs = sample_old, share_pairs
+
+    def prepare_terms(self, names: tuple[str, ...]) -> None:
+        """Nothing is recorded at sampling for the forward kernel's terms; ValueError for a term it lacks."""
+        check_terms(self, names)
 
     @staticmethod
     def _span(num_steps: int, fraction: float, time_sampling: str) -> int:
@@ -404,8 +476,12 @@ class ForwardKernel:
         pairs = None if generator is None else torch.Generator().manual_seed(
             int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
         idx = self._draw_indices(batch, pairs)
-        noise = torch.randn((batch, self.train_timesteps, *x0.shape[1:]), generator=pairs,
-                            dtype=torch.float32).to(policy.device)
+        noise = torch.randn((batch, self.train_timesteps, *x0.shape[1:]), generator=pairs, dtype=torch.float32)
+        if self.share_pairs:  # DGPO: one set of K (t, eps) per prompt, shared by its group (its first sample's)
+            first: dict[str, int] = {}
+            src = torch.tensor([first.setdefault(str(p), i) for i, p in enumerate(prompts)])
+            idx, noise = idx[src], noise[src]
+        noise = noise.to(policy.device)
         payload = {"x0": x0, "timesteps": timesteps[idx.to(timesteps.device)].to(policy.device), "noise": noise,
                    **cond}
         traj = Trajectory(prompts=list(prompts), completions=policy.decode(x0),
@@ -456,35 +532,48 @@ class ForwardKernel:
               reference: Any = None) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Any]]:
         """(logp, entropy, kl or None, {name: ...}) in one model call; ``"nft"``: (old_err [B, K, C, H, W], delta
         [B, K, C, H, W]), the old weights' clean-image error x0_old - x0 and x0_theta - x0_old (differentiable), what
-        ``unialign.algos.forward.nft_loss_terms`` reads (0 at untrained pairs)."""
+        ``unialign.algos.forward.nft_loss_terms`` reads (0 at untrained pairs); ``"dgpo"``: (ref_logp [B, K], old_logp
+        [B, K]), the reference's (``policy.reference()``) and the old weights' matching log-probs at the same pairs,
+        no gradient, what ``unialign.algos.forward.dgpo_loss`` reads as -ref_err and -old_err; ``"old_mse"``: mean_D
+        (pred - pred_old)^2 [B, K], differentiable through pred (AWM's trust term to its moving average)."""
         logp, kl, extra = self._evaluate(policy, model, trajectory, reference, names)
         return logp, torch.zeros_like(logp), (kl if reference is not None else None), extra
 
     def _evaluate(self, policy, model, trajectory, reference, names):
         from unialign.algos.forward import matching_logprob
 
-        unknown = sorted(set(names) - {"nft"})
-        if unknown:
-            raise ValueError(f"ForwardKernel.terms: unknown terms {unknown} (it offers 'nft')")
+        check_terms(self, names)
         p = self._pairs(policy, trajectory)
         zeros = torch.zeros(trajectory.mask_B_T.shape, device=policy.device, dtype=torch.float32)
         if p is None:
             return zeros, zeros, {name: (zeros, zeros) for name in names}
         old = None
-        if "nft" in names:  # before the differentiable call: the old weights are swapped into the same parameters
+        if names:  # before the differentiable call: the old weights are swapped into the same parameters
             with torch.no_grad(), policy._old_weights():
                 old = policy._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
         p["pred"] = policy._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
-        logp = matching_logprob(p["pred"], p["target"], p["sigma"], self.weighting, self.power)
+
+        def logp_of(pred: Tensor) -> Tensor:
+            return matching_logprob(pred, p["target"], p["sigma"], self.weighting, self.power)
+
+        logp = logp_of(p["pred"])
         rows, cols = p["rows"], p["cols"]
-        kl = zeros
+        kl, ref = zeros, None
+        if reference is not None or "dgpo" in names:
+            frozen = reference if reference is not None else policy.reference()
+            with frozen._frozen():
+                ref = policy._denoise(frozen.model, p["x_t"], p["t"], p["cond"], False).float()
         if reference is not None:
-            with reference._frozen():
-                ref = policy._denoise(reference.model, p["x_t"], p["t"], p["cond"], False).float()
             d = (p["pred"] - ref) ** 2
             kl = self._scatter(trajectory, rows, cols, d.reshape(d.shape[0], -1).mean(1))
         extra = {}
-        if old is not None:
+        if "dgpo" in names:
+            extra["dgpo"] = (self._scatter(trajectory, rows, cols, logp_of(ref)),
+                             self._scatter(trajectory, rows, cols, logp_of(old)))
+        if "old_mse" in names:
+            d = (p["pred"] - old) ** 2
+            extra["old_mse"] = self._scatter(trajectory, rows, cols, d.reshape(d.shape[0], -1).mean(1))
+        if "nft" in names:
             x0_old = policy._x0_from(old, p)
             extra["nft"] = (self._scatter_D(trajectory, rows, cols, x0_old - p["x0"].float()),
                             self._scatter_D(trajectory, rows, cols, policy._x0_from(p["pred"], p) - x0_old))

@@ -121,14 +121,14 @@ class ImageRLConfig(RunArgs, OnlineConfig):
                                 "all in one UNet call; memory only)", group="optimisation", min=0)
     sample_batch_size: int = arg(0, "images denoised at once while sampling (0: the whole step's batch; memory "
                                  "only)", group="optimisation", min=0)
-    # forward-process RL (--algorithm awm | nft; unset: the algorithm's published values, FORWARD_PROCESS)
+    # forward-process RL (--algorithm awm | nft | dgpo; unset: the algorithm's published values, FORWARD_PROCESS)
     sampler: str = arg("auto", "forward-process algorithms: the deterministic collection solver (auto: Euler for "
                        "flow matching, DDIM eta 0 for UNets; dpmpp: DPM-Solver++ 2M, UNets)",
                        group="algorithm", choices=("auto", "euler", "ddim", "dpmpp"))
     train_timesteps: int | None = arg(None, "forward-process algorithms: training pairs (t, eps) per sample (AWM "
-                                      "6, DiffusionNFT int(N x 0.99))", group="algorithm", min=1)
+                                      "6, DiffusionNFT int(N x 0.99), DGPO 4)", group="algorithm", min=1)
     forward_fraction: float | None = arg(None, "forward-process algorithms: the share of the solver's schedule "
-                                         "the pairs' times come from (AWM 0.9, DiffusionNFT 0.99)",
+                                         "the pairs' times come from (AWM 0.9, DiffusionNFT 0.99, DGPO 0.5)",
                                          group="algorithm", gt=0.0, max=1.0)
     forward_weighting: str | None = arg(None, "AWM: the matching log-prob's time weighting (uniform | t | t2 | "
                                         "ghuber; AWM's default ghuber)",
@@ -136,8 +136,9 @@ class ImageRLConfig(RunArgs, OnlineConfig):
     ghuber_power: float = arg(0.25, "AWM: the ghuber weighting's power p", group="algorithm", gt=0.0)
     old_policy_decay: str | None = arg(None, "forward-process algorithms: the old policy, a moving average of "
                                        "the trained weights, decayed per step by 'nft' (DiffusionNFT: min(0.001 "
-                                       "step, 0.5)), a constant in [0, 1), or 'off' (unset: the algorithm's: "
-                                       "DiffusionNFT samples from it and mixes it into its loss, AWM keeps none)",
+                                       "step, 0.5)), 'awm' (AWM's and DGPO's: min(0.001 step, 0.3)), a constant in "
+                                       "[0, 1), or 'off' (unset: the algorithm's: DiffusionNFT samples from it and "
+                                       "mixes it into its loss, AWM's trust term and DGPO's clip read it)",
                                        group="algorithm")
     torch_dtype: str = arg("float32", "UNet / text-encoder dtype (the VAE runs in fp32)",
                            group="model", choices=DTYPES)
@@ -245,15 +246,21 @@ def policy_kwargs(cfg: ImageRLConfig, family: str | Family = "sd") -> dict[str, 
 # The policy side of the forward-process algorithms, by algorithm (the trainer side is unialign.registry's):
 # AWM (scxue/advantage_weighted_matching, config/dgx_awm.py GenEval): 6 pairs per sample stratified over the
 # solver's steps 1 .. int(0.9 N) - 1 ("discrete_wo_init"), ghuber weighting p 0.25, collection by the current policy;
+# its trust term's old policy a moving average decayed by min(0.001 step, 0.3) (kl_ema_decay, linear);
 # DiffusionNFT (NVlabs/DiffusionNFT, config/nft.py): int(0.99 N) pairs, a random subset of the N steps per sample,
-# collection by the old policy, a moving average of the trained one decayed by min(0.001 step, 0.5).
+# collection by the old policy, a moving average of the trained one decayed by min(0.001 step, 0.5);
+# DGPO (Luo-Yihong/DGPO config/dgpo_wocfg.py geneval): K = 4 of the first trunc_steps + 1 = 5 of 10 steps (the
+# noisiest half), drawn at random and shared with their noise by each group (use_shared_noise), the plain velocity
+# MSE, collection by the current policy, the clip's old policy decayed by min(0.001 step, 0.3) (ema_ref).
 FORWARD_PROCESS = {
     "awm": dict(train_timesteps=6, timestep_fraction=0.9, time_sampling="stratified", weighting="ghuber",
-                old_policy_decay="off"),
+                old_policy_decay="awm", sample_old=False, share_pairs=False),
     "nft": dict(train_timesteps=None, timestep_fraction=0.99, time_sampling="random", weighting="uniform",
-                old_policy_decay="nft"),
+                old_policy_decay="nft", sample_old=True, share_pairs=False),
+    "dgpo": dict(train_timesteps=4, timestep_fraction=0.5, time_sampling="random", weighting="uniform",
+                 old_policy_decay="awm", sample_old=False, share_pairs=True),
 }
-OLD_DECAYS = {"nft": lambda step: min(0.001 * step, 0.5)}
+OLD_DECAYS = {"nft": lambda step: min(0.001 * step, 0.5), "awm": lambda step: min(0.001 * step, 0.3)}
 
 
 def old_decay(value: str | None) -> Callable[[int], float] | None:
@@ -265,7 +272,8 @@ def old_decay(value: str | None) -> Callable[[int], float] | None:
     try:
         constant = float(value)
     except ValueError:
-        raise ValueError(f"old_policy_decay: {value!r} is not 'nft', 'off' or a number in [0, 1)") from None
+        raise ValueError(f"old_policy_decay: {value!r} is not {', '.join(map(repr, OLD_DECAYS))}, 'off' or a number "
+                         "in [0, 1)") from None
     if not 0.0 <= constant < 1.0:
         raise ValueError(f"old_policy_decay: a constant decay must be in [0, 1), got {constant}")
     return lambda step: constant
@@ -284,7 +292,7 @@ def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
     decay = old_decay(decay_name)
     kw = dict(train_timesteps=k, timestep_fraction=fraction, time_sampling=base["time_sampling"],
               weighting=cfg.forward_weighting or base["weighting"], power=cfg.ghuber_power, sampler=cfg.sampler,
-              sample_old=decay is not None, old_decay=decay)
+              sample_old=decay is not None and base["sample_old"], share_pairs=base["share_pairs"], old_decay=decay)
     from unialign.image.kernels import ForwardKernel
 
     try:  # the kernel's own checks, now

@@ -52,6 +52,7 @@ from unialign.policy import (
     OptimizerStepHook,
     Policy,
     StepChunks,
+    StepStatistics,
 )
 from unialign.registry import (
     KNOBS,
@@ -185,6 +186,28 @@ class OnlineTrainer(TrainerLoop):
         if loss_inputs and not isinstance(policy, LossTerms):
             raise ValueError(f"policy_loss={self.spec.policy_loss!r} reads {list(loss_inputs)} from the policy "
                              f"(log_prob_terms), which {type(policy).__name__} does not provide")
+        if self.spec.ema_beta > 0:  # the trust term to the policy's old weights (AWM's), a term of the same forward
+            if not isinstance(policy, LossTerms):
+                raise ValueError(f"ema_beta={self.spec.ema_beta} reads mean (pred - pred_old)^2 from the policy "
+                                 f"(log_prob_terms), which {type(policy).__name__} does not provide: set ema_beta 0")
+            loss_inputs += ("old_mse",)
+        if loss_inputs:
+            try:  # what the terms need is recorded at sampling (a flow policy's step means)
+                policy.prepare_terms(loss_inputs)
+            except ValueError as err:
+                raise ValueError(f"{self.spec.name} (policy_loss={self.spec.policy_loss!r}, ema_beta="
+                                 f"{self.spec.ema_beta}): {err}") from None
+        # a loss that couples a group's samples (DGPO) gets micro-batches of whole groups
+        self.whole_groups = bool(getattr(self.policy_loss, "whole_groups", False))
+        if self.whole_groups:
+            G, per_mini = config.num_generations, config.prompts_per_step // max(1, config.num_mini_batches)
+            if config.micro_batch_size % G or config.prompts_per_step % max(1, config.num_mini_batches):
+                raise ValueError(f"micro_batch_size={config.micro_batch_size} / num_mini_batches="
+                                 f"{config.num_mini_batches}: {self.spec.name}'s loss couples each group's samples, "
+                                 f"so micro-batches hold whole groups of num_generations={G} (a multiple of it) and "
+                                 f"every mini-batch whole prompts ({per_mini} of {config.prompts_per_step})")
+        # per-step statistics of the importance ratio where steps are the same for every sample (denoising steps)
+        self.step_diagnostics = isinstance(policy, StepStatistics) and policy.per_step_diagnostics
         # a closed-form KL comes from the policy's own forward (it needs both step means)
         kl_from_policy = self.spec.beta > 0 and self.spec.kl_estimator in algos.CLOSED_FORM_ESTIMATORS
         if kl_from_policy:
@@ -361,8 +384,8 @@ class OnlineTrainer(TrainerLoop):
     def _step_chunks(self, mb: Trajectory) -> list[torch.Tensor | None]:
         """The policy's split of a micro-batch's trained steps (``step_chunks``, e.g. a diffusion policy's
         ``train_chunk_size``) when the loss is a sum over steps: token-level ratios, no critic, no rollout
-        correction. ``[None]``: the micro-batch in one piece."""
-        if (not isinstance(self.policy, StepChunks) or self.spec.importance_sampling_level != "token"
+        correction, no loss coupling a group's samples. ``[None]``: the micro-batch in one piece."""
+        if (not isinstance(self.policy, StepChunks) or self.whole_groups or self.spec.importance_sampling_level != "token"
                 or self.spec.value_coef > 0 or mb.rollout_logp_B_T is not None):
             return [None]
         chunks = self.policy.step_chunks(mb.mask_B_T)
@@ -386,7 +409,16 @@ class OnlineTrainer(TrainerLoop):
         old_logp = logp.detach() if mb.old_logp_B_T is None else mb.old_logp_B_T.to(logp.device)
         if not self.ratio_checked:
             self._check_ratio(logp.detach(), old_logp, mask)
-        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec, **out.terms)
+        terms = dict(out.terms)
+        old_mse = terms.pop("old_mse", None)
+        group = {"group_size": self.cfg.num_generations} if self.whole_groups else {}
+        loss_B_T, m = self.policy_loss(logp, old_logp, adv, mask, spec, **terms, **group)
+        per_step = {k[:-4]: m.pop(k) for k in [k for k in m if k.endswith("_B_T")]}
+        if self.step_diagnostics:  # sums per trajectory step, reduced by update()
+            m["_steps"] = algos.step_ratio_sums(logp.detach(), old_logp, mask, per_step)
+        if old_mse is not None:
+            loss_B_T = loss_B_T + spec.ema_beta * old_mse * mask
+            m["old_mse"] = (old_mse.detach() * mask).sum() / mask.sum().clamp(min=1)
         if mb.rollout_logp_B_T is not None:  # sampled by another engine: pi_old / pi_rollout per token
             cfg = self.cfg
             weights, rc = algos.rollout_correction(
@@ -434,9 +466,15 @@ class OnlineTrainer(TrainerLoop):
         metrics: dict[str, list[float]] = {}
         model = self.policy.model
         model.train()
+        step_sums: dict[str, torch.Tensor] = {}
         for _ in range(spec.num_iterations):
             perm = torch.randperm(len(traj))
-            for mini in perm.chunk(cfg.num_mini_batches):
+            if self.whole_groups:  # groups in a random order, each kept whole and contiguous
+                G = cfg.num_generations
+                perm = (torch.randperm(len(traj) // G).unsqueeze(1) * G + torch.arange(G)).flatten()
+            minis = perm.chunk(cfg.num_mini_batches) if not self.whole_groups else \
+                [g.flatten() for g in perm.view(-1, cfg.num_generations).chunk(cfg.num_mini_batches)]
+            for mini in minis:
                 micro = self._micro_batches(mini)
                 # one normaliser per optimizer step, over every micro-batch of every process
                 local = sum(algos.local_normalizer(traj.mask_B_T[i], spec.loss_type, cfg.max_completion_length)
@@ -452,7 +490,7 @@ class OnlineTrainer(TrainerLoop):
                         with contextlib.nullcontext() if last else acc.no_sync(model):
                             loss, m = self._loss(mb, normalizer[0], normalizer[1], step_mask)
                             acc.backward(loss)
-                        for k, v in m.items():
+                        for k, v in algos.add_step_sums(step_sums, m.pop("_steps", None), m).items():
                             metrics.setdefault(k, []).append(float(v))
                         mb_loss += float(loss.detach())
                     metrics.setdefault("loss", []).append(mb_loss * len(micro))
@@ -465,7 +503,8 @@ class OnlineTrainer(TrainerLoop):
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics.setdefault("grad_norm", []).append(grad_norm)
         self.scheduler.step()
-        return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in metrics.items()}
+        out = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in metrics.items()}
+        return {**out, **algos.step_ratio_stats(step_sums)}
 
     # ------------------------------------------------------------------ phase 5
     def evaluate(self) -> dict[str, float]:
