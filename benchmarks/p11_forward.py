@@ -1,17 +1,22 @@
-"""Benchmark P11: forward-process image RL (AWM, DiffusionNFT) against Flow-GRPO and the ``grpo_image`` default
-(GRPO on an SDE window of 3 steps) on the embedded SD3 world: the training seconds each needs to reach held-out
-prompt fidelity 0.85, and where each ends.
+"""Benchmark P11: the image RL methods side by side on the embedded SD3 world -- the forward-process ones (AWM,
+DiffusionNFT, DGPO), the 2026 trust regions on Flow-GRPO's SDE steps (GRPO-Guard, Flow-DPPO), Flow-GRPO and the
+``grpo_image`` default (GRPO on an SDE window of 3 steps): the training seconds each needs to reach held-out prompt
+fidelity 0.85, and where each ends on both fidelity readings (the shape verifier it trains on, and the independent
+reader no reward sees: ``unialign.embedded.shape_reader``) and the gold score (pixel quality).
 
 Every run is ``scripts/grpo_image.py --model_name_or_path embedded-sd3`` with the method's flags and otherwise the
-script's defaults (350 steps, 4 prompts x 16 images, held-out fidelity on 168 images every 10 steps), alone in a
-fresh process, one torch thread; seeds 0, 1, 2. Time to the threshold = the summed ``step_seconds`` (sample, score,
+script's defaults (350 steps, 4 prompts x 16 images, held-out fidelity on 168 images every 10 steps), in a fresh
+process, one torch thread; seeds 0, 1, 2; ``jobs`` runs at a time (default 2 on a 2-core machine: every method
+under the same sharing, interleaved by seed). Time to the threshold = the summed ``step_seconds`` (sample, score,
 update; held-out evaluations not counted) up to the first evaluation after step 0 at or above it. Rows: each
-forward-process method against flow_grpo (target <= 0.25) and against the default (target <= 0.5), medians over
-seeds with every seed in the notes; each method's final fidelity and gold (pixel quality) against the base model's.
-``--quick``: 1 step on seed 0 and threshold 0 (every row runs; the numbers mean nothing).
+forward-process method against flow_grpo (target <= 0.25; DGPO's paper claims ~20x) and against the default (target
+<= 0.5); GRPO-Guard and Flow-DPPO against flow_grpo (target <= 1), also at 4 inner epochs per batch (``-4ep``: where
+plain Flow-GRPO's clip stops bounding positive-advantage updates); medians over seeds with every seed in the notes;
+each method's final fidelity (both readings) and gold against the base model's. ``--quick``: 1 step on seed 0 and
+threshold 0 (every row runs; the numbers mean nothing).
 
-A full run takes about an hour on 2 CPU cores (12 runs of 3-8 minutes), so ``python -m benchmarks.run`` runs it only
-when asked (``--only P11`` or ``--long``).
+A full run takes about 1.5 hours on 2 CPU cores (30 runs of 3-8 minutes, two at a time), so
+``python -m benchmarks.run`` runs it only when asked (``--only P11`` or ``--long``).
 """
 
 from __future__ import annotations
@@ -22,26 +27,38 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import ROOT, error_row, row
 
+FOUR_EPOCHS = ["--num_iterations", "4"]
 METHODS = {
     "flow_grpo": ["--algorithm", "flow_grpo", "--sde_window_size", "0"],
     "default": [],
     "awm": ["--algorithm", "awm"],
     "nft": ["--algorithm", "nft"],
+    "dgpo": ["--algorithm", "dgpo"],
+    "grpo_guard": ["--algorithm", "grpo_guard", "--sde_window_size", "0"],
+    "flow_dppo": ["--algorithm", "flow_dppo", "--sde_window_size", "0"],
+    "flow_grpo-4ep": ["--algorithm", "flow_grpo", "--sde_window_size", "0", *FOUR_EPOCHS],
+    "grpo_guard-4ep": ["--algorithm", "grpo_guard", "--sde_window_size", "0", *FOUR_EPOCHS],
+    "flow_dppo-4ep": ["--algorithm", "flow_dppo", "--sde_window_size", "0", *FOUR_EPOCHS],
 }
+# (method, baseline, target ratio of their seconds to the threshold)
+VERSUS = [(m, b, t) for m in ("awm", "nft", "dgpo") for b, t in (("flow_grpo", 0.25), ("default", 0.5))] + [
+    ("grpo_guard", "flow_grpo", 1.0), ("flow_dppo", "flow_grpo", 1.0),
+    ("grpo_guard-4ep", "flow_grpo-4ep", 1.0), ("flow_dppo-4ep", "flow_grpo-4ep", 1.0)]
 THRESHOLD = 0.85
 
 
 def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
-    """One training run in a fresh process; its held-out fidelity curve and training seconds from the final
-    checkpoint's history."""
+    """One training run in a fresh process; its held-out fidelity curves (both readings) and training seconds from
+    the final checkpoint's history."""
     args = ["--model_name_or_path", "embedded-sd3", "--seed", str(seed), "--report_to", "none", "--output_dir",
-            str(out), *METHODS[method]]
+            str(out), "--num_threads", "1", *METHODS[method]]
     args += ["--max_steps", "1", "--eval_steps", "1", "--num_eval", "4"] if quick else ["--eval_steps", "10"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1")  # unialign: the installed (editable) package
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpo_image.py"), *args], cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode:
@@ -53,27 +70,33 @@ def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
     for h in history:
         spent += h.get("step_seconds", 0.0)
         if "eval/fidelity" in h:
-            curve.append((h["step"], spent, h["eval/fidelity"]))
-    return {"curve": curve, "fidelity_before": summary["fidelity_before"], "fidelity_after": summary["fidelity_after"],
-            "gold_before": summary["gold_before"], "gold_after": summary["gold_after"],
-            "train_seconds": spent}
+            curve.append((h["step"], spent, h["eval/fidelity"], h.get("eval/fidelity/reader")))
+    keys = ("fidelity_before", "fidelity_after", "fidelity_reader_before", "fidelity_reader_after", "gold_before",
+            "gold_after")
+    return {"curve": curve, **{k: summary.get(k) for k in keys}, "train_seconds": spent,
+            "step_ratios": summary.get("step_ratios")}
 
 
-def seconds_to(curve: list[tuple[int, float, float]], threshold: float) -> float | None:
+def seconds_to(curve: list[tuple], threshold: float) -> float | None:
     """Training seconds at the first evaluation after step 0 whose fidelity is >= ``threshold`` (None: never)."""
-    return next((s for step, s, f in curve if step > 0 and f >= threshold), None)
+    return next((point[1] for point in curve if point[0] > 0 and point[2] >= threshold), None)
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, jobs: int = 2, methods: tuple[str, ...] | None = None,
+        results: Path | None = None) -> list[dict]:
+    """The rows; ``methods``: a subset of ``METHODS`` (rows needing another are left out); ``results``: also write
+    every run's numbers there (JSON), for the docs' figures."""
     seeds, threshold = ((0,), 0.0) if quick else ((0, 1, 2), THRESHOLD)
-    res: dict[str, list[dict]] = {m: [] for m in METHODS}
+    methods = tuple(methods or METHODS)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for seed in seeds:
-                for method in METHODS:
-                    res[method].append(run_method(method, seed, quick, Path(tmp) / f"{method}-{seed}"))
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = {(m, s): pool.submit(run_method, m, s, quick, Path(tmp) / f"{m}-{s}")
+                       for s in seeds for m in methods}
+            res = {m: [futures[(m, s)].result() for s in seeds] for m in methods}
     except Exception as e:  # noqa: BLE001
-        return [error_row("P11", "forward-process image RL", e)]
+        return [error_row("P11", "image RL side by side", e)]
+    if results is not None:
+        results.write_text(json.dumps(res, indent=1))
     reach = {m: [seconds_to(r["curve"], threshold) for r in rs] for m, rs in res.items()}
 
     def median(values):
@@ -84,23 +107,29 @@ def run(quick: bool = False) -> list[dict]:
         return ", ".join("never" if v is None else f"{v:.0f} s" for v in reach[method])
 
     setting = (f"embedded-sd3, grpo_image defaults (350 steps, 4 x 16 images, eval every 10 steps on 168), seeds "
-               f"{list(seeds)}, one thread, each run alone in a fresh process; seconds to held-out fidelity >= "
+               f"{list(seeds)}, one thread, {jobs} runs at a time in fresh processes; seconds to held-out fidelity >= "
                f"{threshold} (training only), medians")
     rows = []
-    for method in ("awm", "nft"):
-        for base, target in (("flow_grpo", 0.25), ("default", 0.5)):
+    for method, base, target in VERSUS:
+        if method in res and base in res:
             rows.append(row(f"P11-{method}-vs-{base}", f"seconds to fidelity {threshold}: {method} vs {base}",
                             median(reach[method]), median(reach[base]), "s", "lower", target,
                             f"{setting}; {method}: {seeds_note(method)}; {base}: {seeds_note(base)}",
                             seconds={m: reach[m] for m in (method, base)}))
+
+    def per_seed(rs, key):
+        return ", ".join("n/a" if r[key] is None else f"{r[key]:.3f}" for r in rs)
+
     for method, rs in res.items():
         finals = [r["fidelity_after"] for r in rs]
+        readers = [r["fidelity_reader_after"] for r in rs if r["fidelity_reader_after"] is not None]
         rows.append(row(f"P11-{method}-final", f"held-out fidelity at the end ({method})", statistics.median(finals),
                         statistics.median(r["fidelity_before"] for r in rs), "frac", "higher", None,
-                        f"{setting}; after / before per seed: " + ", ".join(
-                            f"{r['fidelity_after']:.3f} / {r['fidelity_before']:.3f}" for r in rs)
-                        + "; gold after / before: " + ", ".join(f"{r['gold_after']:.3f} / {r['gold_before']:.3f}"
-                                                                for r in rs),
+                        f"{setting}; verifier after per seed: {per_seed(rs, 'fidelity_after')} (before "
+                        f"{per_seed(rs, 'fidelity_before')}); reader after: {per_seed(rs, 'fidelity_reader_after')} "
+                        f"(before {per_seed(rs, 'fidelity_reader_before')}); gold after: {per_seed(rs, 'gold_after')} "
+                        f"(before {per_seed(rs, 'gold_before')})",
+                        reader_after=readers, reader_median=statistics.median(readers) if readers else None,
                         gold_after=[r["gold_after"] for r in rs], gold_before=[r["gold_before"] for r in rs],
                         curves=[r["curve"] for r in rs]))
     return rows
@@ -136,4 +165,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--figure":  # --figure OUT.png label=grid.png ...
         print(side_by_side(dict(arg.split("=", 1) for arg in sys.argv[3:]), Path(sys.argv[2])))
     else:
-        print(json.dumps(run(quick="--quick" in sys.argv), indent=1, default=str))
+        only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--methods=")), None)
+        out = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--results=")), None)
+        print(json.dumps(run(quick="--quick" in sys.argv, methods=only, results=out), indent=1, default=str))

@@ -74,9 +74,15 @@ def image_rl_parts(cfg) -> dict[str, Any]:
 def fidelity_checks(prompts: list[str], images: Any, **columns: Any) -> dict[str, Any]:
     """The shape verifier as the held-out evaluation reads a verifier (``unialign.image.evaluate.sample_scores``):
     ``all`` (all three right, the fidelity) and the per-image rates it logs as ``fidelity/<name>``: each part
-    (background, colour, shape) and the partial credit."""
+    (background, colour, shape) and the partial credit; beside them the second, independent reading
+    (``unialign.embedded.shape_reader``, a classifier trained on the world's renders that no reward reads):
+    ``reader`` (all three read with confidence) and ``reader_<part>``."""
+    from unialign.embedded.shape_reader import shipped_reader
+
     checks = verify(prompts, images, **columns)
-    return {k: checks[k] for k in (*PARTS, "all", "credit")}
+    reading = shipped_reader().read(prompts, images)
+    return {**{k: checks[k] for k in (*PARTS, "all", "credit")}, "reader": reading["all"],
+            **{f"reader_{part}": reading[part] for part in ("background", "colour", "shape")}}
 
 
 def embedded_family(name: str, requested: str = "auto") -> str:

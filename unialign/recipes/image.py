@@ -33,6 +33,7 @@ from unialign.recipes.outputs import finish_image_run
 from unialign.recipes.text import reward_names
 from unialign.rewards import CombinedReward, get_reward
 from unialign.trainers import OnlineConfig, OnlineTrainer
+from unialign.trainers.outputs import step_ratio_summary
 
 # ddpo-pytorch's "simple animals" prompt list (config/base.py -> assets/simple_animals.txt, abridged)
 ANIMALS = ["cat", "dog", "horse", "monkey", "rabbit", "zebra", "spider", "bird", "sheep", "deer", "cow", "goat",
@@ -508,11 +509,17 @@ def run_image_rl(cfg: ImageRLConfig, policy, reward: CombinedReward, train_promp
             summary[f"fidelity_{part}_before"], summary[f"fidelity_{part}_after"] = before[key], after[key]
     if gold is not None:
         summary.update(gold_before=before["eval/gold"], gold_after=after["eval/gold"])
+    step_ratios = step_ratio_summary(history)
+    if step_ratios:  # sampler-step methods: the importance ratio per denoising step over the run
+        summary["step_ratios"] = step_ratios
     which = ("held-out" if eval_source.startswith("held out") else  # a train-prompt number is not held out
              "train-prompt" if eval_source.startswith("training prompts") else "eval")
     headline = [(f"{which} reward ({cfg.reward_funcs})", summary["before"], summary["after"])]
     if verifier is not None:
         headline.append(("prompt fidelity", summary["fidelity_before"], summary["fidelity_after"]))
+    if "fidelity_reader_before" in summary:  # the second reading, which the reward never sees
+        headline.append(("prompt fidelity, independent reader", summary["fidelity_reader_before"],
+                         summary["fidelity_reader_after"]))
     return finish_image_run(trainer.acc, cfg, summary, policy, evaluator, (before_res, after_res), headline,
                             trainer.counters)
 

@@ -61,7 +61,7 @@ from unialign.registry import (
 from unialign.rewards.base import CombinedReward, RewardError
 from unialign.trainers.loop import TrainerLoop
 from unialign.trainers.online_config import OnlineConfig
-from unialign.trainers.outputs import save_curves
+from unialign.trainers.outputs import save_curves, save_step_ratios
 from unialign.trainers.schedule import epoch_order
 from unialign.types import Trajectory
 
@@ -583,4 +583,5 @@ class OnlineTrainer(TrainerLoop):
         if self.acc.is_main_process:
             save_curves(self.history, Path(self.cfg.output_dir) / "reward_curve.png",
                         tuple(curve_keys(self.spec, self.history)), smooth=("reward/mean",))
+            save_step_ratios(self.history, Path(self.cfg.output_dir) / "step_ratios.png")  # sampler-step policies
 

@@ -164,6 +164,59 @@ def smoothed(values: list[float], window: int) -> list[float]:
     return out
 
 
+def step_ratio_summary(history: list[dict], start: int = 0) -> dict[str, dict[str, float]]:
+    """The per-step ratio diagnostics of ``history`` (``steps/<stat>/<t>``, ``unialign.algos.diagnostics``) averaged
+    over the logged training steps from the ``start``-th entry on: {t: {stat: mean}} ({} when none were logged)."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for h in history[start:]:
+        for key, value in h.items():
+            if key.startswith("steps/") and isinstance(value, (int, float)) and math.isfinite(value):
+                _, stat, t = key.split("/")
+                sums.setdefault(t, {}).setdefault(stat, []).append(float(value))
+    return {t: {stat: sum(v) / len(v) for stat, v in stats.items()} for t, stats in sorted(sums.items())}
+
+
+def save_step_ratios(history: list[dict], path: str | Path) -> bool:
+    """``path``: the importance ratio per denoising step (mean with a +-std band) and the clip / dropped fraction per
+    step, for the first and the second half of training (GRPO-Guard's left shift, a trust region's activity). False
+    (nothing written) when the history holds no per-step statistics."""
+    half = len(history) // 2
+    parts = [("first half", step_ratio_summary(history[:half])), ("second half", step_ratio_summary(history, half))]
+    parts = [(label, s) for label, s in parts if s]
+    if not parts:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_f) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for i, (label, summary) in enumerate(parts):
+        ts = sorted(summary, key=int)
+        x = [int(t) for t in ts]
+        mean = [summary[t]["ratio_mean"] - 1.0 for t in ts]
+        std = [summary[t].get("ratio_std", 0.0) for t in ts]
+        ax_r.plot(x, mean, marker="o", color=f"C{i}", label=label)
+        ax_r.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color=f"C{i}",
+                          alpha=0.15)
+        for j, stat in enumerate(sorted({k for t in ts for k in summary[t] if k.endswith("_frac")})):
+            ax_f.plot(x, [summary[t].get(stat, math.nan) for t in ts], marker="os^"[j % 3], color=f"C{i}",
+                      linestyle="-" if j == 0 else "--", label=f"{stat} ({label})")
+    ax_r.axhline(0.0, color="grey", linewidth=0.8)
+    ax_r.set_title("importance ratio - 1 per denoising step (mean, +-std)")
+    ax_f.set_title("clipped / dropped fraction per step")
+    for ax in (ax_r, ax_f):
+        ax.set_xlabel("denoising step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    try:
+        write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), f"the step ratios {path}")
+    finally:
+        plt.close(fig)
+    return True
+
+
 def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",),
                 smooth: tuple[str, ...] = ()) -> None:
     """Plot metrics over steps to a PNG (one panel per key present in the history, four to a row). Keys
