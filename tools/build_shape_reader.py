@@ -1,6 +1,7 @@
 """How the shapes world's second fidelity reader (``unialign.embedded.shape_reader``, shipped in
 ``unialign/embedded/assets/image/reader``) is built: a small CNN trained only on the world's renders -- every
-prompt's clean images in random layouts, half of them blurred or noised a little -- with one head per part. It never
+prompt's clean images in random layouts, half of them blurred or noised a little, and in every batch a few empty
+canvases of a background colour (shape "none", no object colour) -- with one head per part. It never
 sees a model's sample or a reward, so it reads a policy's images independently of the shape verifier the policy
 was trained on.
 
@@ -25,13 +26,30 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tools.asset_check import add_check, builder_cli, deterministic, rebuild_and_compare, report_check, write_metrics
+from tools.asset_check import (
+    add_check,
+    builder_cli,
+    deterministic,
+    rebuild_and_compare,
+    report_check,
+    write_metrics,
+)
 from unialign.embedded import shapes_world
-from unialign.embedded.shape_reader import CONFIDENCE, PARTS, READER_DIR, ShapeReader, ShapeReaderNet, labels
+from unialign.embedded.shape_reader import (
+    CONFIDENCE,
+    PARTS,
+    READER_DIR,
+    SHAPE_CLASSES,
+    ShapeReader,
+    ShapeReaderNet,
+    labels,
+)
 
 BUILT_FILES = ("model.safetensors", "config.json", "build_metrics.json")
 TIMING_FIELDS = ("train_seconds",)
 MILD = ("blurry", "noisy")  # what a decoder's softness looks like; faded / dark change the colours the prompt names
+BLANKS = 8  # empty canvases per batch (shape "none"; their object colour is not trained: ignored by the loss)
+IGNORE = -100
 
 
 def _data(seed: int, per_prompt: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -60,10 +78,18 @@ def train(seed: int = 0, steps: int = 3000, batch_size: int = 128, lr: float = 3
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
     order = torch.Generator().manual_seed(seed + 1)
+    colours = list(shapes_world.COLOURS.values())
     for _ in range(steps):
         idx = torch.randint(0, len(x), (batch_size,), generator=order)
-        logits = net(_augment(x[idx], rng, generator))
-        loss = sum(F.cross_entropy(logits[p], y[p][idx]) for p in PARTS)
+        bg = torch.randint(0, len(colours), (BLANKS,), generator=order)
+        blank = torch.tensor([colours[i] for i in bg.tolist()], dtype=torch.float32).view(-1, 3, 1, 1) / 255.0
+        xb = torch.cat([x[idx], blank.expand(-1, -1, *x.shape[2:])])
+        target = {p: y[p][idx] for p in PARTS}
+        target = {"shape": torch.cat([target["shape"], torch.full((BLANKS,), SHAPE_CLASSES.index("none"))]),
+                  "colour": torch.cat([target["colour"], torch.full((BLANKS,), IGNORE)]),
+                  "background": torch.cat([target["background"], bg])}
+        logits = net(_augment(xb, rng, generator))
+        loss = sum(F.cross_entropy(logits[p], target[p], ignore_index=IGNORE) for p in PARTS)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

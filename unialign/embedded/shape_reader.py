@@ -6,9 +6,10 @@ embedded SD3 world drove it to 1.0 with darkened square corners and stepped tria
 2026, arXiv 2601.03468, find the same across image RL). This reader shares nothing with it: a small convolutional
 classifier trained only on the world's own clean and mildly degraded renders (``tools.build_shape_reader``: a
 deterministic build, shipped as ``assets/image/reader``), never on a model's samples or a reward. It reads the
-three parts -- shape, object colour, background colour -- as three softmax heads, and an image passes a part only
-when the head names the prompt's value **with confidence at least ``CONFIDENCE``** (0.9): a blob, a shape between
-two templates or a colour between two palette entries is "unsure", which fails. ``read`` returns each part's pass
+three parts -- shape, object colour, background colour -- as three softmax heads (the shape head also knows "none",
+an empty canvas), and an image passes a part only when the head names the prompt's value **with confidence at least
+``CONFIDENCE``** (0.9): a blob, a shape between two templates or a colour between two palette entries is "unsure",
+which fails. ``read`` returns each part's pass
 rate and ``all`` (all three), the reading an image summary reports as ``fidelity_reader`` beside the verifier's.
 
 The measured floors (``tools/build_shape_reader.py``'s record, re-checked by ``tests/rewards/test_shape_reader.py``):
@@ -28,14 +29,15 @@ from torch import nn
 from unialign.embedded import shapes_world
 
 PARTS = ("shape", "colour", "background")
+SHAPE_CLASSES = (*shapes_world.SHAPES, "none")  # "none": trained on empty canvases, so a blank is not a "square"
 CONFIDENCE = 0.9  # a part passes only when its head names the prompt's value with at least this probability
 READER_DIR = shapes_world.DEFAULT_ASSET_DIR / "reader"
 
 
 class ShapeReaderNet(nn.Module):
     """Three conv blocks (3 -> c -> 2c -> 2c, each conv 3x3 + ReLU, the first two followed by a 2x2 max pool) on a
-    32 x 32 image in [0, 1], global average and max pooling, then one linear head per part (3 shapes, 8 colours,
-    8 backgrounds)."""
+    32 x 32 image in [0, 1], global average and max pooling, then one linear head per part (3 shapes and "none", 8
+    colours, 8 backgrounds)."""
 
     def __init__(self, width: int = 24) -> None:
         super().__init__()
@@ -45,7 +47,7 @@ class ShapeReaderNet(nn.Module):
             nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU())
         n_colours = len(shapes_world.COLOURS)
-        self.heads = nn.ModuleDict({"shape": nn.Linear(4 * c, len(shapes_world.SHAPES)),
+        self.heads = nn.ModuleDict({"shape": nn.Linear(4 * c, len(SHAPE_CLASSES)),
                                     "colour": nn.Linear(4 * c, n_colours), "background": nn.Linear(4 * c, n_colours)})
 
     def forward(self, x_B_3_H_W: torch.Tensor) -> dict[str, torch.Tensor]:
