@@ -30,8 +30,9 @@ what would overrun the budget):
   G-P4-*   SD1.5 / SDXL sampling, DiffusionPolicy.sample vs the stock pipeline: samples/s, MFU of the UNet
   G-P5     Diffusion-DPO peak memory at SD1.5 size: adapter-disabled reference vs frozen copy (subprocesses)
   G-P11-*  image RL on an SD3.5-medium-sized SD3Transformer2DModel (random weights, bf16, LoRA r32, 64x64 latents):
-           seconds per optimizer step and images/s of collection for flow_grpo (10 SDE steps, CFG 4.5), awm (14
-           Euler steps, no CFG, 6 pairs) and nft (10 Euler steps from the old policy, 9 pairs), one group of 24
+           seconds per optimizer step and images/s of collection for flow_grpo, grpo_guard and flow_dppo (10 SDE
+           steps, CFG 4.5), awm (14 Euler steps, no CFG, 6 pairs), nft (10 Euler steps from the old policy, 9 pairs)
+           and dgpo (10 Euler steps, no CFG, 4 pairs shared by the group, whole-group micro-batches), one group of 24
   G-P13-*  a masked-diffusion LM at LLaDA-8B's dims (a native ModernBertForMaskedLM, random weights, bf16): block
            decoding tokens/s (8 x 256 tokens, blocks of 32, 64 steps) and each estimator's forward + backward time
            and peak memory (gradient checkpointing; ar_order's 256 copies per sequence left out)
@@ -498,9 +499,14 @@ SD35M = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num
              pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 # the papers' batch shapes per method (Flow-GRPO config/grpo.py geneval_sd3; AWM config/dgx_awm.py; DiffusionNFT
 # config/nft.py): solver steps, CFG, samples per micro-batch; each timed step is one group of 24 images
+# (+ DGPO config/dgpo_wocfg.py geneval: 10 steps CFG-free, the loss on whole groups; GRPO-Guard and Flow-DPPO:
+# Flow-GRPO's shapes, verl-omni's examples)
 P11_METHODS = {"flow_grpo": dict(num_steps=10, guidance_scale=4.5, micro_batch_size=4, sde_window_size=0),
                "awm": dict(num_steps=14, guidance_scale=1.0, micro_batch_size=3),
-               "nft": dict(num_steps=10, guidance_scale=1.0, micro_batch_size=9)}
+               "nft": dict(num_steps=10, guidance_scale=1.0, micro_batch_size=9),
+               "dgpo": dict(num_steps=10, guidance_scale=1.0, micro_batch_size=24),
+               "grpo_guard": dict(num_steps=10, guidance_scale=4.5, micro_batch_size=4, sde_window_size=0),
+               "flow_dppo": dict(num_steps=10, guidance_scale=4.5, micro_batch_size=4, sde_window_size=0)}
 
 
 def rows_p11(rows):

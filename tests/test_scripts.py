@@ -80,6 +80,9 @@ def test_grpo_math_preset_fails_fast_offline(monkeypatch, capsys):
                                           ("flux.1-dev-pickscore", "PickScore_v1"),
                                           ("sd3.5-medium-geneval-awm", "owlv2-base-patch16"),
                                           ("sd3.5-medium-geneval-nft", "owlv2-base-patch16"),
+                                          ("sd3.5-medium-geneval-dgpo", "owlv2-base-patch16"),
+                                          ("sd3.5-medium-geneval-grpo_guard", "owlv2-base-patch16"),
+                                          ("sd3.5-medium-geneval-flow_dppo", "owlv2-base-patch16"),
                                           pytest.param("sd3.5-medium-ocr", "stable-diffusion-3.5-medium",
                                                        marks=pytest.mark.skipif(
                                                            importlib.util.find_spec("rapidocr_onnxruntime") is None,
@@ -103,7 +106,9 @@ def test_flow_matching_presets_fail_fast_offline(monkeypatch, capsys, preset, na
                                        (["--preset", "sd3.5-medium-geneval-awm"], 0.001),  # the paper's
                                        (["--preset", "sd3.5-medium-geneval-nft"], 1e-4),
                                        (["--algorithm", "nft"], 0.03),  # and nft_beta 0.1 (below)
-                                       (["--algorithm", "nft", "--beta", "1e-4"], 1e-4)])
+                                       (["--algorithm", "nft", "--beta", "1e-4"], 1e-4),
+                                       (["--preset", "sd3.5-medium-geneval-dgpo"], 0.02),  # DGPO's published KL
+                                       (["--preset", "sd3.5-medium-geneval-grpo_guard"], 0.0)])
 def test_forward_process_kl_resolves_to_the_measured_or_published_value(argv, beta):
     module = load_script("grpo_image")
     from unialign.config import parse_config

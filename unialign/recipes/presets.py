@@ -138,6 +138,27 @@ GRPO_IMAGE: dict[str, dict] = {
         micro_batch_size=micro, train_chunk_size=0, sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=50,
         torch_dtype="bfloat16", num_threads=0, output_dir=f"outputs/{algo}_sd35m_geneval")
        for algo, steps, micro, beta, nft_beta in (("awm", 14, 3, 0.001, None), ("nft", 10, 9, 1e-4, 1.0))},
+    # DGPO on SD3.5-M GenEval (Luo-Yihong/DGPO config/dgpo_wocfg.py geneval_sd3_4gpu): 10 CFG-free steps (its DPM
+    # solver is Euler here), groups of 16 (24 "for better performance"), lr 3e-4, the dgpo preset (beta_dpo 100, clip
+    # 1e-3, KL 0.02); the loss reads whole groups, so a micro-batch is one group.
+    "sd3.5-medium-geneval-dgpo": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
+        reward_funcs="geneval", algorithm="dgpo", beta=0.02, num_steps=10, guidance_scale=1.0, resolution=512,
+        max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant",
+        prompts_per_step=4, num_generations=16, num_mini_batches=1, micro_batch_size=16, train_chunk_size=0,
+        sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16", num_threads=0,
+        output_dir="outputs/dgpo_sd35m_geneval"),
+    # GRPO-Guard and Flow-DPPO on the Flow-GRPO GenEval recipe above, with verl-omni's trust settings
+    # (examples/grpoguard_trainer, examples/flowdppo_trainer: clip 2e-6 on RatioNorm's ratio; KL mask 1e-5; no KL;
+    # two mini-batches per batch, so the second update is off-policy and the trust region acts)
+    **{f"sd3.5-medium-geneval-{algo}": dict(
+        model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
+        reward_funcs="geneval", algorithm=algo, beta=0.0, num_steps=10, guidance_scale=4.5, noise_level=0.7,
+        sde_type="sde", sde_window_size=0, sde_window_range=None, resolution=512, max_sequence_length=128,
+        lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant", prompts_per_step=4,
+        num_generations=24, num_mini_batches=2, micro_batch_size=4, train_chunk_size=4, sample_batch_size=8,
+        max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16", num_threads=0,
+        output_dir=f"outputs/{algo}_sd35m_geneval") for algo in ("grpo_guard", "flow_dppo")},
     # Flow-GRPO's text rendering (config/grpo.py general_ocr_sd3): the GenEval recipe with the OCR reward
     # (unialign/rewards/ocr.py, PP-OCRv4 through the ocr extra) on prompts quoting the text to render; give
     # Flow-GRPO's dataset/ocr/train.txt with --prompt_set.
