@@ -161,9 +161,43 @@ def side_by_side(grids: dict[str, Path], out: Path, rows: int = 2) -> Path:
     return out
 
 
+def stock_pipeline_figure(finals: dict[str, Path], out: Path, n: int = 8, seed: int = 1234) -> Path:
+    """The held-out prompts' first ``n`` through each method's ``final/`` loaded by the stock diffusers pipeline with
+    its ``sampling.json`` (what a user gets from the run's load snippet), the same seed per prompt for every method;
+    one row per method, each tile captioned with the verifier's and the independent reader's verdicts."""
+    from diffusers import DiffusionPipeline
+
+    from unialign.embedded import shapes_world
+    from unialign.embedded.shape_reader import shipped_reader
+    from unialign.embedded.shape_verifier import verify
+    from unialign.image.grid import make_grid
+
+    held_out = shapes_world.prompts("test")  # ordered by shape: every (len / n)-th mixes circles, squares, triangles
+    prompts = [held_out[i * len(held_out) // n] for i in range(n)]
+    images, captions = [], []
+    for name, final in finals.items():
+        pipe = DiffusionPipeline.from_pretrained(str(final), text_encoder_3=None, tokenizer_3=None)
+        sampling = Path(final) / "sampling.json"  # a run's final/; the base model: the world's sampling defaults
+        settings = json.loads(sampling.read_text()) if sampling.is_file() else dict(
+            num_inference_steps=8, guidance_scale=1.0, height=shapes_world.IMAGE_SIZE, width=shapes_world.IMAGE_SIZE)
+        row = [pipe(p, generator=__import__("torch").Generator().manual_seed(seed + i),
+                    max_sequence_length=shapes_world.SD3_MAX_SEQUENCE_LENGTH, **settings).images[0]
+               for i, p in enumerate(prompts)]
+        verdict, reading = verify(prompts, row)["all"], shipped_reader().read(prompts, row)["all"]
+        images += row
+        captions += [f"{name.upper() + ': ' if i == 0 else ''}{p[2:].replace(' background', '')} | "
+                     f"v:{'ok' if v > 0 else 'x'} r:{'ok' if r > 0 else 'x'}"
+                     for i, (p, v, r) in enumerate(zip(prompts, verdict, reading))]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    make_grid(images, captions, columns=n, cell=112).save(out)
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--figure":  # --figure OUT.png label=grid.png ...
         print(side_by_side(dict(arg.split("=", 1) for arg in sys.argv[3:]), Path(sys.argv[2])))
+    elif len(sys.argv) > 2 and sys.argv[1] == "--stock-figure":  # --stock-figure OUT.png label=run/final ...
+        print(stock_pipeline_figure({k: Path(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])}, Path(sys.argv[2])))
     else:
         only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--methods=")), None)
         out = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--results=")), None)

@@ -217,6 +217,7 @@ def test_shipped_aesthetic_head_tracks_gold_on_model_samples():
 
 def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
     from unialign.embedded.parts import fidelity_checks
+    from unialign.embedded.shape_reader import shipped_reader
     from unialign.embedded.shape_verifier import verify
     from unialign.image.evaluate import sample_scores
 
@@ -231,6 +232,10 @@ def test_sample_scores_draws_the_same_images_for_a_seed_and_scores_them():
     checks = verify(prompts, a["images"])
     assert a["fidelity"] == float(checks["all"].mean()) and torch.equal(a["fidelity_flags"], checks["all"])
     assert a["fidelity/shape"] == float(checks["shape"].mean()) and "fidelity" not in b
-    # what the held-out evaluation logs of the shapes world: each part and the partial credit
-    assert {k for k in a if k.startswith("fidelity/")} == {f"fidelity/{k}" for k in ("background", "colour", "shape",
-                                                                                       "credit")}
+    # what the held-out evaluation logs of the shapes world: each part and the partial credit, and the independent
+    # reader's verdict with its parts (unialign.embedded.shape_reader)
+    parts = ("background", "colour", "shape")
+    assert {k for k in a if k.startswith("fidelity/")} == {f"fidelity/{k}" for k in (*parts, "credit", "reader",
+                                                                                      *(f"reader_{p}" for p in parts))}
+    reading = shipped_reader().read(prompts, a["images"])
+    assert a["fidelity/reader"] == float(reading["all"].mean()) and torch.equal(a["reader_flags"], reading["all"])

@@ -24,7 +24,7 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
     * ``gold`` (images -> tensor [N]): ``gold_scores``, ``gold_mean``, ``gold_std``;
     * ``verifier`` ((prompts, images) -> dict of [N] tensors: ``all``, the 0 / 1 verdict, and any per-part
       rates): ``fidelity`` = the all-right rate, ``fidelity/<name>`` the mean of every other entry, and the
-      per-image ``fidelity_flags`` [N].
+      per-image ``fidelity_flags`` [N] (and ``reader_flags`` [N] when it returns a second reading, ``reader``).
 
     ``columns``: dataset columns of the prompts (name -> [N] values, e.g. GenEval's metadata), given to the
     reward and the verifier as TRL gives them to reward functions.
@@ -51,6 +51,8 @@ def sample_scores(policy, prompts: list[str], seed: int, reward: Callable | None
         checks = verifier(prompts, images, **columns) if columns else verifier(prompts, images)
         out.update(fidelity=float(checks["all"].mean()), fidelity_flags=checks["all"],
                    **{f"fidelity/{k}": float(v.mean()) for k, v in checks.items() if k != "all"})
+        if "reader" in checks:  # a second, independent reading (the embedded world's shape reader)
+            out["reader_flags"] = checks["reader"]
     return out
 
 
@@ -89,7 +91,7 @@ class HeldOutImages:
 
     def captions(self) -> list[str]:
         """One caption per image of the latest call: the prompt, then its reward score, then "ok" / "x"
-        for the verifier's all-three-right."""
+        for the verifier's all-three-right (and "r:ok" / "r:x" for a second reader's)."""
         return [" | ".join([prompt, *parts]) for prompt, parts in zip(self.prompts, self._label_parts(self.last))]
 
     def labels(self, res: dict[str, Any] | None = None) -> list[str]:
@@ -108,6 +110,8 @@ class HeldOutImages:
                 parts.append(f"gold {float(res['gold_scores'][i]):.3f}")
             if "fidelity_flags" in res:
                 parts.append("ok" if res["fidelity_flags"][i] > 0 else "x")
+            if "reader_flags" in res:  # the independent reader's verdict beside the verifier's
+                parts.append("r:ok" if res["reader_flags"][i] > 0 else "r:x")
             out.append(parts)
         return out
 
