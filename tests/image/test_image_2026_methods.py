@@ -231,3 +231,12 @@ def test_awm_trust_term_reads_the_old_weights(make_flow_policy, tmp_path):  # no
     with pytest.raises(ValueError, match="ema_beta=1.0.*offers no loss terms \\['old_mse'\\]"):
         OnlineTrainer(sde, brightness, [{"prompt": "a cat"}],
                       OnlineConfig(algorithm="flow_grpo", ema_beta=1.0, report_to="none", output_dir=str(tmp_path / "x")))
+
+
+def test_dgpo_sampling_chunks_hold_whole_groups():
+    from unialign.recipes.image import ImageRLConfig, forward_process_kwargs
+
+    kw = dict(algorithm="dgpo", num_steps=10, num_generations=4, report_to="none")
+    assert forward_process_kwargs(ImageRLConfig(**kw, sample_batch_size=8))["share_pairs"]
+    with pytest.raises(ValueError, match="sample_batch_size=6: dgpo shares each group's pairs"):
+        forward_process_kwargs(ImageRLConfig(**kw, sample_batch_size=6))

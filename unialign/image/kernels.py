@@ -477,7 +477,8 @@ class ForwardKernel:
             int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
         idx = self._draw_indices(batch, pairs)
         noise = torch.randn((batch, self.train_timesteps, *x0.shape[1:]), generator=pairs, dtype=torch.float32)
-        if self.share_pairs:  # DGPO: one set of K (t, eps) per prompt, shared by its group (its first sample's)
+        if self.share_pairs:  # DGPO: one set of K (t, eps) per prompt of this call, shared by its group (its first
+            # sample's); a sampling chunk holds whole groups (unialign.recipes.image.forward_process_kwargs checks)
             first: dict[str, int] = {}
             src = torch.tensor([first.setdefault(str(p), i) for i, p in enumerate(prompts)])
             idx, noise = idx[src], noise[src]

@@ -294,6 +294,10 @@ def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
     kw = dict(train_timesteps=k, timestep_fraction=fraction, time_sampling=base["time_sampling"],
               weighting=cfg.forward_weighting or base["weighting"], power=cfg.ghuber_power, sampler=cfg.sampler,
               sample_old=decay is not None and base["sample_old"], share_pairs=base["share_pairs"], old_decay=decay)
+    if kw["share_pairs"] and cfg.sample_batch_size > 0 and cfg.sample_batch_size % cfg.num_generations:
+        raise ValueError(f"sample_batch_size={cfg.sample_batch_size}: {cfg.algorithm} shares each group's pairs, "
+                         f"which a sampling chunk must hold whole: a multiple of num_generations={cfg.num_generations} "
+                         "(or 0)")
     from unialign.image.kernels import ForwardKernel
 
     try:  # the kernel's own checks, now

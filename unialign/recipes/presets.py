@@ -146,7 +146,7 @@ GRPO_IMAGE: dict[str, dict] = {
         reward_funcs="geneval", algorithm="dgpo", beta=0.02, num_steps=10, guidance_scale=1.0, resolution=512,
         max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant",
         prompts_per_step=4, num_generations=16, num_mini_batches=1, micro_batch_size=16, train_chunk_size=0,
-        sample_batch_size=8, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16", num_threads=0,
+        sample_batch_size=16, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16", num_threads=0,
         output_dir="outputs/dgpo_sd35m_geneval"),
     # GRPO-Guard and Flow-DPPO on the Flow-GRPO GenEval recipe above, with verl-omni's trust settings
     # (examples/grpoguard_trainer, examples/flowdppo_trainer: clip 2e-6 on RatioNorm's ratio; KL mask 1e-5; no KL;
