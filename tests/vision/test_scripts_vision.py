@@ -176,3 +176,57 @@ def test_prompt_column_is_read_as_the_prompt_before_rows_are_checked(tmp_path, c
     line = _exit_line(["--dataset_name", str(data), "--prompt_column", "question_text",
                        "--output_dir", str(tmp_path / "out2")], capsys)
     assert "--prompt_column 'question_text'" in line and "row 0 has no such column" in line and "'problem'" in line
+
+
+def _video_data(folder, pairs: bool = False):
+    """TRL-style rows with ``video`` (frame paths relative to the file) / ``videos`` (a ``<video>`` string), an image
+    row and a text-only row."""
+    rng = random.Random(1)
+    (folder / "frames").mkdir(parents=True)
+    for split, n in (("train", 8), ("test", 4)):
+        rows = []
+        for i in range(n):
+            clip = []
+            for k in range(3):
+                path = f"frames/{split}_{i}_{k}.png"
+                random_image(rng, (32, 32)).save(folder / path)
+                clip.append(path)
+            if i % 4 == 3:
+                row = {"prompt": "no media, answer 'a'"}
+            elif i % 4 == 2:
+                row = {"prompt": [{"role": "user", "content": "Colour?"}], "image": clip[0]}
+            elif i % 2:
+                row = {"prompt": "Which way does it move: <video>?", "videos": [clip]}
+            else:
+                row = {"prompt": [{"role": "user", "content": "Which way?"}], "video": clip}
+            row.update({"chosen": "a", "rejected": "bb"} if pairs else {"solution": "a"})
+            rows.append(row)
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_dpo_text_trains_a_vlm_on_video_pairs(tmp_path, vlm_dir):
+    data = _video_data(tmp_path / "pairs", pairs=True)
+    s = run("dpo_text", ["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--max_steps", "2",
+                         "--batch_size", "4", "--micro_batch_size", "2", "--learning_rate", "1e-2", "--max_frames", "2",
+                         "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    assert s["steps"] == 2 and s["eval_rows"] == 4 and s["config"]["max_frames"] == 2
+
+
+@pytest.mark.slow
+def test_grpo_vision_on_video_rows(tmp_path, user_module, vlm_dir):
+    data = _video_data(tmp_path / "data")
+    s = run("grpo_vision", ["--model_name_or_path", str(vlm_dir), "--dataset_name", str(data), "--reward_funcs",
+                            user_module("vrewards_video", REWARD_SOURCE) + ":has", "--max_steps", "2",
+                            "--prompts_per_step", "2", "--num_generations", "2", "--output_dir", str(tmp_path / "out"),
+                            "--report_to", "none"])
+    assert s["steps"] == 2 and (s["train_rows"], s["eval_rows"]) == (8, 4)
+
+
+def test_a_bad_video_row_is_refused_naming_it_before_any_model_loads(tmp_path, capsys):
+    data = _video_data(tmp_path / "data")
+    rows = (data / "train.jsonl").read_text().splitlines()
+    rows[1] = json.dumps({"prompt": "<video> and <video>?", "videos": [["frames/train_0_0.png"]], "solution": "a"})
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    line = _exit_line(["--model_name_or_path", str(tmp_path / "no_model"), "--dataset_name", str(data)], capsys)
+    assert "row 1: the prompt has 2 video placeholder(s) but the row has 1 video(s)" in line, line

@@ -35,11 +35,13 @@ def _tokenizer(specials: list[str], eos: str, template: str, extra: dict | None 
     return hf
 
 
-def _template(image: str, end: str) -> str:
-    """A ChatML-like template rendering typed content blocks: an image block is ``image``'s text."""
+def _template(image: str, end: str, video: str = "") -> str:
+    """A ChatML-like template rendering typed content blocks: an image block is ``image``'s text, a video block
+    ``video``'s (Qwen2-VL's)."""
     return ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' }}"
             "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
             "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{- '" + image + "' }}"
+            "{%- elif part['type'] == 'video' %}{{- '" + video + "' }}"
             "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
             "{{- '" + end + "\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
             "{%- endif %}")
@@ -62,11 +64,14 @@ def build_qwen2_vl(seed: int = 0):
     )
 
     specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    template = _template("<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>")
+    template = _template("<|vision_start|><|image_pad|><|vision_end|>", "<|im_end|>",
+                         "<|vision_start|><|video_pad|><|vision_end|>")
     tok = _tokenizer(specials, "<|im_end|>", template)
     knobs = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
     proc = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=16 * 16, max_pixels=64 * 64, **knobs),
-                            tokenizer=tok, video_processor=Qwen2VLVideoProcessor(**knobs), chat_template=template)
+                            tokenizer=tok, chat_template=template,
+                            video_processor=Qwen2VLVideoProcessor(size={"shortest_edge": 16 * 16,
+                                                                        "longest_edge": 64 * 64}, **knobs))
     ids = tok.convert_tokens_to_ids
     cfg = Qwen2VLConfig(
         text_config=_text(tok, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),

@@ -16,7 +16,22 @@ FREEZE_VISION_HELP = ("train the language model only, the vision tower frozen (a
 
 
 @dataclass
-class VisionTowerArgs(ImageDataArgs):
+class VideoDataArgs(ImageDataArgs):
+    """How the rows' videos (``video`` / ``videos`` columns: frame lists or video files) become frames."""
+
+    video_fps: float | None = arg(None, "a video file is sampled at this many frames per second (unset: every "
+                                  "decoded frame); frame lists are taken as they are", group="data", gt=0.0)
+    max_frames: int | None = arg(16, "at most this many evenly spaced frames per video (each frame costs the "
+                                 "processor's image tokens; 0: no limit)", group="data", min=0)
+
+    def video_sampling(self):
+        from unialign.vision.media import VideoSampling
+
+        return VideoSampling(self.video_fps, self.max_frames or None)
+
+
+@dataclass
+class VisionTowerArgs(VideoDataArgs):
     """The vision-tower flag of scripts that train text LMs and vision-language models alike (DPO)."""
 
     freeze_vision: bool = arg(True, "a vision-language checkpoint: " + FREEZE_VISION_HELP + " (a text LM has no "
@@ -24,7 +39,7 @@ class VisionTowerArgs(ImageDataArgs):
 
 
 @dataclass
-class VisionArgs(ImageDataArgs):
+class VisionArgs(VideoDataArgs):
     """Fields of the scripts that train vision-language policies."""
 
     max_pixels: int | None = arg(None, "processor: largest image area in pixels (Qwen-VL's max_pixels; fewer pixels, "
@@ -51,7 +66,8 @@ def data_folder(name: str) -> Path | None:
 
 def with_images(rows: list[dict[str, Any]], cfg: Any, source: str, info: dict | None = None) -> list[dict[str, Any]]:
     """``rows`` (already in TRL's prompt format, ``--prompt_column`` read as the prompt by ``load_prompt_data``)
-    with their images in their prompts (``vision_rows``), ``cfg.prompt_template`` applied; every image checked and decoded under ``cfg``'s ``ImageDataArgs``: errors
+    with their images and videos in their prompts (``vision_rows``; videos sampled by ``--video_fps`` /
+    ``--max_frames``), ``cfg.prompt_template`` applied; every image checked and decoded under ``cfg``'s ``ImageDataArgs``: errors
     name the row, or with ``--skip_bad_rows`` such rows are skipped, counted in the log and in ``info``
     (``bad_rows_skipped``, which summary.json carries)."""
     from unialign.vision.media import vision_rows
@@ -65,7 +81,8 @@ def with_images(rows: list[dict[str, Any]], cfg: Any, source: str, info: dict | 
     folder = data_folder(cfg.dataset_name)
     rules = ImageRules.of(cfg, folder)
     bad: list[str] | None = [] if getattr(cfg, "skip_bad_rows", False) else None
-    out = vision_rows(rows, source, folder, rules, bad)
+    sampling = cfg.video_sampling() if isinstance(cfg, VideoDataArgs) else None
+    out = vision_rows(rows, source, folder, rules, bad, sampling)
     note_skipped(bad or [], len(rows), source, info)
     return out
 
@@ -82,7 +99,9 @@ def is_vision_checkpoint(name_or_path: str) -> bool:
 
 
 def has_images(rows: list[dict[str, Any]]) -> bool:
-    return any(r.get("image") is not None or r.get("images") for r in rows)
+    """Whether any row has an image or a video column."""
+    return any(r.get("image") is not None or r.get("images") or r.get("video") is not None or r.get("videos")
+               for r in rows)
 
 
 def load_policy(name_or_path: str, freeze_vision: bool = False, **kwargs: Any):

@@ -42,7 +42,7 @@ def normalize_pairs(rows: list[dict[str, Any]], source: str = "dataset") -> list
         elif not ((isinstance(prompt, str) and prompt.strip()) or _is_messages(prompt)):
             raise ValueError(f"{source} row {i}: field 'prompt' must be a non-empty string or a list of messages")
         pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-        pair.update({k: row[k] for k in ("image", "images") if row.get(k) is not None})  # a VLM's pairs (RLAIF-V)
+        pair.update({k: row[k] for k in ("image", "images", "video", "videos") if row.get(k) is not None})  # a VLM's pairs (RLAIF-V)
         if row.get("margin") is not None:
             try:
                 pair["margin"] = float(row["margin"])

@@ -10,6 +10,9 @@ A processor run on ONE row gives ``input_ids`` / ``attention_mask`` [1, L] plus 
 * per row (``ROW_BATCHED``: [1, N, ...]; padded to the batch's largest N and image size with zeros, which these
   models treat as padding images): Idefics2 / Idefics3 / SmolVLM's ``pixel_values`` and ``pixel_attention_mask``.
 
+Video: the ``VIDEO`` families (the Qwen-VL line) take clips beside images; their per-video outputs
+(``pixel_values_videos`` [patches, C*t*p*p], ``video_grid_thw`` [videos, 3]) concatenate like the per-image ones.
+
 Positions: ``"mrope"`` families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) have 3-D rotary positions over (time, height,
 width) from the model's own ``get_rope_index``; all others use 1-D positions that follow the attention mask.
 """
@@ -27,6 +30,9 @@ ROW_BATCHED = {  # model_type -> the processor outputs that are [1, N_images, ..
     "smolvlm": ("pixel_values", "pixel_attention_mask"),
 }
 MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# the families whose processors take ``videos`` (a clip of frames -> ``pixel_values_videos`` + ``video_grid_thw``,
+# temporal patches of the 3-D rotary positions); a video row for any other family is refused naming the row
+VIDEO = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def model_type(model: torch.nn.Module) -> str:
@@ -63,9 +69,13 @@ def positions(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: t
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     if model_type(core) in MROPE:
         inner = core.model
+        # Qwen2.5-VL's video positions advance with the clip's seconds per temporal patch (its processor's
+        # second_per_grid_ts, one per video); Qwen2-VL's processor gives none
+        timing = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if "second_per_grid_ts" in inputs else {}
         found = inner.get_rope_index(input_ids, mm_token_type_ids=inputs.get("mm_token_type_ids"),
                                      image_grid_thw=inputs.get("image_grid_thw"),
-                                     video_grid_thw=inputs.get("video_grid_thw"), attention_mask=attention_mask)
+                                     video_grid_thw=inputs.get("video_grid_thw"), attention_mask=attention_mask,
+                                     **timing)
         return found[0]
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 

@@ -1,4 +1,4 @@
-"""``VisionLanguagePolicy``: image in, text out -- a ``CausalLMPolicy`` whose prompts carry images.
+"""``VisionLanguagePolicy``: images and videos in, text out -- a ``CausalLMPolicy`` whose prompts carry them.
 
 A step is still a sampled token, so everything but the prompt's encoding is the text policy's: the fused
 log-prob head (no [B, T, V] logits), the prompt-prefix pass, the reference, the critic head, saving, and every
@@ -8,9 +8,11 @@ trainer and algorithm unchanged. What this class adds:
   TRL's format); each row goes through the processor ALONE, so its image tensors stay its own: the payload keeps
   them per sample (``media``, a list), and a micro-batch of any rows re-collates exactly its rows' patches
   (``families.collate_media``) -- never a slice of a flattened ``pixel_values`` by row count;
-* placeholder and image counts are checked per row before any forward, and a prompt longer than
-  ``max_prompt_length`` is cut from the left only where no image token is cut -- otherwise it is refused, naming
-  the row, the limit and the image-size knob (transformers' "Image features and image tokens do not match"
+* videos (lists of frames, ``unialign.vision.media``) go to the processor's ``videos`` beside the images, for the
+  families that take them (``families.VIDEO``); a video row for another family is refused naming the row;
+* placeholder and image / video counts are checked per row before any forward, and a prompt longer than
+  ``max_prompt_length`` is cut from the left only where no image or video token is cut -- otherwise it is
+  refused, naming the row, the limit and the size knobs (transformers' "Image features and image tokens do not match"
   never happens silently);
 * positions from the family (3-D M-RoPE for the Qwen-VL line) and the processor's token-aligned outputs
   (``token_type_ids``, ``mm_token_type_ids``) reach every forward, extended over the completion;
@@ -35,7 +37,7 @@ from unialign.text.policy import CausalLMPolicy, load_model_options, prepare_mod
 from unialign.text.prefix import cached_prefix, prefix_sharing_safe
 from unialign.types import PreferenceBatch
 from unialign.vision import families
-from unialign.vision.media import count_image_blocks, prompt_images, prompt_text, strip_images
+from unialign.vision.media import count_blocks, prompt_images, prompt_text, prompt_videos, strip_images
 from unialign.weights import check_finite
 
 # processor knobs that bound an image's size (and so its number of image tokens), passed at load time
@@ -133,14 +135,21 @@ class VisionLanguagePolicy(CausalLMPolicy):
         return out
 
     def _encode_row(self, i: int, prompt: Any) -> dict[str, torch.Tensor]:
-        images = prompt_images(prompt)
-        blocks = count_image_blocks(prompt)
-        if blocks != len(images):
-            raise UserError(f"prompt row {i}: {blocks} image block(s) but {len(images)} image(s) attached; build "
-                            "rows with unialign.vision.media.vision_rows (image / images columns)")
+        media = {"image": prompt_images(prompt), "video": prompt_videos(prompt)}
+        for kind, items in media.items():
+            blocks = count_blocks(prompt, kind)
+            if blocks != len(items):
+                raise UserError(f"prompt row {i}: {blocks} {kind} block(s) but {len(items)} {kind}(s) attached; "
+                                "build rows with unialign.vision.media.vision_rows (image / images / video / videos "
+                                "columns)")
+        images, videos = media["image"], media["video"]
+        if videos and self.family not in families.VIDEO:
+            raise UserError(f"prompt row {i}: holds {len(videos)} video(s), and a {self.family or 'this'} model takes "
+                            f"none (video: {', '.join(families.VIDEO)}); give frames as images instead")
         text = self.format_prompt(prompt)
+        extra = {"videos": videos} if videos else {}
         enc = self.processor(text=[text], images=[images] if images else None, return_tensors="pt",
-                             add_special_tokens=not self.is_templated(prompt))
+                             add_special_tokens=not self.is_templated(prompt), **extra)
         enc = {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
         enc.setdefault("mm_token_type_ids", None)
         enc = {k: v for k, v in enc.items() if v is not None}
@@ -149,9 +158,11 @@ class VisionLanguagePolicy(CausalLMPolicy):
             cut = enc["input_ids"][0, : L - limit]
             n_image = int(torch.isin(enc["input_ids"], torch.tensor(self.image_ids)).sum())
             if bool(torch.isin(cut, torch.tensor(self.image_ids)).any()):
-                raise UserError(f"prompt row {i}: {L} tokens ({n_image} of them image tokens) > max_prompt_length="
-                                f"{limit}, and cutting it would cut image tokens (their features would no longer "
-                                "match): raise --max_prompt_length or lower the image size (--max_pixels)")
+                what = "image / video" if videos else "image"
+                raise UserError(f"prompt row {i}: {L} tokens ({n_image} of them {what} tokens) > max_prompt_length="
+                                f"{limit}, and cutting it would cut {what} tokens (their features would no longer "
+                                "match): raise --max_prompt_length or lower the image size (--max_pixels)"
+                                + (" or the frames (--max_frames)" if videos else ""))
             for key in ("input_ids", "attention_mask", *families.TOKEN_KEYS):
                 if key in enc:
                     enc[key] = enc[key][:, L - limit:]
