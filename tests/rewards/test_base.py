@@ -276,7 +276,9 @@ def test_every_registered_reward_resolves_to_a_callable(tmp_path):
     kwargs = {**model_reward_kwargs(), "reward_model": {"path": str(tmp_path / "rm")},
               "pairwise": {"score": "math_format"},
               "pickscore": tiny_pickscore(tmp_path / "pickscore"), "hps": tiny_hps(tmp_path / "hps"),
-              "vlm_judge": {"model_name_or_path": str(VLM_DIR)}}  # the shipped tiny VLM as the judge
+              "vlm_judge": {"model_name_or_path": str(VLM_DIR)},  # the shipped tiny VLM as the judge
+              "per_frame": {"reward": "jpeg_compressibility"},
+              "temporal_consistency": {}}
     import importlib.util
 
     for name, path in REWARDS.items():

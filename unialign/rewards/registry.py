@@ -45,19 +45,24 @@ REWARDS: dict[str, str] = {
     "ocr": "unialign.rewards.ocr:OcrReward",  # unialign/rewards/ocr.py; needs the ocr extra
     # image, learned (unialign/rewards/vlm_judge.py): a VLM's P(yes) or its "Final Score: x" / 5
     "vlm_judge": "unialign.rewards.vlm_judge:VLMJudgeReward",
+    # video (unialign/rewards/video.py): any image reward per frame, reduced; adjacent frames' agreement
+    "per_frame": "unialign.rewards.video:PerFrameReward",
+    "temporal_consistency": "unialign.rewards.video:TemporalConsistencyReward",
 }  # other packages add their own entries (a name -> "module:attribute") when imported
 
-# What each registered reward scores: "text" completions, "image" samples or "any" (a name missing here: any).
+# What each registered reward scores: "text" completions, "image" samples, "video" clips or "any" (a name missing
+# here: any).
 # The scripts offer (and accept) only the rewards of what they sample.
 REWARD_INPUTS: dict[str, str] = {
     "math_accuracy": "text", "math_format": "text", "reward_model": "text", "jpeg_compressibility": "image",
     "jpeg_incompressibility": "image", "aesthetic": "image", "clip_score": "image", "pickscore": "image",
     "hps": "image", "geneval": "image", "ocr": "image", "pairwise": "any", "vlm_judge": "image",
+    "per_frame": "video", "temporal_consistency": "video",
 }
 
 
 def rewards_for(modality: str) -> list[str]:
-    """The registered rewards that score ``modality`` ("text" / "image") samples, sorted."""
+    """The registered rewards that score ``modality`` ("text" / "image" / "video") samples, sorted."""
     return sorted(n for n in REWARDS if REWARD_INPUTS.get(n, "any") in (modality, "any"))
 
 
