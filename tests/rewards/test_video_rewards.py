@@ -76,3 +76,10 @@ def test_video_forms_and_the_registry():
         batch_videos(torch.zeros(2, 3, 4, 4))
     assert {"per_frame", "temporal_consistency"} <= set(rewards_for("video"))
     assert "per_frame" not in rewards_for("image")
+
+
+def test_pairwise_win_rates_over_videos():
+    still, ramp, flicker = [_grey(100)] * 3, [_grey(0), _grey(51), _grey(102)], [_grey(0), _grey(255), _grey(0)]
+    reward = get_reward("pairwise", score="temporal_consistency")
+    wins = reward(prompts=["p"] * 3, completions=[still, ramp, flicker])
+    assert wins == pytest.approx([1.0, 0.5, 0.0])  # consistency 1 > 0.8 > 0: win rates within the group

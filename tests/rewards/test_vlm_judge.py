@@ -231,3 +231,29 @@ def test_bad_arguments_are_refused_before_loading():
         VLMJudgeReward("unused", question="Is this good?")
     with pytest.raises(ValueError, match="torch_dtype"):
         VLMJudgeReward("unused", torch_dtype="int8")
+
+
+def test_videos_are_judged_as_a_plain_video_forward(judge_dir, judge):
+    from tests.vision.tiny import random_image
+
+    rng = random.Random(5)
+    clips = [[random_image(rng, (32, 32)) for _ in range(k)] for k in (2, 4)]
+    got = judge(PROMPTS[:2], clips)
+    assert len(got) == 2 and all(0.0 < r < 1.0 for r in got)
+    # a plain forward of the processor's own video inputs, one clip at a time
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(judge_dir).eval()
+    processor = AutoProcessor.from_pretrained(judge_dir)
+    ids = processor.tokenizer.convert_tokens_to_ids
+    for prompt, clip, value in zip(PROMPTS[:2], clips, got):
+        messages = [{"role": "user", "content": [{"type": "video"},
+                                                 {"type": "text", "text": f"Does this video show: {prompt}?"}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        with torch.no_grad():
+            logits = model(**processor(text=[text], videos=[clip], return_tensors="pt")).logits[0, -1].double()
+        p = torch.softmax(logits, -1)
+        yes, no = p[ids("Y")] + p[ids("y")], p[ids("N")] + p[ids("n")]
+        assert value == pytest.approx(float(yes / (yes + no)), abs=1e-5)
+    with pytest.raises(ValueError, match="2 prompts for 1 videos"):
+        judge(PROMPTS[:2], clips[:1])

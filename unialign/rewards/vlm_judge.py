@@ -1,4 +1,7 @@
-"""A vision-language model as an image reward: ask a judge VLM whether image i shows prompt i.
+"""A vision-language model as an image (or video) reward: ask a judge VLM whether image i shows prompt i.
+
+A completion may also be a video (a list of frames, or a batch [B, F, C, H, W]): a judge whose processor takes
+videos (the Qwen-VL line) gets a video block, any other one image block per frame; the question says "video".
 
 Two readings of the judge, ``mode``:
 
@@ -238,18 +241,35 @@ class VLMJudgeReward:
             self.yes_ids, self.no_ids = yes_no_token_ids(self.tokenizer, s["yes_words"], s["no_words"])
 
     # ---------------------------------------------------------------- inputs
-    def render(self, prompt: str) -> str:
-        """The judge's input text for one prompt: the question as a user message (image block, then text)
-        through the processor's chat template, with the generation prompt."""
-        messages = [{"role": "user", "content": [{"type": "image"},
-                                                 {"type": "text", "text": self.question.replace("{prompt}", prompt)}]}]
+    @property
+    def takes_video(self) -> bool:
+        """Whether the judge's processor takes ``videos`` (the Qwen-VL line's video processor); a judge without
+        one is shown a video's frames as images."""
+        return getattr(self.processor, "video_processor", None) is not None
+
+    def render(self, prompt: str, frames: int = 0) -> str:
+        """The judge's input text for one prompt: the question as a user message (the image block -- or, for a
+        video of ``frames`` frames, a video block or one image block per frame -- then the text) through the
+        processor's chat template, with the generation prompt. A video's question says "video" for "image"."""
+        question = self.question.replace("{prompt}", prompt)
+        if frames:
+            question = re.sub(r"\bimage\b", "video", question)
+            blocks = [{"type": "video"}] if self.takes_video else [{"type": "image"}] * frames
+        else:
+            blocks = [{"type": "image"}]
+        messages = [{"role": "user", "content": [*blocks, {"type": "text", "text": question}]}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def encode(self, prompts: list[str], images: list) -> dict[str, torch.Tensor]:
-        """Left-padded processor inputs for prompts and PIL images (one image per prompt), on ``device``. The
-        template writes the special tokens itself, so the tokenizer adds none."""
-        enc = self.processor(text=[self.render(p) for p in prompts], images=[[im] for im in images], padding=True,
-                             add_special_tokens=False, return_tensors="pt")
+        """Left-padded processor inputs for prompts and PIL images (one image per prompt) -- or videos (one list
+        of PIL frames per prompt) -- on ``device``. The template writes the special tokens itself, so the tokenizer
+        adds none."""
+        if images and isinstance(images[0], list):  # videos
+            texts = [self.render(p, len(v)) for p, v in zip(prompts, images)]
+            media = dict(videos=images) if self.takes_video else dict(images=images)
+        else:
+            texts, media = [self.render(p) for p in prompts], dict(images=[[im] for im in images])
+        enc = self.processor(text=texts, padding=True, add_special_tokens=False, return_tensors="pt", **media)
         if not bool(enc["attention_mask"][:, -1].all()):
             raise RuntimeError("vlm_judge: the processor padded on the right; the judge needs left padding")
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in enc.items()}
@@ -261,13 +281,23 @@ class VLMJudgeReward:
         if prompts is None:
             raise TypeError("vlm_judge needs the prompts (the question asks about each)")
         texts = [p if isinstance(p, str) else completion_to_text(p) for p in prompts]
-        pils = to_pil_images(images)
+        video = (isinstance(images, torch.Tensor) and images.dim() == 5) or (
+            isinstance(images, (list, tuple)) and bool(images) and isinstance(images[0], (list, tuple)))
+        if video:  # one clip per prompt (unialign.rewards.video's forms): a list of frames each
+            from unialign.rewards.video import batch_videos
+
+            pils = [to_pil_images(frames) for frames in batch_videos(images)]
+        else:
+            pils = to_pil_images(images)
         if len(texts) != len(pils):
-            raise ValueError(f"vlm_judge: {len(texts)} prompts for {len(pils)} images")
+            raise ValueError(f"vlm_judge: {len(texts)} prompts for {len(pils)} {'videos' if video else 'images'}")
         if self.resize is not None:
             from PIL import Image
 
-            pils = [im.resize((self.resize, self.resize), Image.BICUBIC) for im in pils]
+            def resized(im):
+                return im.resize((self.resize, self.resize), Image.BICUBIC)
+
+            pils = [[resized(f) for f in v] for v in pils] if video else [resized(im) for im in pils]
         return texts, pils
 
     # ---------------------------------------------------------------- the two readings
