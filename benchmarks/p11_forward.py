@@ -63,9 +63,16 @@ def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         raise RuntimeError(f"{method} seed {seed} exited {proc.returncode}: {proc.stderr[-1500:]}")
+    return read_run(out)
+
+
+def read_run(out: Path) -> dict:
+    """A finished run's numbers from its folder: ``summary.json`` and the history of its last checkpoint's
+    ``trainer_state.json`` (or a ``trainer_state.json`` kept beside the summary)."""
     summary = json.loads((out / "summary.json").read_text())
-    ckpt = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    history = json.loads((ckpt / "trainer_state.json").read_text())["history"]
+    ckpts = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    state = ckpts[-1] / "trainer_state.json" if ckpts else out / "trainer_state.json"
+    history = json.loads(state.read_text())["history"]
     curve, spent = [], 0.0
     for h in history:
         spent += h.get("step_seconds", 0.0)
@@ -83,18 +90,28 @@ def seconds_to(curve: list[tuple], threshold: float) -> float | None:
 
 
 def run(quick: bool = False, jobs: int = 2, methods: tuple[str, ...] | None = None,
-        results: Path | None = None) -> list[dict]:
+        results: Path | None = None, runs: Path | None = None) -> list[dict]:
     """The rows; ``methods``: a subset of ``METHODS`` (rows needing another are left out); ``results``: also write
-    every run's numbers there (JSON), for the docs' figures."""
+    every run's numbers there (JSON), for the docs' figures; ``runs``: read finished runs from ``runs/<method>-<seed>``
+    folders instead of running them (``read_run``)."""
     seeds, threshold = ((0,), 0.0) if quick else ((0, 1, 2), THRESHOLD)
     methods = tuple(methods or METHODS)
     try:
-        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {(m, s): pool.submit(run_method, m, s, quick, Path(tmp) / f"{m}-{s}")
-                       for s in seeds for m in methods}
-            res = {m: [futures[(m, s)].result() for s in seeds] for m in methods}
+        if runs is not None:
+            res = {m: [read_run(runs / f"{m}-{s}") for s in seeds] for m in methods}
+        else:
+            with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                futures = {(m, s): pool.submit(run_method, m, s, quick, Path(tmp) / f"{m}-{s}")
+                           for s in seeds for m in methods}
+                res = {m: [futures[(m, s)].result() for s in seeds] for m in methods}
     except Exception as e:  # noqa: BLE001
         return [error_row("P11", "image RL side by side", e)]
+    return rows_of(res, seeds, threshold, jobs, results)
+
+
+def rows_of(res: dict[str, list[dict]], seeds: tuple[int, ...], threshold: float, jobs: int,
+            results: Path | None = None) -> list[dict]:
+    """The rows of the runs ``res`` (method -> one ``read_run`` per seed)."""
     if results is not None:
         results.write_text(json.dumps(res, indent=1))
     reach = {m: [seconds_to(r["curve"], threshold) for r in rs] for m, rs in res.items()}
@@ -133,6 +150,45 @@ def run(quick: bool = False, jobs: int = 2, methods: tuple[str, ...] | None = No
                         gold_after=[r["gold_after"] for r in rs], gold_before=[r["gold_before"] for r in rs],
                         curves=[r["curve"] for r in rs]))
     return rows
+
+
+LABELS = {"flow_grpo": "Flow-GRPO (`--algorithm flow_grpo --sde_window_size 0`)",
+          "default": "default (GRPO, SDE window 3)",
+          "awm": "AWM (`--algorithm awm`, KL 0.03, trust term 1)",
+          "nft": "DiffusionNFT (`--algorithm nft`: β 0.1, KL 0.03)",
+          "dgpo": "DGPO (`--algorithm dgpo`)",
+          "grpo_guard": "GRPO-Guard (`--algorithm grpo_guard --sde_window_size 0`)",
+          "flow_dppo": "Flow-DPPO (`--algorithm flow_dppo --sde_window_size 0`)",
+          "flow_grpo-4ep": "Flow-GRPO, 4 inner epochs (`--num_iterations 4`)",
+          "grpo_guard-4ep": "GRPO-Guard, 4 inner epochs",
+          "flow_dppo-4ep": "Flow-DPPO, 4 inner epochs"}
+
+
+def markdown_table(res: dict[str, list[dict]], threshold: float = THRESHOLD) -> str:
+    """The docs' table of ``res`` (method -> runs by seed): seconds to ``threshold`` per seed and their median's
+    ratio to Flow-GRPO's (the same epochs), each reading's before -> after per seed, gold, training seconds."""
+    def seeds(values, fmt):
+        return " / ".join("never" if v is None else fmt.format(v) for v in values)
+
+    def med(values):
+        return statistics.median(values) if values and None not in values else None
+
+    lines = ["| method | seconds to fidelity 0.85 (× Flow-GRPO) | verifier fidelity before → after | independent "
+             "reader before → after | gold before → after | training s |", "|---|---|---|---|---|---|"]
+    for method, rs in res.items():
+        reach = [seconds_to(r["curve"], threshold) for r in rs]
+        base = "flow_grpo-4ep" if method.endswith("-4ep") else "flow_grpo"
+        ratio = (med(reach) / med([seconds_to(r["curve"], threshold) for r in res[base]])
+                 if base in res and med(reach) is not None and med(
+                     [seconds_to(r["curve"], threshold) for r in res[base]]) else None)
+        lines.append(
+            f"| {LABELS.get(method, method)} | {seeds(reach, '{:.0f}')}"
+            + (f" ({ratio:.2f}×)" if ratio is not None and method != base else "") + " | "
+            f"{rs[0]['fidelity_before']:.3f} → {seeds([r['fidelity_after'] for r in rs], '{:.3f}')} | "
+            f"{rs[0]['fidelity_reader_before']:.3f} → {seeds([r['fidelity_reader_after'] for r in rs], '{:.3f}')} | "
+            f"{rs[0]['gold_before']:.3f} → {seeds([r['gold_after'] for r in rs], '{:.3f}')} | "
+            f"{min(r['train_seconds'] for r in rs):.0f}-{max(r['train_seconds'] for r in rs):.0f} |")
+    return "\n".join(lines)
 
 
 def side_by_side(grids: dict[str, Path], out: Path, rows: int = 2) -> Path:
@@ -201,4 +257,12 @@ if __name__ == "__main__":
     else:
         only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--methods=")), None)
         out = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--results=")), None)
-        print(json.dumps(run(quick="--quick" in sys.argv, methods=only, results=out), indent=1, default=str))
+        runs = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--runs=")), None)
+        if "--table" in sys.argv:  # --table --runs=DIR [--methods=a,b]: the docs' table of finished runs
+            names = only or [m for m in METHODS if (runs / f"{m}-0").is_dir()]
+            have = {m: [read_run(runs / f"{m}-{s}") for s in (0, 1, 2) if (runs / f"{m}-{s}" / "summary.json").is_file()]
+                    for m in names}
+            print(markdown_table({m: rs for m, rs in have.items() if rs}))
+        else:
+            print(json.dumps(run(quick="--quick" in sys.argv, methods=only, results=out, runs=runs), indent=1,
+                             default=str))
