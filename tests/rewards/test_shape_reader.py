@@ -77,3 +77,10 @@ def test_the_builder_writes_the_shipped_files(tmp_path):
     shipped = json.loads((READER_DIR / "build_metrics.json").read_text())
     assert metrics["steps"] == 2 and shipped["steps"] == 3000 and shipped["held_out_layouts"]["clean"]["all"] >= 0.98
     assert ShapeReader(tmp_path).confidence == 0.9  # the short build loads as a reader
+
+
+def test_loading_a_reader_leaves_the_global_random_state_alone():
+    """An evaluation builds the reader mid-run: it must not shift the training run's random draws."""
+    state = torch.random.get_rng_state()
+    ShapeReader()
+    assert torch.equal(torch.random.get_rng_state(), state)

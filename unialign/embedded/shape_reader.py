@@ -73,7 +73,10 @@ class ShapeReader:
 
         root = Path(path) if path is not None else READER_DIR
         config = json.loads((root / "config.json").read_text())
-        self.net = ShapeReaderNet(width=config["width"])
+        # the layers' initialisation would draw from torch's global generator, which a training run is consuming
+        # (a reader built at the first evaluation would shift every later draw, and a resumed run's): forked
+        with torch.random.fork_rng(devices=[]):
+            self.net = ShapeReaderNet(width=config["width"])
         self.net.load_state_dict(load_file(str(root / "model.safetensors")))
         self.net.eval().requires_grad_(False)
         self.confidence = float(config.get("confidence", CONFIDENCE))
