@@ -30,6 +30,10 @@ SCRIPTS = {  # each script's embedded default, shrunk; 4 steps with a checkpoint
     "grpo_image": [*IMAGE, "--model_name_or_path", "embedded-sd3"],
     # forward-process RL with DiffusionNFT's old policy, a moving average kept in the checkpoint
     "grpo_image:nft": [*IMAGE, "--model_name_or_path", "embedded-sd3", "--algorithm", "nft"],
+    # DGPO (its clip's old policy, a moving average; pairs shared by each group) and GRPO-Guard (recorded step means)
+    "grpo_image:dgpo": [*IMAGE, "--model_name_or_path", "embedded-sd3", "--algorithm", "dgpo"],
+    "grpo_image:grpo_guard": [*IMAGE, "--model_name_or_path", "embedded-sd3", "--algorithm", "grpo_guard",
+                              "--num_iterations", "2"],
     "dpo_sdxl": ["--num_prompts", "4", "--pairs_per_prompt", "2", "--eval_pairs_per_prompt", "2", "--min_gap", "0",
                  "--batch_size", "4", "--micro_batch_size", "4", "--eval_timestep_samples", "1",
                  "--num_eval_images", "4", "--caption_dropout", "0.5"],
