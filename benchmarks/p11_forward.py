@@ -15,7 +15,7 @@ plain Flow-GRPO's clip stops bounding positive-advantage updates); medians over 
 each method's final fidelity (both readings) and gold against the base model's. ``--quick``: 1 step on seed 0 and
 threshold 0 (every row runs; the numbers mean nothing).
 
-A full run takes about 1.5 hours on 2 CPU cores (30 runs of 3-8 minutes, two at a time), so
+A full run takes about 2 hours on 2 CPU cores (21 runs of 3-5 minutes and 9 four-epoch runs of 12-15, two at a time), so
 ``python -m benchmarks.run`` runs it only when asked (``--only P11`` or ``--long``).
 """
 

@@ -12,9 +12,9 @@ copy; P6 the math reward's agreement with labelled truth and time per 1,000 comp
 P9 DDPO end to end (time per epoch split into sampling / training, peak memory) vs TRL 0.23's DDPOTrainer
 in its own cached environment; P10 the SD3 family (``FlowMatchingPolicy``): P10a sampling with Flow-GRPO's
 SDE log-prob recording vs the stock ``StableDiffusion3Pipeline``, P10b a GRPO step's time and working memory
-with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says); P11 forward-process
-image RL (AWM, DiffusionNFT) against Flow-GRPO and the grpo_image default, seconds to held-out fidelity 0.85 on the
-embedded SD3 world over 3 seeds (about an hour: only with ``--long`` or ``--only P11``; ``--quick`` runs it small);
+with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says); P11 image RL side by side
+(AWM, DiffusionNFT, DGPO, GRPO-Guard, Flow-DPPO) against Flow-GRPO and the grpo_image default, seconds to held-out
+fidelity 0.85 and both fidelity readings on the embedded SD3 world over 3 seeds (about two hours: only with ``--long`` or ``--only P11``; ``--quick`` runs it small);
 P12 GRPO on a vision-language model (``VisionLanguagePolicy``) vs TRL GRPOTrainer with a processor.
 Each group runs in a fresh child process (``python -m benchmarks.run --only KEY --in-process``; ``--in-process``: all
 in this one). JSON: {"machine": {...}, "date", "command", "mode", "rows": [{"id", "measure", "ours", "baseline",
@@ -49,7 +49,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
            "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo", "P13": "p13_dlm"}
-LONG = ("P11",)  # about an hour: the default suite leaves it out (``--long`` or ``--only P11``); --quick runs it
+LONG = ("P11",)  # about two hours: the default suite leaves it out (``--long`` or ``--only P11``); --quick runs it
 
 
 def p1_rows(quick: bool) -> list[dict]:
