@@ -45,7 +45,8 @@ def test_the_gpu_image_rl_rows_run_as_a_cpu_dry_run(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_results.json").read_text())["rows"]
-    assert [r["id"] for r in rows] == ["G-P11-flow_grpo", "G-P11-awm", "G-P11-nft"], rows
+    assert [r["id"] for r in rows] == ["G-P11-flow_grpo", "G-P11-awm", "G-P11-nft", "G-P11-dgpo", "G-P11-grpo_guard",
+                                       "G-P11-flow_dppo"], rows
     assert all(r["ours"] and r["ours"] > 0 and r["collect_images_per_s"] > 0 for r in rows), rows
 
 

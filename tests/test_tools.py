@@ -59,7 +59,8 @@ def test_image_stages_cover_the_shipped_assets_and_read_the_shipped_arguments():
     from tools.asset_check import files_under
     from tools.build_shapes_world import STAGES, shipped_arguments
 
-    shipped = set(files_under(IMAGE))
+    # reader/: the second fidelity reader, built and checked by its own tool (tools.build_shape_reader)
+    shipped = {f for f in files_under(IMAGE) if not f.startswith("reader/")}
     for stage, (writes, reads) in STAGES.items():
         for prefix in writes + reads:
             assert files_under(IMAGE, (prefix,)), (stage, prefix)

@@ -432,6 +432,7 @@ DIRECT_WRITES = {
     ("unialign/files.py", "write_json"): "the policy itself",
     ("unialign/trainers/loop.py", "_write_samples"): "unialign.files.write_text (imported by name)",
     ("unialign/trainers/outputs.py", "save_curves"): "inside write_with's writer",
+    ("unialign/trainers/outputs.py", "save_step_ratios"): "inside write_with's writer",
     ("unialign/trainers/outputs.py", "_save_final"): "into the temporary folder _save_final renames into place",
     ("unialign/trainers/checkpoint.py", "save_checkpoint"): "into the checkpoint's temporary folder",
     ("unialign/trainers/preference.py", "_write_reference_cache"): "inside write_with's writer",
