@@ -156,3 +156,23 @@ def test_a_prompt_limit_never_cuts_video_tokens():
                                         r"max_prompt_length=20.*--max_frames"):
         policy.sample([prompt])
     assert policy.count_prompt_tokens([prompt], 20)[0] > 32  # the video's tokens are counted, never cut
+
+
+def test_a_video_file_over_the_pixel_limit_is_refused(tmp_path):
+    av = pytest.importorskip("av")
+    import numpy as np
+
+    from unialign.images import ImageRules
+
+    path = tmp_path / "big.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for k in range(6):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), 30 * k, np.uint8), "rgb24")))
+        container.mux(stream.encode())
+    with pytest.raises(UserError, match=r"64 x 64 frames, over the image limit of 1000 pixels"):
+        load_video(str(path), rules=ImageRules(tmp_path, max_pixels=1000))
+    thinned = load_video(str(path), sampling=VideoSampling(max_frames=2))
+    levels = [int(np.asarray(f).mean()) for f in thinned]
+    assert len(thinned) == 2 and levels[0] < 20 and levels[1] > 130  # the first and the last frame

@@ -81,8 +81,14 @@ def load_image(value: Any, base_dir: str | Path | None = None, where: str = "ima
         return decodes(image, where, rules).convert("RGB")  # a copy: the file is closed on return
 
 
-def _decode_video_file(path: Path, where: str, sampling: VideoSampling) -> list:
-    """The frames of a video file as RGB ``PIL.Image``s, at ``sampling.fps`` when set (PyAV)."""
+MAX_DECODED_FRAMES = 4096  # frames kept while decoding one file (before thinning): a memory bound, not a choice
+
+
+def _decode_video_file(path: Path, where: str, sampling: VideoSampling, rules: ImageRules) -> list:
+    """The frames of a video file as RGB ``PIL.Image``s, at ``sampling.fps`` when set (PyAV). A frame over the image
+    pixel limit (``rules``), or a file of more than ``MAX_DECODED_FRAMES`` kept frames, is refused naming ``where``;
+    when the stream says how many frames it has (and no fps is asked), only the ``max_frames`` that ``thin`` would
+    keep are converted."""
     try:
         import av
     except ImportError:
@@ -95,11 +101,22 @@ def _decode_video_file(path: Path, where: str, sampling: VideoSampling) -> list:
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
-            for frame in container.decode(stream):
-                t = float(frame.pts * stream.time_base) if frame.pts is not None else len(frames)
+            wanted = None  # the indices thin() keeps, when the frame count is known up front
+            if sampling.fps is None and sampling.max_frames is not None and (stream.frames or 0) > sampling.max_frames:
+                wanted = set(sampling.thin(list(range(stream.frames))))
+            for k, frame in enumerate(container.decode(stream)):
+                if frame.width * frame.height > rules.limit():
+                    raise UserError(f"{where}: {path} has {frame.width} x {frame.height} frames, over the image limit "
+                                    f"of {rules.limit()} pixels (--max_image_pixels)")
+                t = float(frame.pts * stream.time_base) if frame.pts is not None else k
+                if wanted is not None and k not in wanted:
+                    continue
                 if sampling.fps is None or t + 1e-9 >= next_t:
                     frames.append(frame.to_image().convert("RGB"))
                     next_t = t + 1.0 / sampling.fps if sampling.fps else 0.0
+                    if len(frames) > MAX_DECODED_FRAMES:
+                        raise UserError(f"{where}: {path} has more than {MAX_DECODED_FRAMES} frames to keep; sample it "
+                                        "with --video_fps")
     except (av.error.FFmpegError, IndexError) as err:
         raise UserError(f"{where}: {path} is not a readable video ({err})") from None
     if not frames:
@@ -118,7 +135,7 @@ def load_video(value: Any, base_dir: str | Path | None = None, where: str = "vid
         frames = [load_image(f, base_dir, f"{where}[{k}]", rules) for k, f in enumerate(value)]
     elif isinstance(value, (str, Path)) and Path(value).suffix.lower() in VIDEO_SUFFIXES:
         rules = rules or ImageRules(Path(base_dir) if base_dir is not None else None, confine=False)
-        frames = _decode_video_file(image_path(value, where, rules), where, sampling)  # a regular file, confined
+        frames = _decode_video_file(image_path(value, where, rules), where, sampling, rules)  # a regular file, confined
     else:
         raise UserError(f"{where}: a video is a list of frames or a video file ({', '.join(VIDEO_SUFFIXES)}), got "
                         f"{type(value).__name__}")
