@@ -36,13 +36,13 @@ def _policy(family: str, **kw) -> VisionLanguagePolicy:
 
 
 def _reference_logp(policy: VisionLanguagePolicy, prompt, completion_ids: torch.Tensor) -> torch.Tensor:
-    """One sample, no batching, no padding, no fused head: the processor's own outputs + the completion, the
-    model's own positions, ``log_softmax`` of the full logits gathered at the completion tokens."""
-    from unialign.vision.media import prompt_images
+    """One sample, no batching, no padding, no fused head: the processor's own outputs (images and videos) + the
+    completion, the model's own positions, ``log_softmax`` of the full logits gathered at the completion tokens."""
+    from unialign.vision.media import prompt_images, prompt_videos
 
-    images = prompt_images(prompt)
+    images, videos = prompt_images(prompt), prompt_videos(prompt)
     enc = policy.processor(text=[policy.format_prompt(prompt)], images=[images] if images else None,
-                           return_tensors="pt", add_special_tokens=False)
+                           return_tensors="pt", add_special_tokens=False, **({"videos": videos} if videos else {}))
     W = enc["input_ids"].shape[1]
     kw = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
     for key in ("token_type_ids", "mm_token_type_ids"):

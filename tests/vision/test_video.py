@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 
+from tests.vision.test_policy import _reference_logp  # the per-sample forward, images and videos
 from tests.vision.tiny import build, random_image
 from unialign.errors import UserError
 from unialign.types import Trajectory
 from unialign.vision import VideoSampling, VisionLanguagePolicy, load_video, multimodal_prompt, vision_rows
-from unialign.vision.media import prompt_images, prompt_videos
+from unialign.vision.media import prompt_videos
 
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -40,23 +41,6 @@ def _prompts(seed: int = 0) -> list:
 def _policy(family: str, **kw) -> VisionLanguagePolicy:
     model, processor = build(family)
     return VisionLanguagePolicy(model, processor, max_new_tokens=5, **kw)
-
-
-def _reference_logp(policy: VisionLanguagePolicy, prompt, completion_ids: torch.Tensor) -> torch.Tensor:
-    """One sample alone: the processor's outputs (images and videos) + the completion, the model's own positions,
-    ``log_softmax`` of the full logits at the completion tokens."""
-    images, videos = prompt_images(prompt), prompt_videos(prompt)
-    enc = policy.processor(text=[policy.format_prompt(prompt)], images=[images] if images else None,
-                           videos=videos or None, return_tensors="pt", add_special_tokens=False)
-    W = enc["input_ids"].shape[1]
-    kw = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-    if "mm_token_type_ids" in kw:
-        kw["mm_token_type_ids"] = torch.nn.functional.pad(kw["mm_token_type_ids"], (0, completion_ids.numel()))
-    ids = torch.cat([enc["input_ids"], completion_ids[None]], dim=1)
-    head = policy.model.get_output_embeddings()
-    hidden = policy.model.model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).last_hidden_state
-    logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float()
-    return logits[0, W - 1:-1].log_softmax(-1).gather(-1, completion_ids[:, None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)

@@ -209,11 +209,7 @@ def save_step_ratios(history: list[dict], path: str | Path) -> bool:
         ax.set_xlabel("denoising step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    try:
-        write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), f"the step ratios {path}")
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path, f"the step ratios {path}")
     return True
 
 
@@ -251,9 +247,16 @@ def save_curves(history: list[dict], path: str | Path, keys: tuple[str, ...] = (
             ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    _save_figure(fig, path, f"the curves {path}")
+
+
+def _save_figure(fig, path: str | Path, what: str) -> None:
+    """``fig`` laid out and written to ``path`` through the write policy (``write_with``), then closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
-        write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), f"the curves {path}")
+        write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), what)
     finally:
         plt.close(fig)
 
