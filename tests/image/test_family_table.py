@@ -40,7 +40,8 @@ def test_the_knobs_follow_the_row():
         assert kw == policy_kwargs(cfg, row.name)
         knobs = kw["knobs"]
         set_ = {f.name for f in dataclasses.fields(knobs) if getattr(knobs, f.name) is not None}
-        assert set_ == {*COMMON_KNOBS, *row.knobs} - {"height", "width", "max_sequence_length", "sde_window_range"}
+        assert set_ == {*COMMON_KNOBS, *row.knobs} - {"height", "width", "max_sequence_length", "sde_window_range",
+                                                         "num_frames"}  # the unset optional ones
         assert set(row.knobs) >= set(KERNELS[row.kernel].knobs)  # the step kernel's knobs, named by the row
         assert (knobs.noise_level is not None) == (row.kernel == "flow_sde") == (knobs.eta is None)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -99,12 +100,12 @@ def test_knobs_give_the_policy_the_keywords_do(make_policy, tokenizer_dir):
 def test_the_model_family_help_lists_the_table(monkeypatch):
     from unialign.image import families
 
-    assert families.family_names() == ("sd | sdxl (DDIM, DiffusionPolicy) | sd3 | flux | zimage (flow matching with "
+    assert families.family_names() == ("sd | sdxl (DDIM, DiffusionPolicy) | sd3 | flux | zimage | wan (flow matching with "
                                        "Flow-GRPO's SDE step)")
 
     class SanaFamily(families.ImageFamily):
         name, title, pipeline, kernel, markers = "sana", "SANA", "SanaPipeline", "flow_sde", ("sana",)
 
     monkeypatch.setattr(families, "FAMILIES", {**families.FAMILIES, "sana": SanaFamily})
-    assert families.family_names(False) == "sd | sdxl | sd3 | flux | zimage | sana"
+    assert families.family_names(False) == "sd | sdxl | sd3 | flux | zimage | wan | sana"
     assert families.resolve("org/sana-1.6b") is SanaFamily

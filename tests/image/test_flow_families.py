@@ -14,6 +14,7 @@ from tests.image.test_flux_policy import FLUX_DEFAULTS, flux_components
 from unialign.image.families import FAMILIES, choose_flow_family, flow_families
 from unialign.image.flow_policy import FlowMatchingPolicy, FlowPolicyBase, SD3Family
 from unialign.image.flux_policy import FluxFamily, FluxPolicy
+from unialign.image.wan import WanFamily
 from unialign.image.zimage import ZImageFamily
 
 SD3_OPTS = dict(num_steps=2, guidance_scale=3.0, max_sequence_length=4)
@@ -21,13 +22,14 @@ SD3_OPTS = dict(num_steps=2, guidance_scale=3.0, max_sequence_length=4)
 
 def test_the_adapters_come_from_the_table_and_the_transformer_chooses(tokenizer_dir):
     families = flow_families()
-    assert families == (SD3Family, FluxFamily, ZImageFamily)
+    assert families == (SD3Family, FluxFamily, ZImageFamily, WanFamily)
     assert [f.name for f in families] == [r.name for r in FAMILIES.values() if r.kernel == "flow_sde"]
     assert all(FAMILIES[f.name] is f and f.policy_class() is FlowPolicyBase for f in families)
     assert choose_flow_family(sd3_components(tokenizer_dir)["transformer"]) is SD3Family
     assert choose_flow_family(flux_components(tokenizer_dir)["transformer"]) is FluxFamily
     with pytest.raises(ValueError, match=r"UNet2DConditionModel.*SD3Transformer2DModel \(SD3\)"
-                                         r".*FluxTransformer2DModel \(FLUX.1\).*ZImageTransformer2DModel \(Z-Image\)"):
+                                         r".*FluxTransformer2DModel \(FLUX.1\).*ZImageTransformer2DModel \(Z-Image\)"
+                                         r".*WanTransformer3DModel \(Wan 2.1\)"):
         choose_flow_family(sd_components(tokenizer_dir)["unet"])
 
 

@@ -161,10 +161,12 @@ def run_online_image(cfg: Any) -> dict[str, Any]:
     """The run of ``scripts/grpo_image.py`` / ``scripts/ddpo_aesthetic.py``: the rewards checked before any model
     loads, then ``run_image_rl`` on this world's parts for an embedded model (``image_rl_parts``), else on a hub /
     local model's (``unialign.recipes.image.hub_parts``). Returns the summary."""
-    from unialign.recipes.image import hub_parts, run_image_rl
+    from unialign.recipes.image import hub_parts, model_family, run_image_rl, sample_kind
     from unialign.recipes.text import check_rewards
 
     check_model_kind(cfg.model_name_or_path, ("image",))  # a text model, a misspelt name: one line, now
-    check_rewards(cfg.reward_funcs, cfg.reward_weights, modality="image")
+    family = (embedded_family(cfg.model_name_or_path, cfg.model_family) if cfg.model_name_or_path in IMAGE_MODELS
+              else model_family(cfg))
+    check_rewards(cfg.reward_funcs, cfg.reward_weights, modality=sample_kind(cfg, family))
     parts = image_rl_parts(cfg) if cfg.model_name_or_path in IMAGE_MODELS else hub_parts(cfg)
     return run_image_rl(cfg, **parts)

@@ -235,27 +235,20 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         return chunks
 
     def decode(self, latents_B_C_H_W: Tensor) -> list[Image.Image]:
-        """VAE-decode (fp32) latents to PIL images: latents / scaling_factor (+ shift_factor where the VAE has
-        one: SD3, FLUX), as the stock pipelines."""
-        z = latents_B_C_H_W.float() / self.vae.config.scaling_factor
-        if getattr(self.vae.config, "shift_factor", None):
-            z = z + self.vae.config.shift_factor
-        with torch.no_grad():
-            pixels = self.vae.decode(z).sample
-        arr = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+        """VAE-decode (fp32) latents to PIL images (``decode_images``)."""
+        return decode_images(self.vae, latents_B_C_H_W)
 
     @torch.no_grad()
     def encode_images(self, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
                       generator: torch.Generator | None = None) -> Tensor:
-        """Pixels in [-1, 1] -> latents (z - shift_factor) x scaling_factor [B, C, H, W] (VAE in fp32; no shift
-        for SD1.x / SDXL), the stock training convention. ``sample_posterior=True`` draws from the VAE
-        posterior as Diffusion-DPO does; False takes its mean (deterministic)."""
-        dist = self.vae.encode(pixels_B_3_H_W.to(self.device, torch.float32)).latent_dist
-        z = dist.sample(generator) if sample_posterior else dist.mean
-        if getattr(self.vae.config, "shift_factor", None):
-            z = z - self.vae.config.shift_factor
-        return z * self.vae.config.scaling_factor
+        """Pixels in [-1, 1] -> latents (``encode_images``)."""
+        return encode_images(self.vae, pixels_B_3_H_W.to(self.device), sample_posterior, generator)
+
+    @property
+    def output_kind(self) -> tuple[str, str]:
+        """What one sample is and the stock pipeline output's field holding them (the family's: ("image",
+        "images"), a video family's ("video", "frames"))."""
+        return self.family.output_kind
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
@@ -544,7 +537,8 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         cls = self._pipeline_class().__name__
         absent = "".join(f", {name}=None" for name in self._absent_components())
         call = ", ".join(f"{k}={v!r}" for k, v in self.sampling_settings().items())
-        sample = f"\nimage = pipe('a prompt', {call}).images[0]"
+        one, field = self.output_kind
+        sample = f"\n{one} = pipe('a prompt', {call}).{field}[0]"
         if self.lora_rank == 0:
             return (f"from diffusers import DiffusionPipeline\n"
                     f"pipe = DiffusionPipeline.from_pretrained({str(path)!r}{absent}){sample}")
@@ -590,6 +584,35 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         name = self.denoiser_subfolder
         self._pipeline_class().save_lora_weights(path, **{f"{name}_lora_layers": layers,
                                                           f"{name}_lora_adapter_metadata": metadata})
+
+
+def to_uint8_frames(pixels: Tensor) -> list[Image.Image]:
+    """Decoded pixels [B, 3, H, W] in [-1, 1] -> B PIL images (rounded to uint8, as the stock image processors)."""
+    arr = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+
+
+@torch.no_grad()
+def decode_images(vae, latents_B_C_H_W: Tensor) -> list[Image.Image]:
+    """VAE-decode (fp32) latents to PIL images: latents / scaling_factor (+ shift_factor where the VAE has one: SD3,
+    FLUX), as the stock pipelines."""
+    z = latents_B_C_H_W.float() / vae.config.scaling_factor
+    if getattr(vae.config, "shift_factor", None):
+        z = z + vae.config.shift_factor
+    return to_uint8_frames(vae.decode(z).sample)
+
+
+@torch.no_grad()
+def encode_images(vae, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """Pixels in [-1, 1] -> latents (z - shift_factor) x scaling_factor [B, C, H, W] (VAE in fp32; no shift for
+    SD1.x / SDXL), the stock training convention. ``sample_posterior=True`` draws from the VAE posterior as
+    Diffusion-DPO does; False takes its mean (deterministic)."""
+    dist = vae.encode(pixels_B_3_H_W.to(torch.float32)).latent_dist
+    z = dist.sample(generator) if sample_posterior else dist.mean
+    if getattr(vae.config, "shift_factor", None):
+        z = z - vae.config.shift_factor
+    return z * vae.config.scaling_factor
 
 
 def print_load_snippet(acc, policy: DenoiserPolicy, final: str | os.PathLike) -> None:

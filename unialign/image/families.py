@@ -17,6 +17,7 @@ from unialign.image.family import COMMON_KNOBS, ImageFamily, SamplerKnobs
 from unialign.image.flow_policy import FlowFamily, SD3Family
 from unialign.image.flux_policy import FluxFamily
 from unialign.image.policy import SD1Family, SDXLFamily
+from unialign.image.wan import WanFamily
 from unialign.image.zimage import ZImageFamily
 
 __all__ = ["ADAPTERS", "COMMON_KNOBS", "FAMILIES", "FAMILY_CHOICES", "Family", "ImageFamily", "KERNEL_WORDS",
@@ -24,7 +25,7 @@ __all__ = ["ADAPTERS", "COMMON_KNOBS", "FAMILIES", "FAMILY_CHOICES", "Family", "
            "resolve"]
 
 Family = type[ImageFamily]  # a row of the table: the adapter class
-ADAPTERS: tuple[Family, ...] = (SD1Family, SDXLFamily, SD3Family, FluxFamily, ZImageFamily)
+ADAPTERS: tuple[Family, ...] = (SD1Family, SDXLFamily, SD3Family, FluxFamily, ZImageFamily, WanFamily)
 FAMILIES: dict[str, Family] = {f.name: f for f in ADAPTERS}
 FAMILY_CHOICES = ("auto", *FAMILIES)  # the --model_family choices
 # the families in the --model_family help lines, by step kernel (a new row shows up in them by itself)

@@ -39,6 +39,7 @@ class SamplerKnobs:
     sde_window_size: int | None = None
     sde_window_range: tuple[int, int] | None = None
     max_sequence_length: int | None = None
+    num_frames: int | None = None
 
     @classmethod
     def over(cls, knobs: SamplerKnobs | None, **keywords: Any) -> SamplerKnobs:
@@ -70,6 +71,8 @@ class ImageFamily:
         replacement_vae: whether ``from_pretrained`` takes ``vae_name_or_path``.
         text_parts: the text encoders and tokenizers it needs, by diffusers component name.
         optional_parts: those it may go without (all given or all left out).
+        output_kind: what one sample is ("image" / "video": the rewards that score it,
+            ``unialign.rewards.registry.REWARD_INPUTS``) and the stock pipeline output's field holding them.
     """
 
     name: str = ""
@@ -82,6 +85,7 @@ class ImageFamily:
     replacement_vae: bool = False
     text_parts: tuple[str, ...] = ()
     optional_parts: tuple[str, ...] = ()
+    output_kind: tuple[str, str] = ("image", "images")
 
     def __init__(self, **parts: Any) -> None:
         """Hold the text parts by name (each also an attribute); a part left None counts as not given. ValueError

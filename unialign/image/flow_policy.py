@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from unialign.image.denoiser import DenoiserPolicy
+from unialign.image.denoiser import DenoiserPolicy, decode_images, encode_images
 from unialign.image.family import ImageFamily, SamplerKnobs
 from unialign.image.kernels import FlowSDEKernel
 from unialign.policy import KLWeights
@@ -93,6 +93,8 @@ class FlowFamily(ImageFamily):
     max_sequence_length: int
     t5_optional: bool = False
     layout: str = ""
+    #: the diffusers VAE class of the pipeline folder (``from_pretrained``)
+    vae_class: str = "AutoencoderKL"
 
     def __init__(self, transformer, **parts: Any) -> None:
         self.config = transformer.config
@@ -115,6 +117,33 @@ class FlowFamily(ImageFamily):
 
     def check_vae(self, vae) -> None:
         """ValueError when ``vae`` lacks what the family needs (nothing here)."""
+
+    @staticmethod
+    def vae_scale_factor(vae) -> int:
+        """Pixels per latent pixel along a side: 2 ** (VAE levels - 1), as the stock image pipelines."""
+        return 2 ** (len(vae.config.block_out_channels) - 1)
+
+    @staticmethod
+    def flow_scheduler(scheduler):
+        """The ``FlowMatchEulerDiscreteScheduler`` the policy samples with: ``scheduler`` itself, or built from the
+        config of any other scheduler (or from a scheduler config dict, a folder's ``scheduler_config.json``)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+            return scheduler
+        return FlowMatchEulerDiscreteScheduler.from_config(getattr(scheduler, "config", scheduler))
+
+    def decode(self, vae, latents: Tensor) -> list:
+        """The completions of clean latents [B, C, H, W]: B PIL images (``denoiser.decode_images``)."""
+        return decode_images(vae, latents)
+
+    def encode(self, vae, pixels: Tensor, sample_posterior: bool, generator: torch.Generator | None) -> Tensor:
+        """Latents of pixels [B, 3, H, W] in [-1, 1] (``denoiser.encode_images``: the Diffusion-DPO pairs)."""
+        return encode_images(vae, pixels, sample_posterior, generator)
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """Stock pipeline call arguments beyond steps, guidance and size that the policy samples with (none here)."""
+        return {}
 
     # ------------------------------------------------------------------ hooks
     def default_size(self, vae_scale_factor: int) -> int:
@@ -189,6 +218,8 @@ class FlowPolicyBase(DenoiserPolicy, KLWeights):
             family's ``default_size`` (the stock pipeline's).
         max_sequence_length: T5 tokens (SD3: also the zero block's length when T5 is None); None: the family's
             default (``FlowFamily.max_sequence_length``: SD3 256, FLUX.1 512).
+        num_frames: frames per video of a video family (``WanFamily``: 4k + 1; None: its default); an image
+            family takes none.
         lora_rank: > 0 adds a peft LoRA (alpha = ``lora_alpha`` or rank) on the family's
             ``lora_target_modules`` and freezes the base; 0 trains the full transformer. ``save``
             (``DenoiserPolicy.save``): the LoRA in ``load_lora_weights`` form, or a whole stock pipeline folder
@@ -231,6 +262,7 @@ class FlowPolicyBase(DenoiserPolicy, KLWeights):
         height: int | None = None,
         width: int | None = None,
         max_sequence_length: int | None = None,
+        num_frames: int | None = None,
         lora_rank: int = 0,
         lora_alpha: float | None = None,
         gradient_checkpointing: bool = False,
@@ -247,18 +279,18 @@ class FlowPolicyBase(DenoiserPolicy, KLWeights):
 
         self.family = self._choose_family(transformer, family)(transformer, **text_parts)
         self.family.check_vae(vae)
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = self.family.vae_scale_factor(vae)
         k = SamplerKnobs.over(knobs, num_steps=num_steps, guidance_scale=guidance_scale, noise_level=noise_level,
                               sde_type=sde_type, sde_window_size=sde_window_size, sde_window_range=sde_window_range,
-                              height=height, width=width, max_sequence_length=max_sequence_length)
+                              height=height, width=width, max_sequence_length=max_sequence_length,
+                              num_frames=num_frames)
         self.knobs = k = self.family.defaults(k, self.vae_scale_factor)
         self.kernel = FlowSDEKernel(k.num_steps, k.noise_level, k.sde_type, k.sde_window_size, k.sde_window_range)
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.transformer = transformer
         self.vae = vae if vae.dtype == torch.float32 else vae.to(torch.float32)
-        self.scheduler = (scheduler if isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
-                          else FlowMatchEulerDiscreteScheduler.from_config(scheduler.config))
+        self.scheduler = self.family.flow_scheduler(scheduler)
         # the training timesteps / sigmas (num_train_timesteps of them, before set_timesteps), as the
         # diffusers training scripts' ``noise_scheduler_copy``: the Diffusion-DPO surrogate draws from them
         train = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config)
@@ -326,10 +358,10 @@ class FlowPolicyBase(DenoiserPolicy, KLWeights):
             transformer = getattr(diffusers, family.transformer_class)
             return {
                 "transformer": transformer.from_pretrained(path_or_hub_id, subfolder="transformer", **model_kw),
-                "vae": diffusers.AutoencoderKL.from_pretrained(path_or_hub_id, subfolder="vae", **opts),
+                "vae": getattr(diffusers, family.vae_class).from_pretrained(path_or_hub_id, subfolder="vae", **opts),
                 **family.load_text_parts(path_or_hub_id, opts, model_kw, load_t5),
-                "scheduler": diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id,
-                                                                                       subfolder="scheduler", **opts),
+                "scheduler": family.flow_scheduler(diffusers.FlowMatchEulerDiscreteScheduler.load_config(
+                    path_or_hub_id, subfolder="scheduler", **opts)),
             }
 
         parts = cls._load_parts(path_or_hub_id, build, family.title, family.layout, torch_dtype, variant, device)
@@ -362,6 +394,20 @@ class FlowPolicyBase(DenoiserPolicy, KLWeights):
     def _pipeline_class(self):
         """The stock diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights``): the family's."""
         return self.family.pipeline_class()
+
+    def decode(self, latents: Tensor) -> list:
+        """The completions of clean latents (the family's ``decode``: PIL images, or videos as lists of frames)."""
+        return self.family.decode(self.vae, latents)
+
+    @torch.no_grad()
+    def encode_images(self, pixels_B_3_H_W: Tensor, sample_posterior: bool = True,
+                      generator: torch.Generator | None = None) -> Tensor:
+        """Pixels in [-1, 1] -> latents (the family's ``encode``)."""
+        return self.family.encode(self.vae, pixels_B_3_H_W.to(self.device), sample_posterior, generator)
+
+    def sampling_settings(self) -> dict[str, Any]:
+        """``DenoiserPolicy.sampling_settings`` and the family's ``sampling_extras`` (a video family's frames)."""
+        return {**super().sampling_settings(), **self.family.sampling_extras()}
 
     # ------------------------------------------------------------------ the SDE step kernel's knobs
     @property

@@ -25,20 +25,46 @@ def wrap_caption(caption: str, chars: int, max_lines: int = MAX_LINES) -> list[s
     return lines
 
 
-def make_grid(images: list[Image.Image], captions: list[str], columns: int = 8, cell: int = 128) -> Image.Image:
-    """Tile ``images`` (upscaled to ``cell`` px, nearest) with ``captions`` wrapped at word boundaries."""
+def is_video(sample) -> bool:
+    """Whether a completion is a video (a list / tuple of frames) rather than one image."""
+    return isinstance(sample, (list, tuple))
+
+
+def video_strip(frames: list[Image.Image], frame_px: int | None = None, gap: int = 2) -> Image.Image:
+    """A video's frames side by side, left to right in time, ``gap`` white pixels apart; each frame upscaled
+    (nearest) or shrunk (Lanczos) to ``frame_px`` px high (None: as it is)."""
+    frames = [f.convert("RGB") for f in frames]
+    w0, h0 = frames[0].size
+    size = (w0, h0) if frame_px is None else (max(1, round(frame_px * w0 / h0)), frame_px)
+    resample = Image.NEAREST if size[1] >= h0 else Image.LANCZOS
+    strip = Image.new("RGB", (len(frames) * (size[0] + gap) - gap, size[1]), "white")
+    for k, frame in enumerate(frames):
+        strip.paste(frame.resize(size, resample), (k * (size[0] + gap), 0))
+    return strip
+
+
+def make_grid(images: list, captions: list[str], columns: int = 8, cell: int = 128) -> Image.Image:
+    """Tile ``images`` (upscaled to ``cell`` px, nearest) with ``captions`` wrapped at word boundaries. Videos
+    (lists of frames) are tiled as their ``video_strip`` of ``cell // 2`` px frames, as many to a row as fit
+    ``columns`` image cells."""
+    if images and is_video(images[0]):
+        images = [video_strip(v, cell // 2) for v in images]
+        width, height = images[0].size
+        columns = max(1, columns * cell // width)
+    else:
+        width = height = cell
     font = ImageFont.load_default()
-    chars = max(8, cell // 6)
+    chars = max(8, width // 6)
     wrapped = [wrap_caption(c, chars) for c in captions]
     text_h = LINE_HEIGHT * max((len(w) for w in wrapped), default=1) + 4
     rows = max(1, (len(images) + columns - 1) // columns)
-    grid = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    grid = Image.new("RGB", (columns * width, rows * (height + text_h)), "white")
     draw = ImageDraw.Draw(grid)
     for k, (img, lines) in enumerate(zip(images, wrapped)):
-        x, y = (k % columns) * cell, (k // columns) * (cell + text_h)
-        grid.paste(img.convert("RGB").resize((cell, cell), Image.NEAREST), (x, y))
+        x, y = (k % columns) * width, (k // columns) * (height + text_h)
+        grid.paste(img.convert("RGB").resize((width, height), Image.NEAREST), (x, y))
         for j, line in enumerate(lines):
-            draw.text((x + 2, y + cell + 2 + j * LINE_HEIGHT), line, fill="black", font=font)
+            draw.text((x + 2, y + height + 2 + j * LINE_HEIGHT), line, fill="black", font=font)
     return grid
 
 
@@ -164,8 +190,63 @@ def make_comparison(before: list[Image.Image], after: list[Image.Image], prompts
     return canvas
 
 
+def make_video_comparison(before: list[list[Image.Image]], after: list[list[Image.Image]], prompts: list[str],
+                          before_labels: list[str] | None = None, after_labels: list[str] | None = None,
+                          title: str = "", columns: int = 2, frame_px: int = 96,
+                          max_prompts: int = MAX_COMPARISON_PROMPTS,
+                          font_size: int = COMPARISON_FONT_SIZE) -> Image.Image:
+    """``make_comparison`` for videos: for each of the first ``max_prompts`` distinct prompts its before clip over
+    its after clip, each a ``video_strip`` of ``frame_px`` px frames (time runs left to right) with "before" /
+    "after" at its left, then the prompt and the labels under the pair; ``columns`` pairs to a row, a title on
+    top. ValueError when the lists differ in length or are empty."""
+    n = len(prompts)
+    if not n or len(before) != n or len(after) != n:
+        raise ValueError(f"make_video_comparison: {len(before)} before / {len(after)} after videos for {n} prompts "
+                         "(one of each per prompt, at least one)")
+    for labels, side in ((before_labels, "before"), (after_labels, "after")):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"make_video_comparison: {len(labels)} {side} labels for {n} prompts")
+    keep = first_of_each_prompt(prompts, max_prompts)
+    font, gutter = caption_font(font_size), 12
+    line_h = _line_height(font)
+    legend_w = int(max(font.getlength(w) for w in ("before", "after"))) + 8
+    strips = [(video_strip(before[i], frame_px), video_strip(after[i], frame_px)) for i in keep]
+    strip_w, strip_h = strips[0][0].size
+    text_w = legend_w + strip_w
+    captions = []
+    for i in keep:
+        scores = "  |  ".join(f"{side} {labels[i]}" for side, labels in (("before", before_labels),
+                                                                          ("after", after_labels))
+                              if labels is not None and labels[i])
+        captions.append((wrap_to_width(prompts[i], font, text_w, 2),
+                         wrap_to_width(scores, font, text_w, 2) if scores else []))
+    text_h = line_h * max(len(p) + len(s) for p, s in captions) + 6
+    tile_w, tile_h = text_w + gutter, 2 * strip_h + 4 + text_h + gutter
+    cols = min(columns, len(keep))
+    rows = -(-len(keep) // cols)
+    title_font = caption_font(font_size + 4)
+    title_h = _line_height(title_font)
+    title_lines = wrap_to_width(title, title_font, cols * tile_w - 8, 2) if title else []
+    header_h = title_h * len(title_lines) + 8
+    canvas = Image.new("RGB", (cols * tile_w, header_h + rows * tile_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    for j, line in enumerate(title_lines):
+        draw.text((4, 4 + j * title_h), line, fill="black", font=title_font)
+    for k, ((b, a), (prompt_lines, score_lines)) in enumerate(zip(strips, captions)):
+        x, y = (k % cols) * tile_w, header_h + (k // cols) * tile_h
+        for row, (strip, word, colour) in enumerate(((b, "before", "dimgray"), (a, "after", "darkgreen"))):
+            top = y + row * (strip_h + 4)
+            canvas.paste(strip, (x + legend_w, top))
+            draw.text((x + 2, top + (strip_h - line_h) / 2), word, fill=colour, font=font)
+        for j, line in enumerate(prompt_lines + score_lines):
+            draw.text((x + 2, y + 2 * strip_h + 7 + j * line_h), line,
+                      fill="black" if j < len(prompt_lines) else "dimgray", font=font)
+    return canvas
+
+
 def save_comparison(path: str | Path, *args, **kwargs) -> Image.Image:
-    """``make_comparison(*args, **kwargs)`` written to ``path`` (folders created); returns the image."""
-    image = make_comparison(*args, **kwargs)
+    """``make_comparison(*args, **kwargs)`` (``make_video_comparison`` when the samples are videos) written to
+    ``path`` (folders created); returns the image."""
+    image = (make_video_comparison if args and args[0] and is_video(args[0][0]) else make_comparison)(*args, **kwargs)
     write_with(path, image.save, f"the comparison image {path}")
     return image

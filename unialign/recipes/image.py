@@ -105,6 +105,11 @@ class ImageRLConfig(RunArgs, OnlineConfig):
     max_sequence_length: int | None = arg(None, "flow matching: T5 prompt tokens (default: the policy's, SD3's "
                                           "stock 256; FLUX.1-dev 512)", group="model", min=1)
     resolution: int | None = arg(None, "image side in pixels (default: the model's)", group="model", min=8)
+    num_frames: int | None = arg(None, "video families (Wan): frames per clip, 4k + 1 (default: the model's; "
+                                 "WanPipeline's 81)", group="model", min=1)
+    frame_reduction: str = arg("mean", "video families: an image reward scores every frame, and a clip scores the "
+                               "frames' mean or their min (the worst frame)", group="algorithm",
+                               choices=("mean", "min"))
     timestep_fraction: float = arg(0.25, "share of the trainable steps trained per sample (SD1.x / SDXL; flow "
                                    "matching trains its SDE window)", group="algorithm", gt=0.0, max=1.0)
     min_step_std: float = arg(0.05, "never train steps whose noise std sigma_t is below this (their 1/sigma "
@@ -179,6 +184,30 @@ def model_family(cfg: ImageRLConfig) -> str:
     return family_of(cfg.model_name_or_path, cfg.model_family)
 
 
+def sample_kind(cfg: ImageRLConfig, family: str | None = None) -> str:
+    """What ``cfg``'s model samples, "image" or "video" (its family's ``output_kind``; ``family``: the family's
+    name when the caller knows it)."""
+    return get_family(family or model_family(cfg)).output_kind[0]
+
+
+def build_rewards(cfg: ImageRLConfig, names: list[str], weights: list[float] | None, kind: str,
+                  reward_kwargs: Callable[[str], dict[str, Any]] = lambda name: {}) -> CombinedReward:
+    """The ``CombinedReward`` of the reward ``names`` (each built with ``reward_kwargs(name)``) for a model that
+    samples ``kind``: on a video model an image reward (``unialign.rewards.registry.LIFTED``) scores every frame
+    and each clip the ``cfg.frame_reduction`` of them (``PerFrameReward``), under the image reward's name."""
+    from unialign.rewards import RewardFunction
+    from unialign.rewards.registry import LIFTED, REWARD_INPUTS
+    from unialign.rewards.video import PerFrameReward
+
+    rewards = []
+    for name in names:
+        reward = get_reward(name, **reward_kwargs(name))
+        if kind in LIFTED and REWARD_INPUTS.get(name) == LIFTED[kind]:
+            reward = RewardFunction(PerFrameReward(reward, reduction=cfg.frame_reduction), name=reward.name)
+        rewards.append(reward)
+    return CombinedReward(rewards, weights, timeout_s=getattr(cfg, "reward_timeout", None))
+
+
 def load_denoiser(model_name_or_path: str, family: str = "auto", torch_dtype: str | None = None,
                   vae_name_or_path: str | None = None, **kwargs: Any):
     """The policy of a hub id / diffusers folder for its family (``unialign.image.families.FAMILIES``: the
@@ -214,6 +243,10 @@ def check_sampling_knobs(cfg: ImageRLConfig, family: str | Family) -> None:
     from unialign.image.kernels import KERNELS, ForwardKernel
 
     row = get_family(family)
+    if cfg.num_frames is not None and "num_frames" not in row.knobs:
+        video = ", ".join(n for n, f in FAMILIES.items() if "num_frames" in f.knobs)
+        raise ValueError(f"num_frames: the {row.title} family makes images; --num_frames is for video families "
+                         f"({video})")
     KERNELS[row.kernel].check_knobs(sampler_knobs(cfg, row))
     forward = forward_process_kwargs(cfg)
     if forward is not None:
@@ -231,6 +264,7 @@ def sampler_knobs(cfg: ImageRLConfig, family: str | Family = "sd") -> SamplerKno
         eta=cfg.eta, timestep_fraction=cfg.timestep_fraction, min_step_std=cfg.min_step_std,
         noise_level=cfg.noise_level, sde_type=cfg.sde_type, sde_window_size=cfg.sde_window_size,
         sde_window_range=window_range(cfg), max_sequence_length=cfg.max_sequence_length,
+        num_frames=cfg.num_frames,
     ).for_family(get_family(family))
 
 
@@ -448,7 +482,7 @@ def hub_parts(cfg: ImageRLConfig) -> dict[str, Any]:
     check_sampling_knobs(cfg, model_family(cfg))  # bad input named before any model loads
     train, held_out, eval_source = split_prompt_rows(cfg)
     check_reward_rows(names, train + held_out)
-    reward = CombinedReward([get_reward(n) for n in names], weights, timeout_s=cfg.reward_timeout)
+    reward = build_rewards(cfg, names, weights, sample_kind(cfg))
     return dict(policy=load_policy(cfg), reward=reward, train_prompts=train, eval_prompts=held_out,
                 eval_source=eval_source)
 

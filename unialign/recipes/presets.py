@@ -191,6 +191,21 @@ GRPO_IMAGE: dict[str, dict] = {
         lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant", prompts_per_step=4, num_generations=24,
         num_mini_batches=2, micro_batch_size=4, train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=64,
         eval_steps=60, torch_dtype="bfloat16", num_threads=0, output_dir="outputs/grpo_zimage_pickscore"),
+    # Wan 2.1 T2V 1.3B (diffusers' WanPipeline, unialign.image.wan) on PickScore scored on every frame, with
+    # Flow-Factory's Wan 2.1 recipe (X-GenGroup/Flow-Factory examples/grpo/*/wan21/t2v.yaml: 256 px, 5 frames, 10
+    # steps, w 5, flow shift 3 (the folder's own), eta 0.9 on one SDE step drawn from steps 1-3, groups of 16, clip
+    # 1e-4, advantages clipped at 5, no KL; its CLIP + PickScore pair is PickScore alone here) and the Flow-GRPO
+    # LoRA (r32 / a64, lr 3e-4; Flow-Factory's example trains all weights). DanceGRPO's Wan runs
+    # (XueZeyue/DanceGRPO; CodeGoat24/Pref-GRPO scripts/finetune_prefgrpo_wan_2_1.sh) use 512 px, 49 frames,
+    # 50 steps at eta 0.7, timestep_fraction 0.6, shift 3, clip 1e-4, w 5: --resolution 512 --num_frames 49 ...
+    "wan2.1-t2v-1.3b-pickscore": dict(
+        model_name_or_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", model_family="wan", prompt_set="animals",
+        reward_funcs="pickscore", frame_reduction="mean", algorithm="flow_grpo", beta=0.0, num_steps=10,
+        guidance_scale=5.0, noise_level=0.9, sde_type="sde", sde_window_size=1, sde_window_range="1,4",
+        resolution=256, num_frames=5, max_sequence_length=512, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
+        lr_scheduler_type="constant", prompts_per_step=3, num_generations=16, num_mini_batches=2, micro_batch_size=4,
+        train_chunk_size=4, sample_batch_size=8, max_steps=1000, num_eval=32, eval_steps=20, torch_dtype="bfloat16",
+        num_threads=0, output_dir="outputs/grpo_wan21_pickscore"),
 }
 
 DPO_SDXL: dict[str, dict] = {

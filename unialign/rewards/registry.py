@@ -61,9 +61,20 @@ REWARD_INPUTS: dict[str, str] = {
 }
 
 
+# What a script sampling the key also takes, lifted: a video script scores an image reward on every frame and
+# reduces it per clip (``unialign.rewards.video.PerFrameReward``; the image scripts' ``--frame_reduction``).
+LIFTED: dict[str, str] = {"video": "image"}
+
+
+def accepted_inputs(modality: str) -> tuple[str, ...]:
+    """The ``REWARD_INPUTS`` kinds a script sampling ``modality`` takes: its own, "any", and what it lifts."""
+    return (modality, "any", *((LIFTED[modality],) if modality in LIFTED else ()))
+
+
 def rewards_for(modality: str) -> list[str]:
-    """The registered rewards that score ``modality`` ("text" / "image" / "video") samples, sorted."""
-    return sorted(n for n in REWARDS if REWARD_INPUTS.get(n, "any") in (modality, "any"))
+    """The registered rewards that score ``modality`` ("text" / "image" / "video") samples, sorted (a video's
+    include the image rewards, scored per frame: ``LIFTED``)."""
+    return sorted(n for n in REWARDS if REWARD_INPUTS.get(n, "any") in accepted_inputs(modality))
 
 
 def resolve(path: str) -> Any:
