@@ -36,6 +36,8 @@ what would overrun the budget):
   G-P13-*  a masked-diffusion LM at LLaDA-8B's dims (a native ModernBertForMaskedLM, random weights, bf16): block
            decoding tokens/s (8 x 256 tokens, blocks of 32, 64 steps) and each estimator's forward + backward time
            and peak memory (gradient checkpointing; ar_order's 256 copies per sequence left out)
+  G-P14a   Wan 2.1 text-to-video sampling at Wan2.1-T2V-1.3B's transformer dims (random weights, bf16; 33 frames of
+           480 x 832): FlowPolicyBase(family=WanFamily).sample (SDE steps, per-step log-probs) vs stock WanPipeline
 
 Memory: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. MFU = FLOPs / time / peak,
 FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` on one extra (untimed) iteration of the
@@ -633,6 +635,29 @@ def rows_p13(rows):
     go(rows)
 
 
+def rows_p14(rows):
+    @guarded("G-P14a", "Wan 2.1 sampling with per-step log-probs vs stock WanPipeline", 150)
+    def go():
+        from benchmarks import p14_video
+
+        dev = ARGS.device
+        dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+        if ARGS.tiny:
+            size, steps, batch, repeats = dict(p14_video.SIZE), 4, 1, 2
+        else:  # Wan2.1-T2V-1.3B's transformer, 33 frames of 480 x 832 (9 x 60 x 104 latents: 14,040 video tokens)
+            size, steps, batch, repeats = dict(p14_video.WAN_1_3B, height=480, width=832, frames=33), 10, 1, 3
+        r = p14_video.measure_sampling(batch=batch, steps=steps, guidance=5.0, noise_level=0.7, repeats=repeats,
+                                       sync=sync, device=dev, dtype=dtype, **size)
+        dims = "tiny" if ARGS.tiny else "1.3B transformer dims"
+        return [row("G-P14a", f"Wan 2.1 sampling ({dims}, {size.get('frames')} frames "
+                    f"{size.get('height')}x{size.get('width')}, {steps} steps, CFG 5, batch {batch}): ours (SDE steps, "
+                    "per-step log-probs) vs stock WanPipeline", r["ours_s"], r["stock_s"], "s", "lower", 1.03,
+                    f"random weights, {dtype}, {r['transformer_params'] / 1e9:.2f}B transformer params; median of "
+                    f"{repeats} interleaved calls; pair median {r['pair_ratio_median']:.3f}; stock calls the "
+                    "transformer twice a step, ours once on a doubled batch")]
+    go(rows)
+
+
 def main(argv=None):
     global ARGS
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
@@ -641,7 +666,8 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU dry run of the code paths)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16/fp16 peak of the accelerator")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped past it")
-    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5,P11,P13")
+    p.add_argument("--only", default="", help="comma-separated: P1,LM,P2,P2V (vLLM on both sides),P3,P4,P5,P11,P13,"
+                   "P14")
     p.add_argument("--output-dir", default=os.environ.get("OUT") or ".")
     ARGS = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -655,10 +681,11 @@ def main(argv=None):
               "command": "python -m benchmarks.gpu" + "".join(" " + shlex.quote(x) for x in (sys.argv[1:] if argv is None
                                                                                        else argv)),
               "args": vars(ARGS), "rows": []}
-    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5", "P11", "P13"}
+    want = set(ARGS.only.split(",")) if ARGS.only else {"P1", "LM", "P2", "P2V", "P3", "P4", "P5", "P11", "P13",
+                                                        "P14"}
     steps = [("P1", rows_p1), ("LM", rows_lm), ("P4", lambda r: rows_p4(r, "sd15", 60)),
              ("P4", lambda r: rows_p4(r, "sdxl", 90)), ("P5", rows_p5), ("P3", rows_p3), ("P2", rows_p2),
-             ("P2V", rows_p2_vllm), ("P11", rows_p11), ("P13", rows_p13)]
+             ("P2V", rows_p2_vllm), ("P11", rows_p11), ("P13", rows_p13), ("P14", rows_p14)]
     for key, fn in steps:
         if key in want:
             fn(result["rows"])

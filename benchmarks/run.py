@@ -48,7 +48,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
-           "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo", "P13": "p13_dlm"}
+           "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo", "P13": "p13_dlm", "P14": "p14_video"}
 LONG = ("P11",)  # about two hours: the default suite leaves it out (``--long`` or ``--only P11``); --quick runs it
 
 

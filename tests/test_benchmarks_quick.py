@@ -64,3 +64,15 @@ def test_the_gpu_masked_diffusion_rows_run_as_a_cpu_dry_run(tmp_path):
     rows = json.loads((tmp_path / "gpu_results.json").read_text())["rows"]
     assert [r["id"] for r in rows] == ["G-P13-sample", *(f"G-P13-{n}" for n in LOG_PROB_ESTIMATORS)], rows
     assert all(r["ours"] and r["ours"] > 0 for r in rows), rows
+
+
+def test_the_gpu_video_row_runs_as_a_cpu_dry_run(tmp_path):
+    """``python -m benchmarks.gpu --device cpu --tiny --only P14``: the Wan 2.1 sampling row's code path (ours and the
+    stock WanPipeline on the same modules) at tiny sizes, a timed row without an error (~10 s)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--only", "P14",
+                           "--time-budget", "5000", "--output-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_results.json").read_text())["rows"]
+    assert [r["id"] for r in rows] == ["G-P14a"] and rows[0]["ours"] > 0 and rows[0]["baseline"] > 0, rows

@@ -155,7 +155,8 @@ def test_output_dir_must_be_a_writable_directory(tmp_path):
     assert check_output_dir(tmp_path / "new" / "dir").is_dir()
 
 
-SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic", "sft")
+SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic", "sft",
+           "grpo_video")
 
 
 def script_config(name: str):

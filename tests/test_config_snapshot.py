@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 SNAPSHOT = Path(__file__).parent / "data" / "config_snapshot.json"
-SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic", "sft")
+SCRIPTS = ("grpo_math", "dpo_text", "train_reward_model", "ppo_rlhf", "dpo_sdxl", "grpo_image", "ddpo_aesthetic", "sft",
+           "grpo_video")
 WIDTH = "100"  # COLUMNS: argparse wraps --help to the terminal's width
 RULE_KEYS = ("help", "group", "choices", "min", "max", "gt", "lt", "check")  # the rules unialign.config documents
 

@@ -178,3 +178,23 @@ def test_a_config_differing_only_in_the_library_version_stamp_passes(tmp_path):
                                                                 "width": width + (name == "built")}))
     rows = {p: v for p, v, _ in compare(tmp_path / "built", tmp_path / "shipped").rows}
     assert rows == {"config.json": EQUAL_WITHOUT_VERSIONS, "other.json": "DIFFERENT"}
+
+
+def test_the_motion_world_build_writes_the_shipped_folder_layout(tmp_path):
+    """Wiring only (a few steps, not the shipped 1,500 + 600 + 6,000, ~25 s): every file the build writes is a shipped
+    one, those that do not depend on training (pipeline index, scheduler, tokenizer, the model configs) identical; the
+    full check is ``python -m tools.build_motion_world check`` (~25 min)."""
+    from tools.asset_check import PASSING, compare
+    from tools.build_motion_world import BUILT_FILES, KEYS, build
+    from unialign.embedded.motion_world import WAN_DIR
+
+    record = build(tmp_path / "wan", vae_frame_steps=2, vae_steps=2, steps=2, per_prompt=1, eval_samples=0,
+                   verbose=False)
+    result = compare(tmp_path / "wan", WAN_DIR, BUILT_FILES)
+    verdicts = {p: v for p, v, _ in result.rows}
+    assert "not rebuilt" not in verdicts.values() and "not shipped" not in verdicts.values(), result.table()
+    assert {p for p, v in verdicts.items() if v not in PASSING} == {
+        "transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors", "vae/config.json", "build_metrics.json"}, result.table()
+    shipped = json.loads((WAN_DIR / "build_metrics.json").read_text())
+    assert set(KEYS) <= set(shipped) and record["parameters"] == shipped["parameters"]

@@ -35,6 +35,10 @@ REWARD_PATHS = {  # image, verifiable (shape_verifier.py): the shapes world's pr
     "shape_verifier": "unialign.embedded.shape_verifier:ShapeVerifierReward",
     "shape_verifier_partial": "unialign.embedded.shape_verifier:PartialShapeVerifierReward",
 }
+VIDEO_REWARD_PATHS = {  # video, verifiable (motion_world.py): the motion world's clip checker, 0 / 1 and graded
+    "motion_verifier": "unialign.embedded.motion_world:MotionVerifierReward",
+    "motion_verifier_partial": "unialign.embedded.motion_world:PartialMotionVerifierReward",
+}
 TEXT_REWARD_PATHS = {  # text, verifiable (vlm.py): the VLM task's one-word answers against the solution column
     "vlm_accuracy": "unialign.embedded.vlm:accuracy_reward",
 }
@@ -88,6 +92,9 @@ def register() -> None:
     for name, path in REWARD_PATHS.items():
         REWARDS.setdefault(name, path)
         REWARD_INPUTS.setdefault(name, "image")
+    for name, path in VIDEO_REWARD_PATHS.items():
+        REWARDS.setdefault(name, path)
+        REWARD_INPUTS.setdefault(name, "video")
     for name, path in GENEVAL_BACKEND_PATHS.items():
         GENEVAL_BACKENDS.setdefault(name, path)
     NAMED_DATASETS.setdefault(NAME, _arithmetic_rows)
@@ -101,10 +108,13 @@ def register() -> None:
 
 
 IMAGE_SD3_NAME = "embedded-sd3"  # the shapes world's flow-matching model (unialign.embedded.parts.NAME_SD3)
-SHIPPED_MODELS = {"text": (NAME, MDLM_NAME), "vision": (VLM_NAME,), "image": (NAME, IMAGE_SD3_NAME)}  # by kind
+VIDEO_NAME = "embedded-wan"  # the motion world's text-to-video model (motion_world.py; = motion_world.NAME)
+SHIPPED_MODELS = {"text": (NAME, MDLM_NAME), "vision": (VLM_NAME,),
+                  "image": (NAME, IMAGE_SD3_NAME, VIDEO_NAME)}  # by kind (a video model runs in the image scripts)
 SCRIPTS_FOR = {"text": "scripts/grpo_math.py, dpo_text.py, ppo_rlhf.py and train_reward_model.py train text models",
                "vision": "scripts/grpo_vision.py (and dpo_text.py) train vision-language models",
-               "image": "scripts/grpo_image.py, ddpo_aesthetic.py and dpo_sdxl.py train image models"}
+               "image": "scripts/grpo_image.py, ddpo_aesthetic.py and dpo_sdxl.py train image models (grpo_video.py "
+                        "and grpo_image.py text-to-video ones)"}
 
 
 def check_model_kind(name: str, kinds: tuple[str, ...], field: str = "--model_name_or_path") -> None:

@@ -3,9 +3,10 @@ score, verifier) of the shapes world, and its AI-feedback preference pairs for D
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from unialign.embedded import IMAGE_SD3_NAME, check_model_kind
+from unialign.embedded import IMAGE_SD3_NAME, VIDEO_NAME, check_model_kind
 from unialign.embedded import shapes_world as world
 from unialign.embedded.shape_verifier import PARTS, parse_shape_prompt, verify
 from unialign.errors import UserError
@@ -25,8 +26,12 @@ from unialign.rewards import CombinedReward, get_reward
 
 NAME = "embedded"  # the word the scripts resolve to these worlds (model, data set, prompt set)
 NAME_SD3 = IMAGE_SD3_NAME  # the shapes world's flow-matching (SD3-architecture) model
-# the shapes world's image models: their family (unialign.image.families) and their loader in shapes_world
-EMBEDDED_MODELS = {NAME: (FAMILIES["sdxl"], "load_embedded"), NAME_SD3: (FAMILIES["sd3"], "load_embedded_sd3")}
+NAME_WAN = VIDEO_NAME  # the motion world's text-to-video (Wan-architecture) model
+# the embedded denoisers: their family (unialign.image.families) and their loader (a module of unialign.embedded
+# and its function): the shapes world's image models and the motion world's video model
+EMBEDDED_MODELS = {NAME: (FAMILIES["sdxl"], "shapes_world:load_embedded"),
+                   NAME_SD3: (FAMILIES["sd3"], "shapes_world:load_embedded_sd3"),
+                   NAME_WAN: (FAMILIES["wan"], "motion_world:load_embedded_wan")}
 IMAGE_MODELS = tuple(EMBEDDED_MODELS)
 
 
@@ -71,6 +76,35 @@ def image_rl_parts(cfg) -> dict[str, Any]:
                 eval_source=eval_source)
 
 
+def video_rl_parts(cfg) -> dict[str, Any]:
+    """``image_rl_parts`` for the motion world's video model ("embedded-wan"): the policy, the rewards (an image
+    reward scored on every frame, ``build_rewards``), the train and held-out prompts (``cfg.prompt_set``
+    "embedded": the world's own split; else a prompt file split as ``split_prompt_rows`` does) and, when every
+    held-out prompt is one of this world's, its clip verifier for prompt fidelity (no gold score)."""
+    from unialign.embedded import motion_world
+    from unialign.recipes.image import build_rewards
+
+    names, weights = reward_names(cfg.reward_funcs, cfg.reward_weights)
+    check_sampling_knobs(cfg, "wan")  # bad input named before any model loads
+    own = tuple([{"prompt": p} for p in motion_world.prompts(s)] for s in ("train", "test"))
+    train, held_out, eval_source = split_prompt_rows(cfg, {NAME: own})
+    if any(n.startswith("motion_verifier") for n in names):
+        check_prompts([r["prompt"] for r in train + held_out], motion_world.parse_motion_prompt, "prompt_set")
+    check_reward_rows(names, train + held_out, geneval_columns=False)
+    try:
+        check_prompts([r["prompt"] for r in held_out], motion_world.parse_motion_prompt, "prompt_set")
+        verifier = motion_world.fidelity_checks
+    except ValueError:
+        verifier = None  # prompts from elsewhere: no fidelity to read
+    reward = build_rewards(cfg, names, weights, "video", world.reward_kwargs)
+    return dict(policy=embedded_policy(cfg.model_name_or_path, **policy_kwargs(cfg, "wan")), reward=reward,
+                train_prompts=train, eval_prompts=held_out, verifier=verifier, eval_source=eval_source)
+
+
+# the parts of each embedded model's world, as run_online_image takes them
+WORLD_PARTS = {NAME: image_rl_parts, NAME_SD3: image_rl_parts, NAME_WAN: video_rl_parts}
+
+
 def fidelity_checks(prompts: list[str], images: Any, **columns: Any) -> dict[str, Any]:
     """The shape verifier as the held-out evaluation reads a verifier (``unialign.image.evaluate.sample_scores``):
     ``all`` (all three right, the fidelity) and the per-image rates it logs as ``fidelity/<name>``: each part
@@ -97,11 +131,13 @@ def embedded_family(name: str, requested: str = "auto") -> str:
 
 
 def embedded_policy(name: str, **kwargs: Any):
-    """The shapes world's model ``name`` ("embedded": SDXL-architecture ``DiffusionPolicy``; "embedded-sd3": the
-    SD3-architecture ``FlowMatchingPolicy``) with ``kwargs`` over its sampling defaults."""
+    """The embedded model ``name`` ("embedded": SDXL-architecture ``DiffusionPolicy``; "embedded-sd3": the
+    SD3-architecture ``FlowMatchingPolicy``; "embedded-wan": the Wan-architecture text-to-video ``FlowPolicyBase``)
+    with ``kwargs`` over its sampling defaults."""
     if name not in IMAGE_MODELS:
         raise ValueError(f"model_name_or_path: {name!r} is not one of the embedded image models {IMAGE_MODELS}")
-    return getattr(world, EMBEDDED_MODELS[name][1])(**kwargs)
+    module, _, loader = EMBEDDED_MODELS[name][1].partition(":")
+    return getattr(importlib.import_module(f"unialign.embedded.{module}"), loader)(**kwargs)
 
 
 def image_pairs(policy, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
@@ -127,12 +163,15 @@ def image_pair_parts(cfg: Any) -> dict[str, Any]:
     from unialign.image.data import load_pickapic
     from unialign.image.evaluate import HeldOutImages
     from unialign.image.grid import first_of_each_prompt
-    from unialign.recipes.image import load_denoiser
+    from unialign.recipes.image import family_of, load_denoiser
 
     check_model_kind(cfg.model_name_or_path, ("image",))
     embedded, own_data = cfg.model_name_or_path in IMAGE_MODELS, cfg.dataset_name != NAME
-    if embedded:
-        embedded_family(cfg.model_name_or_path, cfg.model_family)  # a conflicting --model_family is refused
+    family = (embedded_family(cfg.model_name_or_path, cfg.model_family) if embedded  # a conflicting one is refused
+              else family_of(cfg.model_name_or_path, cfg.model_family))
+    if FAMILIES[family].output_kind[0] != "image":
+        raise UserError(f"--model_name_or_path {cfg.model_name_or_path!r} makes {FAMILIES[family].output_kind[0]}s; "
+                        "Diffusion-DPO pairs are images (train a video model with scripts/grpo_video.py)")
     if not own_data and not embedded:
         raise UserError("--dataset_name embedded: pairs of the embedded model's own samples ranked by its world's "
                         "gold score; with another --model_name_or_path give a Pick-a-Pic-schema dataset")
@@ -168,5 +207,5 @@ def run_online_image(cfg: Any) -> dict[str, Any]:
     family = (embedded_family(cfg.model_name_or_path, cfg.model_family) if cfg.model_name_or_path in IMAGE_MODELS
               else model_family(cfg))
     check_rewards(cfg.reward_funcs, cfg.reward_weights, modality=sample_kind(cfg, family))
-    parts = image_rl_parts(cfg) if cfg.model_name_or_path in IMAGE_MODELS else hub_parts(cfg)
+    parts = WORLD_PARTS[cfg.model_name_or_path](cfg) if cfg.model_name_or_path in IMAGE_MODELS else hub_parts(cfg)
     return run_image_rl(cfg, **parts)

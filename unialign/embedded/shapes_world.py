@@ -271,15 +271,16 @@ def caption_words() -> list[str]:
     return sorted(words)
 
 
-def write_tokenizer(folder: str | Path) -> Path:
-    """Write ``vocab.json`` / ``merges.txt`` of the tiny CLIP BPE tokenizer (see module docstring)."""
+def write_tokenizer(folder: str | Path, words: list[str] | None = None) -> Path:
+    """Write ``vocab.json`` / ``merges.txt`` of the tiny CLIP BPE tokenizer (see module docstring) with one token
+    per word of ``words`` (default: ``caption_words()``; the motion world adds its own)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     chars = list(_bytes_to_unicode().values())
     vocab = {c: i for i, c in enumerate(chars)}
     vocab.update({c + "</w>": i + 256 for i, c in enumerate(chars)})
     merges: list[tuple[str, str]] = []
-    for word in caption_words():
+    for word in (caption_words() if words is None else words):
         symbols = list(word[:-1]) + [word[-1] + "</w>"]
         left = symbols[0]
         for right in symbols[1:]:

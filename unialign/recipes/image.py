@@ -196,13 +196,13 @@ def build_rewards(cfg: ImageRLConfig, names: list[str], weights: list[float] | N
     samples ``kind``: on a video model an image reward (``unialign.rewards.registry.LIFTED``) scores every frame
     and each clip the ``cfg.frame_reduction`` of them (``PerFrameReward``), under the image reward's name."""
     from unialign.rewards import RewardFunction
-    from unialign.rewards.registry import LIFTED, REWARD_INPUTS
+    from unialign.rewards.registry import lifted
     from unialign.rewards.video import PerFrameReward
 
     rewards = []
     for name in names:
         reward = get_reward(name, **reward_kwargs(name))
-        if kind in LIFTED and REWARD_INPUTS.get(name) == LIFTED[kind]:
+        if lifted(name, kind):
             reward = RewardFunction(PerFrameReward(reward, reduction=cfg.frame_reduction), name=reward.name)
         rewards.append(reward)
     return CombinedReward(rewards, weights, timeout_s=getattr(cfg, "reward_timeout", None))

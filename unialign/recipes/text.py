@@ -212,18 +212,19 @@ def check_rewards(spec: str, weights: str | None, columns: set[str] | None = Non
     """Before any model loads: every name resolves (a registry name, or a function given as TRL's dotted
     ``package.module.function``, ``module:function`` or ``path/file.py:function``, as ``get_reward`` accepts),
     a registered reward scores what this script samples (``modality``: "text", "image" or "video", by
-    ``unialign.rewards.registry.REWARD_INPUTS`` and ``accepted_inputs``; None: any), and a reward function's required keyword arguments
+    ``unialign.rewards.registry.REWARD_INPUTS`` and ``takes``; None: any), and a reward function's required keyword arguments
     (and, when it declares ``needs_one_of``, one of those columns) are among the dataset ``columns``."""
     from unialign.errors import did_you_mean
     from unialign.rewards import REWARDS, get_reward
-    from unialign.rewards.registry import REWARD_INPUTS, accepted_inputs, resolve, rewards_for
+    from unialign.rewards.registry import REWARD_INPUTS, resolve, rewards_for, takes
 
     names, _ = reward_names(spec, weights, flag)
     for name in names:
         offered = rewards_for(modality) if modality else sorted(REWARDS)
         kind = REWARD_INPUTS.get(name, "any")
-        if name in REWARDS and modality and kind not in accepted_inputs(modality):
-            raise UserError(f"{flag}: {name!r} scores {kind}s, and this script samples {modality}; its rewards: "
+        if name in REWARDS and modality and not takes(name, modality):
+            scores = " and ".join(f"{k}s" for k in kind.split("|"))
+            raise UserError(f"{flag}: {name!r} scores {scores}, and this script samples {modality}; its rewards: "
                             f"{', '.join(offered)}, or your own function")
         if name not in REWARDS and not any(c in name for c in ".:/"):
             raise UserError(f"{flag}: unknown reward {name!r}{did_you_mean(name, offered)}; registered"

@@ -51,12 +51,12 @@ REWARDS: dict[str, str] = {
 }  # other packages add their own entries (a name -> "module:attribute") when imported
 
 # What each registered reward scores: "text" completions, "image" samples, "video" clips or "any" (a name missing
-# here: any).
+# here: any); several kinds joined by "|" ("image|video": the VLM judge reads a clip whole).
 # The scripts offer (and accept) only the rewards of what they sample.
 REWARD_INPUTS: dict[str, str] = {
     "math_accuracy": "text", "math_format": "text", "reward_model": "text", "jpeg_compressibility": "image",
     "jpeg_incompressibility": "image", "aesthetic": "image", "clip_score": "image", "pickscore": "image",
-    "hps": "image", "geneval": "image", "ocr": "image", "pairwise": "any", "vlm_judge": "image",
+    "hps": "image", "geneval": "image", "ocr": "image", "pairwise": "any", "vlm_judge": "image|video",
     "per_frame": "video", "temporal_consistency": "video",
 }
 
@@ -71,10 +71,27 @@ def accepted_inputs(modality: str) -> tuple[str, ...]:
     return (modality, "any", *((LIFTED[modality],) if modality in LIFTED else ()))
 
 
+def reward_inputs(name: str) -> tuple[str, ...]:
+    """The kinds the reward ``name`` scores (``REWARD_INPUTS``, split at "|"; unregistered: "any")."""
+    return tuple(REWARD_INPUTS.get(name, "any").split("|"))
+
+
+def takes(name: str, modality: str) -> bool:
+    """Whether a script sampling ``modality`` can use the reward ``name`` (directly, or lifted: ``LIFTED``)."""
+    return bool(set(reward_inputs(name)) & set(accepted_inputs(modality)))
+
+
+def lifted(name: str, modality: str) -> bool:
+    """Whether the reward ``name`` scores ``modality`` samples only through ``LIFTED`` (an image reward on a clip:
+    every frame, reduced)."""
+    kinds = reward_inputs(name)
+    return modality in LIFTED and modality not in kinds and "any" not in kinds and LIFTED[modality] in kinds
+
+
 def rewards_for(modality: str) -> list[str]:
     """The registered rewards that score ``modality`` ("text" / "image" / "video") samples, sorted (a video's
     include the image rewards, scored per frame: ``LIFTED``)."""
-    return sorted(n for n in REWARDS if REWARD_INPUTS.get(n, "any") in accepted_inputs(modality))
+    return sorted(n for n in REWARDS if takes(n, modality))
 
 
 def resolve(path: str) -> Any:

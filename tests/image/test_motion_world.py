@@ -1,0 +1,113 @@
+"""The motion world (``unialign.embedded.motion_world``): its prompts and split, deterministic clips that move the
+way their prompt says, and the clip verifier -- right on the world's own clips, wrong on the reversed direction,
+on a still clip and on an empty canvas, graded between, and scoring any other world's prompt 0."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unialign.embedded import motion_world as world
+
+
+def test_prompts_split_and_parse():
+    every, train, test = world.prompts("all"), world.prompts("train"), world.prompts("test")
+    assert len(every) == 3 * 8 * 7 * 4 == len(set(every)) and sorted(train + test) == sorted(every)
+    assert 0.08 < len(test) / len(every) < 0.17 and not set(train) & set(test)
+    assert world.parse_motion_prompt("A red circle moving left on a blue background.") == (
+        "circle", "red", "blue", "left")
+    for bad, match in (("a red circle on a blue background", "is not 'a <colour>"),
+                       ("a red circle moving sideways on a blue background", "'sideways' is not a direction"),
+                       ("a teal circle moving up on a blue background", "'teal' is not a colour")):
+        with pytest.raises(ValueError, match=match):
+            world.parse_motion_prompt(bad)
+    with pytest.raises(ValueError, match="split must be"):
+        world.prompts("dev")
+
+
+def test_clips_are_deterministic_and_move_the_way_the_prompt_says():
+    a = world.clip_dataset("test", per_prompt=1, seed=3)
+    b = world.clip_dataset("test", per_prompt=1, seed=3)
+    assert [np.asarray(f).tobytes() for f in a[0]["frames"]] == [np.asarray(f).tobytes() for f in b[0]["frames"]]
+    assert all(len(d["frames"]) == world.NUM_FRAMES and d["frames"][0].size == (32, 32) for d in a)
+    for direction, (ux, uy) in world.DIRECTIONS.items():
+        frames = world.render_clip("square", "white", "black", direction, random.Random(0))
+        masks = [np.asarray(f, dtype=np.float32).mean(-1) > 128 for f in frames]
+        centres = [np.argwhere(m).mean(0)[::-1] for m in masks]  # (x, y)
+        d = centres[-1] - centres[0]
+        assert d @ np.array([ux, uy]) > 8 and abs(d @ np.array([uy, ux])) < 1, (direction, d)
+
+
+def test_the_verifier_reads_clean_clips_right_and_catches_wrong_still_and_empty_ones():
+    data = world.clip_dataset("test", per_prompt=1, seed=0)[:48]
+    prompts, videos = [d["prompt"] for d in data], [d["frames"] for d in data]
+    right = world.verify_clips(prompts, videos)
+    assert float(right["all"].mean()) == 1.0 and float(right["credit"].mean()) > 0.9
+    flip = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    reversed_prompts = [world.caption(*(lambda s, c, b, d: (s, c, b, flip[d]))(*world.parse_motion_prompt(p)))
+                        for p in prompts]
+    wrong = world.verify_clips(reversed_prompts, videos)
+    assert float(wrong["direction"].sum()) == 0 and float(wrong["shape"].mean()) == 1.0
+    still = world.verify_clips(prompts, [[v[0]] * len(v) for v in videos])
+    assert float(still["direction"].sum()) == 0 and float(still["background"].mean()) == 1.0
+    empty = world.verify_clips(prompts[:4], [[Image.new("RGB", (32, 32), (35, 70, 220))] * 9] * 4)
+    assert float(empty["all"].sum()) == 0 and float(empty["credit"].max()) < 0.05
+    # graded: right > reversed > still-ish, every clip
+    assert (right["credit"] > wrong["credit"]).all() and (wrong["credit"] >= 0).all()
+
+
+def test_the_reward_scores_other_worlds_prompts_zero_and_reports_rates():
+    from unialign.embedded import register
+    from unialign.rewards import get_reward
+    from unialign.rewards.registry import REWARD_INPUTS
+
+    register()
+    assert REWARD_INPUTS["motion_verifier"] == REWARD_INPUTS["motion_verifier_partial"] == "video"
+    data = world.clip_dataset("train", per_prompt=1, seed=0)[:3]
+    prompts = [d["prompt"] for d in data] + ["a red circle on a blue background"]
+    videos = [d["frames"] for d in data] + [data[0]["frames"]]
+    hard = get_reward("motion_verifier").fn(prompts, videos)
+    soft = get_reward("motion_verifier_partial").fn(prompts, videos)
+    assert hard[:3] == [1.0, 1.0, 1.0] and hard[3] == soft[3] == 0.0
+    assert all(0.9 < s <= 1.0 for s in soft[:3])
+    assert hard.metrics["fidelity"] == pytest.approx(0.75) and hard.metrics["direction"] == pytest.approx(0.75)
+    tensor = torch.stack([torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1) for f in v])
+                          for v in videos[:3]]).float() / 255  # [B, F, 3, H, W] in [0, 1]
+    assert world.verify_clips(prompts[:3], tensor)["all"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_grpo_video_runs_the_embedded_wan_end_to_end(tmp_path):
+    """``scripts/grpo_video.py`` with its embedded default (two steps): held-out fidelity before / after in the
+    summary, the frame-strip comparison, a stock ``WanPipeline`` folder in final/ that samples 5-frame clips."""
+    from diffusers import WanPipeline
+
+    from tests.test_scripts import IMAGE_SMOKE, check_summary, run
+
+    run("grpo_video", IMAGE_SMOKE + ["--output_dir", str(tmp_path), "--report_to", "none"])
+    s = check_summary(tmp_path, "reward")
+    assert s["reward"] == "motion_verifier_partial" and s["config"]["model_name_or_path"] == "embedded-wan"
+    assert {"fidelity_before", "fidelity_after", "fidelity_direction_before", "fidelity_direction_after"} <= set(s)
+    assert s["eval_source"].startswith("held out")
+    strip = Image.open(s["comparison_image"])
+    assert strip.width > strip.height / 8  # clips: frames side by side
+    pipe = WanPipeline.from_pretrained(str(tmp_path / "final"))
+    frames = pipe(["a red circle moving left on a blue background"], num_inference_steps=3, guidance_scale=1.0,
+                  height=32, width=32, num_frames=world.NUM_FRAMES, max_sequence_length=world.MAX_SEQUENCE_LENGTH,
+                  output_type="np").frames
+    assert frames.shape == (1, world.NUM_FRAMES, 32, 32, 3) and np.isfinite(frames).all()
+
+
+def test_a_video_model_is_refused_by_the_pair_script_and_named_wrong_prompts_before_loading(capsys):
+    from tests.test_scripts import load_script
+    from unialign.config import UserError, parse_config
+
+    dpo = load_script("dpo_sdxl")
+    with pytest.raises(UserError, match="'embedded-wan' makes videos; Diffusion-DPO pairs are images"):
+        dpo.main(parse_config(dpo.DiffusionDPOConfig, ["--model_name_or_path", "embedded-wan"]))
+    video = load_script("grpo_video")
+    with pytest.raises(ValueError, match="eval_prompt_set|prompt_set"):
+        video.main(parse_config(video.GRPOVideoConfig, ["--prompt_set", "animals"]))
