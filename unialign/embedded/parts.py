@@ -197,9 +197,10 @@ def image_pair_parts(cfg: Any) -> dict[str, Any]:
 
 
 def run_online_image(cfg: Any) -> dict[str, Any]:
-    """The run of ``scripts/grpo_image.py`` / ``scripts/ddpo_aesthetic.py``: the rewards checked before any model
-    loads, then ``run_image_rl`` on this world's parts for an embedded model (``image_rl_parts``), else on a hub /
-    local model's (``unialign.recipes.image.hub_parts``). Returns the summary."""
+    """The run of ``scripts/grpo_image.py`` / ``ddpo_aesthetic.py`` / ``grpo_video.py``: the rewards checked against
+    what the model samples (images, or clips: ``sample_kind``) before any model loads, then ``run_image_rl`` on the
+    embedded model's world parts (``WORLD_PARTS``), else on a hub / local model's
+    (``unialign.recipes.image.hub_parts``). Returns the summary."""
     from unialign.recipes.image import hub_parts, model_family, run_image_rl, sample_kind
     from unialign.recipes.text import check_rewards
 
