@@ -298,3 +298,13 @@ def test_the_hub_preset_fails_fast_offline(monkeypatch, capsys):
         module.main(cfg)
     assert exit_info.value.code == 2 and "PickScore_v1" in capsys.readouterr().err  # the first download it needs
     assert time.perf_counter() - start < 30  # seconds, not a minute of retries
+
+
+def test_a_wan_2_2_folder_is_refused_naming_what_differs(tokenizer_dir, tmp_path):
+    from diffusers import WanPipeline
+
+    parts = wan_components(tokenizer_dir)
+    WanPipeline(**parts, transformer_2=copy.deepcopy(parts["transformer"]), boundary_ratio=0.875).save_pretrained(
+        str(tmp_path / "wan22"))
+    with pytest.raises(ValueError, match="is a Wan 2.2 pipeline"):
+        WanFamily.load(str(tmp_path / "wan22"), num_frames=5, height=32, width=32)

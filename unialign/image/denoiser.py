@@ -152,8 +152,12 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         for name in (path_or_hub_id, *also_required):
             require_hub(name, "model")  # fail in seconds, not after a minute of retries
         opts, offline = cls._hub_options(path_or_hub_id)
+        from unialign.errors import UserError
+
         try:
             parts = build(opts, dict(opts, torch_dtype=torch_dtype, variant=variant))
+        except UserError:  # a family's own verdict on what it read (one line already)
+            raise
         except (OSError, ValueError) as e:  # hub errors (offline, 404, bad id) subclass OSError/ValueError
             raise RuntimeError(
                 f"could not load {what} weights {path_or_hub_id!r}: they are not in a local folder or the Hugging "

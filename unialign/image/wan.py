@@ -43,7 +43,7 @@ class WanFamily(FlowFamily):
     VAE; module docstring). Its one extra sampler knob is ``num_frames``."""
 
     name, title, pipeline = "wan", "Wan 2.1", "WanPipeline"
-    markers = ("wan2.1", "wan2.2", "wan-ai/")
+    markers = ("wan2.1", "wan-ai/")
     knobs = (*FlowFamily.knobs, "num_frames")
     text_parts = ("text_encoder", "tokenizer")
     transformer_class = "WanTransformer3DModel"
@@ -175,8 +175,18 @@ class WanFamily(FlowFamily):
     @staticmethod
     def load_text_parts(path_or_hub_id: str, opts: dict[str, Any], model_kw: dict[str, Any],
                         load_t5: bool) -> dict[str, Any]:
-        """UMT5 (``UMT5EncoderModel``) and its tokenizer."""
+        """UMT5 (``UMT5EncoderModel``) and its tokenizer; a UserError for a Wan 2.2 folder (two experts switched at a
+        boundary timestep, or TI2V's per-token timesteps: not what this adapter samples)."""
+        from diffusers import DiffusionPipeline
         from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from unialign.errors import UserError
+
+        index = DiffusionPipeline.load_config(path_or_hub_id, **opts)
+        if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None \
+                or index.get("expand_timesteps"):
+            raise UserError(f"{path_or_hub_id!r} is a Wan 2.2 pipeline (a second transformer / boundary_ratio / "
+                             "expand_timesteps); the wan family samples Wan 2.1's single transformer")
 
         return {"text_encoder": UMT5EncoderModel.from_pretrained(path_or_hub_id, subfolder="text_encoder", **model_kw),
                 "tokenizer": AutoTokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer", **opts)}
