@@ -66,6 +66,7 @@ def test_the_gpu_masked_diffusion_rows_run_as_a_cpu_dry_run(tmp_path):
     assert all(r["ours"] and r["ours"] > 0 for r in rows), rows
 
 
+@pytest.mark.slow
 def test_the_gpu_video_row_runs_as_a_cpu_dry_run(tmp_path):
     """``python -m benchmarks.gpu --device cpu --tiny --only P14``: the Wan 2.1 sampling row's code path (ours and the
     stock WanPipeline on the same modules) at tiny sizes, a timed row without an error (~10 s)."""

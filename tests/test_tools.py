@@ -180,6 +180,7 @@ def test_a_config_differing_only_in_the_library_version_stamp_passes(tmp_path):
     assert rows == {"config.json": EQUAL_WITHOUT_VERSIONS, "other.json": "DIFFERENT"}
 
 
+@pytest.mark.slow
 def test_the_motion_world_build_writes_the_shipped_folder_layout(tmp_path):
     """Wiring only (a few steps, not the shipped 1,500 + 600 + 6,000, ~25 s): every file the build writes is a shipped
     one, those that do not depend on training (pipeline index, scheduler, tokenizer, the model configs) identical; the

@@ -80,6 +80,7 @@ def test_the_reward_scores_other_worlds_prompts_zero_and_reports_rates():
     assert world.verify_clips(prompts[:3], tensor)["all"].tolist() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_grpo_video_runs_the_embedded_wan_end_to_end(tmp_path):
     """``scripts/grpo_video.py`` with its embedded default (two steps): held-out fidelity before / after in the
     summary, the frame-strip comparison, a stock ``WanPipeline`` folder in final/ that samples 5-frame clips."""

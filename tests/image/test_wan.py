@@ -221,6 +221,7 @@ def test_the_online_trainer_trains_it_unchanged(make_wan, tmp_path, algorithm):
     assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters() if n in before)
 
 
+@pytest.mark.slow
 def test_grpo_image_trains_a_wan_folder_with_an_image_reward_per_frame(tokenizer_dir, tmp_path):
     """The image script on a video model: an image reward scores every frame (the clip: their mean), the
     comparison is the clips' frames side by side, final/ is the LoRA stock WanPipeline loads."""
