@@ -110,5 +110,20 @@ def test_a_video_model_is_refused_by_the_pair_script_and_named_wrong_prompts_bef
     with pytest.raises(UserError, match="'embedded-wan' makes videos; Diffusion-DPO pairs are images"):
         dpo.main(parse_config(dpo.DiffusionDPOConfig, ["--model_name_or_path", "embedded-wan"]))
     video = load_script("grpo_video")
-    with pytest.raises(ValueError, match="eval_prompt_set|prompt_set"):
+    with pytest.raises(ValueError, match=r"prompt_set\[0\]: 'cat' is not 'a <colour> <shape> moving <direction>"):
         video.main(parse_config(video.GRPOVideoConfig, ["--prompt_set", "animals"]))
+
+
+def test_the_video_comparison_puts_each_clip_over_its_after_clip_and_checks_its_inputs():
+    from unialign.image.grid import make_video_comparison
+
+    clips = [world.clip_dataset("test", per_prompt=1)[i]["frames"] for i in range(3)]
+    prompts = ["p0", "p1", "p0"]  # a repeated prompt is shown once
+    im = make_video_comparison(clips, clips, prompts, ["0.1 x"] * 3, ["0.9 ok"] * 3, columns=2, frame_px=40)
+    strip_w = world.NUM_FRAMES * (40 + 2) - 2
+    # two distinct prompts: one row of two tiles, each a before strip over an after strip with its caption
+    assert 2 * strip_w < im.width < 3 * strip_w and 2 * 40 < im.height < 2 * 2 * 40
+    with pytest.raises(ValueError, match="make_video_comparison: 2 before / 3 after videos for 3 prompts"):
+        make_video_comparison(clips[:2], clips, prompts)
+    with pytest.raises(ValueError, match="make_video_comparison: 1 after labels for 3 prompts"):
+        make_video_comparison(clips, clips, prompts, after_labels=["x"])

@@ -118,6 +118,33 @@ def first_of_each_prompt(prompts: list[str], limit: int = MAX_COMPARISON_PROMPTS
     return list(seen.values())
 
 
+def _check_lengths(what: str, kind: str, before: list, after: list, prompts: list[str],
+                   before_labels: list[str] | None, after_labels: list[str] | None) -> None:
+    """ValueError naming ``what`` unless there is one before and one after sample (and label) per prompt, at least
+    one."""
+    n = len(prompts)
+    if not n or len(before) != n or len(after) != n:
+        raise ValueError(f"{what}: {len(before)} before / {len(after)} after {kind} for {n} prompts "
+                         "(one of each per prompt, at least one)")
+    for labels, side in ((before_labels, "before"), (after_labels, "after")):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"{what}: {len(labels)} {side} labels for {n} prompts")
+
+
+def _pair_captions(keep: list[int], prompts: list[str], before_labels: list[str] | None,
+                   after_labels: list[str] | None, font, width: int, prompt_lines: int) -> list[tuple[list, list]]:
+    """(prompt lines, score lines) of each kept pair: the prompt in at most ``prompt_lines`` lines and
+    "before <label>  |  after <label>" in at most two, both fitting ``width`` pixels of ``font``."""
+    out = []
+    for i in keep:
+        scores = "  |  ".join(f"{side} {labels[i]}" for side, labels in (("before", before_labels),
+                                                                          ("after", after_labels))
+                              if labels is not None and labels[i])
+        out.append((wrap_to_width(prompts[i], font, width, prompt_lines),
+                    wrap_to_width(scores, font, width, 2) if scores else []))
+    return out
+
+
 def make_comparison(before: list[Image.Image], after: list[Image.Image], prompts: list[str],
                     before_labels: list[str] | None = None, after_labels: list[str] | None = None,
                     title: str = "", columns: int = 4, cell: int = 192, max_prompts: int = MAX_COMPARISON_PROMPTS,
@@ -132,13 +159,7 @@ def make_comparison(before: list[Image.Image], after: list[Image.Image], prompts
     from diffusers.utils import make_image_grid
     from PIL import ImageOps
 
-    n = len(prompts)
-    if not n or len(before) != n or len(after) != n:
-        raise ValueError(f"make_comparison: {len(before)} before / {len(after)} after images for {n} prompts "
-                         "(one of each per prompt, at least one)")
-    for labels, side in ((before_labels, "before"), (after_labels, "after")):
-        if labels is not None and len(labels) != n:
-            raise ValueError(f"make_comparison: {len(labels)} {side} labels for {n} prompts")
+    _check_lengths("make_comparison", "images", before, after, prompts, before_labels, after_labels)
     keep = first_of_each_prompt(prompts, max_prompts)
     font, border, gutter = caption_font(font_size), 2, 10
     w0, h0 = before[keep[0]].size
@@ -150,13 +171,7 @@ def make_comparison(before: list[Image.Image], after: list[Image.Image], prompts
         return ImageOps.expand(img.resize(size, resample), border=border, fill="white")
 
     line_h, text_w = _line_height(font), 2 * (size[0] + 2 * border) - 4
-    captions = []  # (prompt lines, score lines) per pair
-    for i in keep:
-        scores = "  |  ".join(f"{side} {labels[i]}" for side, labels in (("before", before_labels),
-                                                                          ("after", after_labels))
-                              if labels is not None and labels[i])
-        captions.append((wrap_to_width(prompts[i], font, text_w, 3),
-                         wrap_to_width(scores, font, text_w, 2) if scores else []))
+    captions = _pair_captions(keep, prompts, before_labels, after_labels, font, text_w, 3)
     text_h = line_h * max(len(p) + len(s) for p, s in captions) + 6
     pair_w, pair_h = 2 * (size[0] + 2 * border), size[1] + 2 * border
     cells = []
@@ -199,13 +214,7 @@ def make_video_comparison(before: list[list[Image.Image]], after: list[list[Imag
     its after clip, each a ``video_strip`` of ``frame_px`` px frames (time runs left to right) with "before" /
     "after" at its left, then the prompt and the labels under the pair; ``columns`` pairs to a row, a title on
     top. ValueError when the lists differ in length or are empty."""
-    n = len(prompts)
-    if not n or len(before) != n or len(after) != n:
-        raise ValueError(f"make_video_comparison: {len(before)} before / {len(after)} after videos for {n} prompts "
-                         "(one of each per prompt, at least one)")
-    for labels, side in ((before_labels, "before"), (after_labels, "after")):
-        if labels is not None and len(labels) != n:
-            raise ValueError(f"make_video_comparison: {len(labels)} {side} labels for {n} prompts")
+    _check_lengths("make_video_comparison", "videos", before, after, prompts, before_labels, after_labels)
     keep = first_of_each_prompt(prompts, max_prompts)
     font, gutter = caption_font(font_size), 12
     line_h = _line_height(font)
@@ -213,13 +222,7 @@ def make_video_comparison(before: list[list[Image.Image]], after: list[list[Imag
     strips = [(video_strip(before[i], frame_px), video_strip(after[i], frame_px)) for i in keep]
     strip_w, strip_h = strips[0][0].size
     text_w = legend_w + strip_w
-    captions = []
-    for i in keep:
-        scores = "  |  ".join(f"{side} {labels[i]}" for side, labels in (("before", before_labels),
-                                                                          ("after", after_labels))
-                              if labels is not None and labels[i])
-        captions.append((wrap_to_width(prompts[i], font, text_w, 2),
-                         wrap_to_width(scores, font, text_w, 2) if scores else []))
+    captions = _pair_captions(keep, prompts, before_labels, after_labels, font, text_w, 2)
     text_h = line_h * max(len(p) + len(s) for p, s in captions) + 6
     tile_w, tile_h = text_w + gutter, 2 * strip_h + 4 + text_h + gutter
     cols = min(columns, len(keep))
