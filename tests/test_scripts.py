@@ -579,3 +579,10 @@ def test_a_scripts_own_defaults_for_another_algorithm_apply_under_what_is_set(tm
     assert spec("--algorithm", "awm", "--beta", "0.001").beta == 0.001
     assert spec("--algorithm", "nft").beta == 0.03 and spec("--algorithm", "nft").nft_beta == 0.1
     assert spec("--preset", "sd3.5-medium-geneval-nft").nft_beta == 1.0 and spec().beta == 0.1
+    # DGPO on the embedded world: six pairs over 0.9 of the schedule, no clip; its SD3.5-M preset keeps the paper's
+    cfg = parse_config(module.GRPOImageConfig, ["--algorithm", "dgpo", "--output_dir", str(tmp_path)],
+                       presets=module.PRESETS)
+    assert (cfg.train_timesteps, cfg.forward_fraction, cfg.algo_spec().epsilon) == (6, 0.9, 1.0)
+    cfg = parse_config(module.GRPOImageConfig, ["--preset", "sd3.5-medium-geneval-dgpo", "--output_dir",
+                                                 str(tmp_path)], presets=module.PRESETS)
+    assert (cfg.train_timesteps, cfg.forward_fraction, cfg.algo_spec().epsilon) == (4, 0.5, 1e-3)
