@@ -5,7 +5,7 @@ fidelity 0.85, and where each ends on both fidelity readings (the shape verifier
 reader no reward sees: ``unialign.embedded.shape_reader``) and the gold score (pixel quality).
 
 Every run is ``scripts/grpo_image.py --model_name_or_path embedded-sd3`` with the method's flags and otherwise the
-script's defaults (350 steps, 4 prompts x 16 images, held-out fidelity on 168 images every 10 steps), in a fresh
+script's defaults (350 steps, 4 prompts x 16 images, held-out fidelity on 168 images every 5 steps), in a fresh
 process, one torch thread; seeds 0, 1, 2; ``jobs`` runs at a time (default 2 on a 2-core machine: every method
 under the same sharing, interleaved by seed). Time to the threshold = the summed ``step_seconds`` (sample, score,
 update; held-out evaluations not counted) up to the first evaluation after step 0 at or above it. Rows: each
@@ -21,6 +21,7 @@ A full run takes about 2 hours on 2 CPU cores (21 runs of 3-5 minutes and 9 four
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -50,6 +51,7 @@ VERSUS = [(m, b, t) for m in ("awm", "nft", "dgpo") for b, t in (("flow_grpo", 0
     ("grpo_guard", "flow_grpo", 1.0), ("flow_dppo", "flow_grpo", 1.0),
     ("grpo_guard-4ep", "flow_grpo-4ep", 1.0), ("flow_dppo-4ep", "flow_grpo-4ep", 1.0)]
 THRESHOLD = 0.85
+EVAL_STEPS = 5  # held-out evaluations every 5 steps: the fast methods cross 0.85 after 30-40 steps
 
 
 def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
@@ -57,7 +59,7 @@ def run_method(method: str, seed: int, quick: bool, out: Path) -> dict:
     the final checkpoint's history."""
     args = ["--model_name_or_path", "embedded-sd3", "--seed", str(seed), "--report_to", "none", "--output_dir",
             str(out), "--num_threads", "1", *METHODS[method]]
-    args += ["--max_steps", "1", "--eval_steps", "1", "--num_eval", "4"] if quick else ["--eval_steps", "10"]
+    args += ["--max_steps", "1", "--eval_steps", "1", "--num_eval", "4"] if quick else ["--eval_steps", str(EVAL_STEPS)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpo_image.py"), *args], cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=3600)
@@ -90,17 +92,19 @@ def seconds_to(curve: list[tuple], threshold: float) -> float | None:
 
 
 def run(quick: bool = False, jobs: int = 2, methods: tuple[str, ...] | None = None,
-        results: Path | None = None, runs: Path | None = None) -> list[dict]:
+        results: Path | None = None, runs: Path | None = None, keep: Path | None = None) -> list[dict]:
     """The rows; ``methods``: a subset of ``METHODS`` (rows needing another are left out); ``results``: also write
     every run's numbers there (JSON), for the docs' figures; ``runs``: read finished runs from ``runs/<method>-<seed>``
-    folders instead of running them (``read_run``)."""
+    folders instead of running them (``read_run``); ``keep``: run into ``keep/<method>-<seed>`` (grids, ``final/``,
+    for the docs' figures) instead of a temporary folder."""
     seeds, threshold = ((0,), 0.0) if quick else ((0, 1, 2), THRESHOLD)
     methods = tuple(methods or METHODS)
     try:
         if runs is not None:
             res = {m: [read_run(runs / f"{m}-{s}") for s in seeds] for m in methods}
         else:
-            with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            folder = contextlib.nullcontext(str(keep)) if keep is not None else tempfile.TemporaryDirectory()
+            with folder as tmp, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
                 futures = {(m, s): pool.submit(run_method, m, s, quick, Path(tmp) / f"{m}-{s}")
                            for s in seeds for m in methods}
                 res = {m: [futures[(m, s)].result() for s in seeds] for m in methods}
@@ -123,7 +127,7 @@ def rows_of(res: dict[str, list[dict]], seeds: tuple[int, ...], threshold: float
     def seeds_note(method):
         return ", ".join("never" if v is None else f"{v:.0f} s" for v in reach[method])
 
-    setting = (f"embedded-sd3, grpo_image defaults (350 steps, 4 x 16 images, eval every 10 steps on 168), seeds "
+    setting = (f"embedded-sd3, grpo_image defaults (350 steps, 4 x 16 images, eval every {EVAL_STEPS} steps on 168), seeds "
                f"{list(seeds)}, one thread, {jobs} runs at a time in fresh processes; seconds to held-out fidelity >= "
                f"{threshold} (training only), medians")
     rows = []
@@ -191,6 +195,38 @@ def markdown_table(res: dict[str, list[dict]], threshold: float = THRESHOLD) -> 
     return "\n".join(lines)
 
 
+def curves_figure(res: dict[str, list[dict]], out: Path, threshold: float = THRESHOLD) -> Path:
+    """Held-out fidelity against training seconds for every run of ``res`` (method -> runs by seed), the verifier's
+    reading on the left and the independent reader's on the right; one colour per method, one line per seed, the
+    threshold dashed. The one-epoch methods and the 4-epoch ones (``-4ep``) get a row each when both are there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [[m for m in res if not m.endswith("-4ep")], [m for m in res if m.endswith("-4ep")]]
+    groups = [g for g in groups if g]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4 * len(groups)), squeeze=False)
+    for (ax_v, ax_r), methods in zip(axes, groups):
+        for i, method in enumerate(methods):
+            for j, r in enumerate(res[method]):
+                seconds = [point[1] for point in r["curve"]]
+                for ax, column in ((ax_v, 2), (ax_r, 3)):
+                    ax.plot(seconds, [point[column] for point in r["curve"]], color=f"C{i}", linewidth=1.0,
+                            alpha=0.8, label=method if j == 0 else None)
+        for ax, reading in ((ax_v, "the verifier (trained on)"), (ax_r, "the independent reader (never trained on)")):
+            ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
+            ax.set_title(f"held-out fidelity, {reading}", fontsize=10)
+            ax.set_xlabel("training seconds (evaluations not counted)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def side_by_side(grids: dict[str, Path], out: Path, rows: int = 2) -> Path:
     """The first ``rows`` rows of each held-out grid (``grid_*.png`` of ``unialign.image.grid.save_grid``: tiles
     with captions, 8 to a row), stacked under a label per grid, as one PNG."""
@@ -250,7 +286,10 @@ def stock_pipeline_figure(finals: dict[str, Path], out: Path, n: int = 8, seed: 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--figure":  # --figure OUT.png label=grid.png ...
+    if len(sys.argv) > 2 and sys.argv[1] == "--curves":  # --curves OUT.png results.json ...: fidelity over seconds
+        print(curves_figure({m: rs for path in sys.argv[3:] for m, rs in json.loads(Path(path).read_text()).items()},
+                            Path(sys.argv[2])))
+    elif len(sys.argv) > 2 and sys.argv[1] == "--figure":  # --figure OUT.png label=grid.png ...
         print(side_by_side(dict(arg.split("=", 1) for arg in sys.argv[3:]), Path(sys.argv[2])))
     elif len(sys.argv) > 2 and sys.argv[1] == "--stock-figure":  # --stock-figure OUT.png label=run/final ...
         print(stock_pipeline_figure({k: Path(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])}, Path(sys.argv[2])))
@@ -258,11 +297,12 @@ if __name__ == "__main__":
         only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--methods=")), None)
         out = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--results=")), None)
         runs = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--runs=")), None)
+        keep = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--keep=")), None)
         if "--table" in sys.argv:  # --table --runs=DIR [--methods=a,b]: the docs' table of finished runs
             names = only or [m for m in METHODS if (runs / f"{m}-0").is_dir()]
             have = {m: [read_run(runs / f"{m}-{s}") for s in (0, 1, 2) if (runs / f"{m}-{s}" / "summary.json").is_file()]
                     for m in names}
             print(markdown_table({m: rs for m, rs in have.items() if rs}))
         else:
-            print(json.dumps(run(quick="--quick" in sys.argv, methods=only, results=out, runs=runs), indent=1,
+            print(json.dumps(run(quick="--quick" in sys.argv, methods=only, results=out, runs=runs, keep=keep), indent=1,
                              default=str))
