@@ -582,7 +582,18 @@ def test_a_scripts_own_defaults_for_another_algorithm_apply_under_what_is_set(tm
     # DGPO on the embedded world: six pairs over 0.9 of the schedule, no clip; its SD3.5-M preset keeps the paper's
     cfg = parse_config(module.GRPOImageConfig, ["--algorithm", "dgpo", "--output_dir", str(tmp_path)],
                        presets=module.PRESETS)
-    assert (cfg.train_timesteps, cfg.forward_fraction, cfg.algo_spec().epsilon) == (6, 0.9, 1.0)
+    assert (cfg.train_timesteps, cfg.forward_fraction, cfg.algo_spec().epsilon, cfg.old_policy_decay) == (
+        6, 0.9, 1.0, "off")  # no clip, so no old policy to keep
     cfg = parse_config(module.GRPOImageConfig, ["--preset", "sd3.5-medium-geneval-dgpo", "--output_dir",
                                                  str(tmp_path)], presets=module.PRESETS)
-    assert (cfg.train_timesteps, cfg.forward_fraction, cfg.algo_spec().epsilon) == (4, 0.5, 1e-3)
+    assert (cfg.train_timesteps, cfg.forward_fraction, cfg.algo_spec().epsilon, cfg.old_policy_decay) == (
+        4, 0.5, 1e-3, "awm")
+    # the paper's clip on the embedded world needs the old policy it compares with, named before any model loads
+    from unialign.recipes.image import forward_process_kwargs
+
+    cfg = parse_config(module.GRPOImageConfig, ["--algorithm", "dgpo", "--epsilon", "1e-3", "--output_dir",
+                                                 str(tmp_path)], presets=module.PRESETS)
+    with pytest.raises(ValueError, match="^old_policy_decay=off: dgpo's clip"):
+        forward_process_kwargs(cfg)
+    cfg.old_policy_decay = "awm"
+    assert forward_process_kwargs(cfg)["old_decay"](100) == pytest.approx(0.1)

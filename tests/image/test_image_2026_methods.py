@@ -175,6 +175,30 @@ def test_forward_terms_dgpo_and_old_mse(make_flow_policy):  # noqa: F811
     assert (logp < 0).all()
 
 
+def test_forward_terms_without_an_old_policy_are_the_current_weights_in_one_pass(make_flow_policy,  # noqa: F811
+                                                                                  monkeypatch):
+    """No old policy (``old_decay`` None: DGPO without its clip): the old weights are the current ones, so the old
+    log-probs are the current ones, detached, and the denoiser runs once per pair for the policy (plus once for the
+    reference) instead of a second time for the old weights."""
+    policy = make_flow_policy(num_steps=6, guidance_scale=1.0, lora_rank=2)
+    policy.use_forward_process(train_timesteps=2, timestep_fraction=0.5, time_sampling="random", weighting="uniform",
+                               old_decay=None, share_pairs=True)
+    assert not policy.has_old_policy
+    traj = policy.sample(["a cat"] * 2 + ["a red circle"] * 2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for prm in policy.trainable_parameters():
+            prm.add_(0.05 * torch.randn_like(prm))  # the policy now differs from the reference
+    calls = []
+    denoise = policy._denoise
+    monkeypatch.setattr(policy, "_denoise", lambda *a, **k: calls.append(1) or denoise(*a, **k))
+    logp, _, _, terms = policy.log_prob_terms(traj, ("dgpo", "old_mse"))
+    assert len(calls) == 2  # the policy and the reference; no pass for old weights
+    ref_logp, old_logp = terms["dgpo"]
+    assert torch.equal(old_logp, logp.detach()) and not old_logp.requires_grad
+    assert not torch.allclose(ref_logp, logp.detach())
+    assert float(terms["old_mse"].abs().max()) == 0.0
+
+
 # ----------------------------------------------------------------------------- the trainer
 @pytest.mark.parametrize("algorithm", ["grpo_guard", "flow_dppo"])
 def test_sde_presets_train_with_per_step_diagnostics(make_flow_policy, tmp_path, algorithm):  # noqa: F811

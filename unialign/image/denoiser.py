@@ -347,6 +347,12 @@ class DenoiserPolicy(PolicyBase, ClosedFormKL, LossTerms, StepChunks, OptimizerS
         if old_decay is not None:
             self._old_state = [p.detach().clone() for p in self.trainable_parameters()]
 
+    @property
+    def has_old_policy(self) -> bool:
+        """Whether an old policy is kept (``use_forward_process(old_decay=...)``); without one the old weights are
+        the current ones."""
+        return self._old_state is not None
+
     @contextlib.contextmanager
     def _old_weights(self) -> Iterator[None]:
         """The old policy's weights swapped into the trainable parameters for the duration (no gradient may be

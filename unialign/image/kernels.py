@@ -549,10 +549,12 @@ class ForwardKernel:
         if p is None:
             return zeros, zeros, {name: (zeros, zeros) for name in names}
         old = None
-        if names:  # before the differentiable call: the old weights are swapped into the same parameters
+        if names and policy.has_old_policy:  # before the differentiable call: the old weights are swapped in
             with torch.no_grad(), policy._old_weights():
                 old = policy._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
         p["pred"] = policy._denoise(model, p["x_t"], p["t"], p["cond"], False).float()
+        if names and old is None:  # no old policy: the old weights are the current ones, no second pass
+            old = p["pred"].detach()
 
         def logp_of(pred: Tensor) -> Tensor:
             return matching_logprob(pred, p["target"], p["sigma"], self.weighting, self.power)

@@ -293,7 +293,7 @@ FORWARD_PROCESS = {
     "nft": dict(train_timesteps=None, timestep_fraction=0.99, time_sampling="random", weighting="uniform",
                 old_policy_decay="nft", sample_old=True, share_pairs=False),
     "dgpo": dict(train_timesteps=4, timestep_fraction=0.5, time_sampling="random", weighting="uniform",
-                 old_policy_decay="awm", sample_old=False, share_pairs=True),
+                 old_policy_decay="awm", sample_old=False, share_pairs=True, clip_reads_old=True),
 }
 OLD_DECAYS = {"nft": lambda step: min(0.001 * step, 0.5), "awm": lambda step: min(0.001 * step, 0.3)}
 
@@ -325,6 +325,11 @@ def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
     k = cfg.train_timesteps or base["train_timesteps"] or max(1, int(cfg.num_steps * fraction))
     decay_name = cfg.old_policy_decay or base["old_policy_decay"]
     decay = old_decay(decay_name)
+    epsilon = cfg.algo_spec().epsilon
+    if base.get("clip_reads_old") and decay is None and epsilon < 1.0:
+        raise ValueError(f"old_policy_decay=off: {cfg.algorithm}'s clip (epsilon={epsilon}) compares each error with "
+                         "the old policy's, which 'off' does not keep: set --old_policy_decay (e.g. awm) or --epsilon 1 "
+                         "(no clip)")
     kw = dict(train_timesteps=k, timestep_fraction=fraction, time_sampling=base["time_sampling"],
               weighting=cfg.forward_weighting or base["weighting"], power=cfg.ghuber_power, sampler=cfg.sampler,
               sample_old=decay is not None and base["sample_old"], share_pairs=base["share_pairs"], old_decay=decay)

@@ -140,12 +140,13 @@ GRPO_IMAGE: dict[str, dict] = {
        for algo, steps, micro, beta, nft_beta in (("awm", 14, 3, 0.001, None), ("nft", 10, 9, 1e-4, 1.0))},
     # DGPO on SD3.5-M GenEval (Luo-Yihong/DGPO config/dgpo_wocfg.py geneval_sd3_4gpu): 10 CFG-free steps (its DPM
     # solver is Euler here), groups of 16 (24 "for better performance"), lr 3e-4, the dgpo preset (beta_dpo 100, clip
-    # 1e-3, KL 0.02, K = 4 pairs from the noisiest half: trunc_steps 4 of 10, set here, not left to
-    # ALGORITHM_DEFAULTS, the embedded world's); the loss reads whole groups, so a micro-batch is one group.
+    # 1e-3 against a moving average decayed by min(0.001 step, 0.3), KL 0.02, K = 4 pairs from the noisiest half:
+    # trunc_steps 4 of 10; set here, not left to ALGORITHM_DEFAULTS, the embedded world's); the loss reads whole
+    # groups, so a micro-batch is one group.
     "sd3.5-medium-geneval-dgpo": dict(
         model_name_or_path="stabilityai/stable-diffusion-3.5-medium", model_family="sd3", prompt_set=GENEVAL_PROMPTS,
         reward_funcs="geneval", algorithm="dgpo", beta=0.02, epsilon=1e-3, train_timesteps=4, forward_fraction=0.5,
-        num_steps=10, guidance_scale=1.0, resolution=512,
+        old_policy_decay="awm", num_steps=10, guidance_scale=1.0, resolution=512,
         max_sequence_length=128, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, lr_scheduler_type="constant",
         prompts_per_step=4, num_generations=16, num_mini_batches=1, micro_batch_size=16, train_chunk_size=0,
         sample_batch_size=16, max_steps=1000, num_eval=64, eval_steps=60, torch_dtype="bfloat16", num_threads=0,
