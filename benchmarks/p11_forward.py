@@ -160,7 +160,7 @@ LABELS = {"flow_grpo": "Flow-GRPO (`--algorithm flow_grpo --sde_window_size 0`)"
           "default": "default (GRPO, SDE window 3)",
           "awm": "AWM (`--algorithm awm`, KL 0.03, trust term 1)",
           "nft": "DiffusionNFT (`--algorithm nft`: β 0.1, KL 0.03)",
-          "dgpo": "DGPO (`--algorithm dgpo`)",
+          "dgpo": "DGPO (`--algorithm dgpo`: six pairs over 0.9 of the schedule, no clip)",
           "grpo_guard": "GRPO-Guard (`--algorithm grpo_guard --sde_window_size 0`)",
           "flow_dppo": "Flow-DPPO (`--algorithm flow_dppo --sde_window_size 0`)",
           "flow_grpo-4ep": "Flow-GRPO, 4 inner epochs (`--num_iterations 4`)",
