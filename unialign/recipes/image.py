@@ -325,8 +325,7 @@ def forward_process_kwargs(cfg: ImageRLConfig) -> dict[str, Any] | None:
     k = cfg.train_timesteps or base["train_timesteps"] or max(1, int(cfg.num_steps * fraction))
     decay_name = cfg.old_policy_decay or base["old_policy_decay"]
     decay = old_decay(decay_name)
-    epsilon = cfg.algo_spec().epsilon
-    if base.get("clip_reads_old") and decay is None and epsilon < 1.0:
+    if base.get("clip_reads_old") and decay is None and (epsilon := cfg.algo_spec().epsilon) < 1.0:
         raise ValueError(f"old_policy_decay=off: {cfg.algorithm}'s clip (epsilon={epsilon}) compares each error with "
                          "the old policy's, which 'off' does not keep: set --old_policy_decay (e.g. awm) or --epsilon 1 "
                          "(no clip)")
