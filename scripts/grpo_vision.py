@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from unialign.config import arg, default, exit_on_user_error, parse_config
-from unialign.embedded import VLM_NAME, check_model_kind, model_path, register
+from unialign.embedded import DATASET_MODELS, VLM_NAME, VLM_VIDEO_NAME, check_model_kind, model_path, register
 from unialign.embedded.args import tuned_for
 from unialign.recipes import presets
 from unialign.recipes.args import RewardArgs, RunArgs, SystemPromptArgs, TextModelArgs, TextRLArgs
@@ -44,13 +44,16 @@ class GRPOVisionConfig(RunArgs, RewardArgs, TextRLArgs, SystemPromptArgs, TextMo
                        OnlineConfig):
     PRESETS: ClassVar[dict] = PRESETS
     TRL_CONFIG: ClassVar[str] = "GRPOConfig"  # the defaults below are TRL's unless printed at start
-    MODEL_DEFAULTS: ClassVar[dict] = tuned_for((VLM_NAME,), dict(  # measured on the shipped VLM (docs/vision.md)
+    DATASET_MODELS: ClassVar[dict] = DATASET_MODELS  # --dataset_name embedded-vlm-video: its own model
+    MODEL_DEFAULTS: ClassVar[dict] = tuned_for((VLM_NAME, VLM_VIDEO_NAME), dict(  # measured (docs/vision.md)
         max_new_tokens=8, learning_rate=1e-3, warmup_steps=5, lr_scheduler_type="cosine", micro_batch_size=128,
         num_threads=1))
-    model_name_or_path: str = arg("embedded-vlm", "Hub id, local directory, or 'embedded-vlm' (the shipped tiny "
-                                  "Qwen2-VL-architecture model)", group="model")
-    dataset_name: str = arg("embedded-vlm", "'embedded-vlm' (questions about shapes-world images), a Hub id, a local "
-                            ".jsonl/.json/.parquet file, or a folder of split files", group="data")
+    model_name_or_path: str = arg("embedded-vlm", "Hub id, local directory, 'embedded-vlm' (the shipped tiny "
+                                  "Qwen2-VL-architecture model) or 'embedded-vlm-video' (it, extended to clips)",
+                                  group="model")
+    dataset_name: str = arg("embedded-vlm", "'embedded-vlm' (questions about shapes-world images), 'embedded-vlm-video' "
+                            "(about motion-world clips; its model unless --model_name_or_path is set), a Hub id, a "
+                            "local .jsonl/.json/.parquet file, or a folder of split files", group="data")
     eval_batch_size: int = arg(64, "prompts per greedy-evaluation batch", group="logging", min=1)
     max_new_tokens: int = default(512)  # TRL's max_completion_length
     lora_rank: int = arg(0, "> 0: train a LoRA of this rank on the language model's projections", group="model", min=0)

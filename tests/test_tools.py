@@ -162,7 +162,7 @@ def test_the_arith_lm_rebuilds_bit_identically(tmp_path):
 def test_the_builders_run_as_modules_from_the_repository_root():
     import subprocess
 
-    for module in ("tools.build_arith_lm", "tools.build_shapes_world"):
+    for module in ("tools.build_arith_lm", "tools.build_shapes_world", "tools.build_vlm_video"):
         res = subprocess.run([sys.executable, "-m", module, "check", "--help"], capture_output=True, text=True,
                              cwd=ROOT)
         assert res.returncode == 0 and "--keep" in res.stdout, res.stderr
@@ -199,3 +199,21 @@ def test_the_motion_world_build_writes_the_shipped_folder_layout(tmp_path):
         "vae/diffusion_pytorch_model.safetensors", "vae/config.json", "build_metrics.json"}, result.table()
     shipped = json.loads((WAN_DIR / "build_metrics.json").read_text())
     assert set(KEYS) <= set(shipped) and record["parameters"] == shipped["parameters"]
+
+
+def test_the_video_vlm_check_reads_the_shipped_record_and_compares_every_file_it_writes(tmp_path):
+    """Wiring only (2 + 2 steps, not the shipped 800 + 800): the tokenizer, processor and configs are the shipped ones
+    (they do not depend on training), the weights and the record are not; the full check is ``python -m
+    tools.build_vlm_video check`` (~8 min)."""
+    from tools.asset_check import PASSING
+    from tools.build_vlm_video import BUILT_FILES, RECORD_KEYS, check
+    from unialign.embedded.vlm_video import VLM_VIDEO_DIR
+
+    result = check(VLM_VIDEO_DIR, keep=tmp_path / "v", steps=2, vision_steps=2, eval_rows=None, verbose=False)
+    verdicts = {p: v for p, v, _ in result.rows}
+    assert set(verdicts) == set(BUILT_FILES) and not result.ok
+    assert {p for p, v in verdicts.items() if v not in PASSING} == {"model.safetensors", "build_metrics.json"}
+    record = json.loads((tmp_path / "v" / "build_metrics.json").read_text())
+    shipped = json.loads((VLM_VIDEO_DIR / "build_metrics.json").read_text())
+    assert record["steps"] == 2 and all(record[k] == shipped[k] for k in RECORD_KEYS if k not in ("steps", "vision_steps"))
+    assert record["source_sha256"] == shipped["source_sha256"]  # built from the shipped image VLM

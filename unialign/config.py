@@ -241,6 +241,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, presets: dict[str,
     values.update(given)
     _algorithm_knobs_follow_the_algorithm(cls, fields, values)
     chosen = set(values)  # what a preset, YAML or a flag set (a knob the algorithm reset counts as set)
+    _model_follows_the_data(cls, fields, values)
     model_defaults = _model_defaults(cls, fields, values)
     out = {}
     for name, value in values.items():
@@ -285,6 +286,18 @@ def model_defaults_key(table: dict[str, dict[str, Any]], model: Any) -> str | No
     except (OSError, RuntimeError):
         return None
     return next((k for k in table if Path(k).is_absolute() and Path(k).resolve() == here), None)
+
+
+def _model_follows_the_data(cls: type, fields: dict[str, dataclasses.Field], values: dict[str, Any]) -> None:
+    """A data set only one model reads (``cls.DATASET_MODELS``: data set name -> model name, e.g. the shipped
+    video questions and the shipped video VLM, whose tokenizer has their words) gives that model when nobody set
+    ``model_name_or_path``; ``values`` is updated in place (the model then counts as a default, not as set)."""
+    table = getattr(cls, "DATASET_MODELS", None)
+    if not table or "model_name_or_path" in values or "dataset_name" not in fields:
+        return
+    model = table.get(values.get("dataset_name", fields["dataset_name"].default))
+    if model is not None:
+        values["model_name_or_path"] = model
 
 
 def _model_defaults(cls: type, fields: dict[str, dataclasses.Field], values: dict[str, Any]

@@ -27,6 +27,11 @@ NAME = "embedded"
 ARITH_LM_DIR = Path(__file__).resolve().parent / "assets" / "arith_lm"  # = arith.DEFAULT_ASSET_DIR
 VLM_NAME = "embedded-vlm"  # the vision-language task (vlm.py): data set, pair data set and model path by this name
 VLM_DIR = Path(__file__).resolve().parent / "assets" / "vlm"  # = vlm.VLM_DIR
+VLM_VIDEO_NAME = "embedded-vlm-video"  # the video question task (vlm_video.py): data sets and model by this name
+VLM_VIDEO_DIR = Path(__file__).resolve().parent / "assets" / "vlm_video"  # = vlm_video.VLM_VIDEO_DIR
+# A shipped data set that only its own shipped model reads (new words): the model a script takes for it when
+# --model_name_or_path is left unset (a config's DATASET_MODELS, ``unialign.config``)
+DATASET_MODELS = {VLM_VIDEO_NAME: VLM_VIDEO_NAME}
 MDLM_NAME = "embedded-mdlm"  # the arithmetic task's masked-diffusion LM (mdlm.py): a model path by this name
 MDLM_DIR = Path(__file__).resolve().parent / "assets" / "mdlm"  # = mdlm.MDLM_DIR
 
@@ -78,11 +83,23 @@ def _vlm_pairs(split: str, n: int | None = None, seed: int = 0) -> list[dict[str
     return preference_pairs(split, n=n, seed=seed)
 
 
+def _vlm_video_rows(split: str, n: int | None = None) -> list[dict[str, Any]]:
+    from unialign.embedded.vlm_video import video_dataset
+
+    return video_dataset(split, n=n)
+
+
+def _vlm_video_pairs(split: str, n: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    from unialign.embedded.vlm_video import preference_pairs
+
+    return preference_pairs(split, n=n, seed=seed)
+
+
 def register() -> None:
     """Add the demo worlds to the core registries (module docstring): ``NAME`` as a prompt data set and a
     pair data set, ``REWARD_PATHS`` as image rewards, ``GENEVAL_BACKEND_PATHS`` as GenEval backends; the VLM task
-    (``vlm.py``) as ``VLM_NAME`` (prompt and pair data set, and a ``vlm_judge`` model name) and ``TEXT_REWARD_PATHS``
-    as text rewards. Idempotent;
+    (``vlm.py``) as ``VLM_NAME`` (prompt and pair data set, and a ``vlm_judge`` model name), its video task
+    (``vlm_video.py``) as ``VLM_VIDEO_NAME`` (prompt and pair data set) and ``TEXT_REWARD_PATHS`` as text rewards. Idempotent;
     an entry someone registered under the same name first is kept (``setdefault``). Imports nothing heavy."""
     from unialign.rewards.geneval import GENEVAL_BACKENDS
     from unialign.rewards.registry import REWARD_INPUTS, REWARDS
@@ -104,12 +121,14 @@ def register() -> None:
         REWARD_INPUTS.setdefault(name, "text")
     NAMED_DATASETS.setdefault(VLM_NAME, _vlm_rows)
     NAMED_PAIR_DATASETS.setdefault(VLM_NAME, _vlm_pairs)
+    NAMED_DATASETS.setdefault(VLM_VIDEO_NAME, _vlm_video_rows)
+    NAMED_PAIR_DATASETS.setdefault(VLM_VIDEO_NAME, _vlm_video_pairs)
     JUDGE_MODELS.setdefault(VLM_NAME, {"model_name_or_path": str(VLM_DIR)})  # UNIALIGN_VLM_JUDGE=embedded-vlm
 
 
 IMAGE_SD3_NAME = "embedded-sd3"  # the shapes world's flow-matching model (unialign.embedded.parts.NAME_SD3)
 VIDEO_NAME = "embedded-wan"  # the motion world's text-to-video model (motion_world.py; = motion_world.NAME)
-SHIPPED_MODELS = {"text": (NAME, MDLM_NAME), "vision": (VLM_NAME,),
+SHIPPED_MODELS = {"text": (NAME, MDLM_NAME), "vision": (VLM_NAME, VLM_VIDEO_NAME),
                   "image": (NAME, IMAGE_SD3_NAME, VIDEO_NAME)}  # by kind (a video model runs in the image scripts)
 SCRIPTS_FOR = {"text": "scripts/grpo_math.py, dpo_text.py, ppo_rlhf.py and train_reward_model.py train text models",
                "vision": "scripts/grpo_vision.py (and dpo_text.py) train vision-language models",
@@ -148,8 +167,10 @@ def check_model_kind(name: str, kinds: tuple[str, ...], field: str = "--model_na
 
 def model_path(name_or_path: str) -> str:
     """``"embedded"`` -> the shipped arithmetic model's folder, ``"embedded-vlm"`` -> the shipped tiny VLM's,
-    ``"embedded-mdlm"`` -> the shipped masked-diffusion LM's; anything else unchanged."""
-    return {NAME: str(ARITH_LM_DIR), VLM_NAME: str(VLM_DIR), MDLM_NAME: str(MDLM_DIR)}.get(name_or_path, name_or_path)
+    ``"embedded-vlm-video"`` -> its video extension's, ``"embedded-mdlm"`` -> the shipped masked-diffusion LM's;
+    anything else unchanged."""
+    return {NAME: str(ARITH_LM_DIR), VLM_NAME: str(VLM_DIR), VLM_VIDEO_NAME: str(VLM_VIDEO_DIR),
+            MDLM_NAME: str(MDLM_DIR)}.get(name_or_path, name_or_path)
 
 
 def load_arith_policy(**kwargs: Any):

@@ -14,9 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from unialign.config import arg
-from unialign.embedded import ARITH_LM_DIR, MDLM_DIR, MDLM_NAME, NAME, VLM_DIR, VLM_NAME
+from unialign.embedded import (
+    ARITH_LM_DIR,
+    MDLM_DIR,
+    MDLM_NAME,
+    NAME,
+    VLM_DIR,
+    VLM_NAME,
+    VLM_VIDEO_DIR,
+    VLM_VIDEO_NAME,
+)
 
-FOLDERS = {NAME: ARITH_LM_DIR, MDLM_NAME: MDLM_DIR, VLM_NAME: VLM_DIR}  # each shipped text model's folder
+FOLDERS = {NAME: ARITH_LM_DIR, MDLM_NAME: MDLM_DIR, VLM_NAME: VLM_DIR, VLM_VIDEO_NAME: VLM_VIDEO_DIR}  # each shipped text model's folder
 
 
 def tuned_for(names: tuple[str, ...], values: dict[str, Any]) -> dict[str, dict[str, Any]]:

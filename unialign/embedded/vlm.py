@@ -147,9 +147,10 @@ def judge_question(caption: str) -> str:
     return JUDGE_TEMPLATE.format(caption=" ".join(str(caption).split()).rstrip("."))
 
 
-def user_message(question: str) -> list[dict[str, Any]]:
-    """TRL's conversational VLM prompt: one user turn with the image, then the question."""
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+def user_message(question: str, media: str = "image") -> list[dict[str, Any]]:
+    """TRL's conversational VLM prompt: one user turn with the image (``media="video"``: the video), then the
+    question."""
+    return [{"role": "user", "content": [{"type": media}, {"type": "text", "text": question}]}]
 
 
 def _caption_parts(caption: str) -> tuple[str, str, str]:
@@ -358,16 +359,16 @@ def export(out_dir: str | Path, n_train: int | None = None, n_test: int | None =
 # ---------------------------------------------------------------------------------------------
 # Tokenizer, processor, model
 # ---------------------------------------------------------------------------------------------
-def build_tokenizer():
+def build_tokenizer(words: tuple[str, ...] = WORDS):
     """The byte-level, word-token ``PreTrainedTokenizerFast`` with ChatML specials (module docstring); left
-    padding (generation)."""
+    padding (generation). ``words``: the single-token words (the video task's model adds its own to ``WORDS``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {}
     for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab.setdefault(symbol, len(vocab))
-    for word in WORDS:
+    for word in words:
         for form in (word, "\u0120" + word):  # "Ġ": byte-level's leading space
             vocab.setdefault(form, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
@@ -446,16 +447,20 @@ def load_embedded_vlm(path: str | Path | None = None):
 # ---------------------------------------------------------------------------------------------
 # Inference helpers (evaluation and the judge)
 # ---------------------------------------------------------------------------------------------
-def chat_prompt(processor, question: str) -> str:
-    """The templated prompt text (with the assistant prefix) of one image + ``question``."""
-    return processor.apply_chat_template(user_message(question), add_generation_prompt=True, tokenize=False)
+def chat_prompt(processor, question: str, media: str = "image") -> str:
+    """The templated prompt text (with the assistant prefix) of one image (or video) + ``question``."""
+    return processor.apply_chat_template(user_message(question, media), add_generation_prompt=True, tokenize=False)
 
 
-def encode(processor, questions: list[str], images: list[Any]):
-    """Processor inputs (left-padded tensors) for one image + question per row."""
+def encode(processor, questions: list[str], images: list[Any] | None = None, videos: list[Any] | None = None):
+    """Processor inputs (left-padded tensors) for one image + question per row, or one video (a list of frames)
+    + question per row when ``videos`` is given."""
     processor.tokenizer.padding_side = "left"
-    texts = [chat_prompt(processor, q) for q in questions]
-    return processor(text=texts, images=list(images), padding=True, return_tensors="pt")
+    media = "video" if videos is not None else "image"
+    texts = [chat_prompt(processor, q, media) for q in questions]
+    if videos is not None:
+        return processor(text=texts, videos=[list(v) for v in videos], padding=True, return_tensors="pt")
+    return processor(text=texts, images=list(images or ()), padding=True, return_tensors="pt")
 
 
 def generate_answers(model, processor, rows: list[dict[str, Any]], greedy: bool = True, num_samples: int = 1,
@@ -479,12 +484,20 @@ def generate_answers(model, processor, rows: list[dict[str, Any]], greedy: bool 
     with torch.no_grad():
         for i in range(0, len(rows), per):
             chunk = rows[i:i + per]
-            enc = encode(processor, [_question(r) for r in chunk], [r["image"] for r in chunk])
+            enc = _encode_rows(processor, chunk)
             gen = model.generate(**enc, **kw)
             texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             out += [texts[j * num_samples:(j + 1) * num_samples] for j in range(len(chunk))]
     model.train(was_training)
     return out
+
+
+def _encode_rows(processor, rows: list[dict[str, Any]]):
+    """``encode`` of rows that carry an ``image`` each, or a ``video`` (frames) each."""
+    questions = [_question(r) for r in rows]
+    if all(r.get("video") is not None for r in rows):
+        return encode(processor, questions, videos=[r["video"] for r in rows])
+    return encode(processor, questions, images=[r["image"] for r in rows])
 
 
 def _question(row: dict[str, Any]) -> str:
