@@ -41,7 +41,18 @@ the same number of steps, its mean over the seeds within ``ACC_TOLERANCE``. Proc
 sides (TRL re-runs the processor for its training forward and pads its ids on the left; a right-padded processor
 misaligns ``mm_token_type_ids`` with them).
 
+Video (rows ``P12-video-*``, when ``unialign/embedded/assets/vlm_video/config.json`` exists): TRL's GRPOTrainer
+takes no video column (TRL 1.16 keeps ``prompt`` / ``image`` / ``images`` of a data set and drops the rest;
+huggingface/trl#5373), so the baseline is the same model's plain generate loop: ``model.generate`` on the
+processor's inputs of the same P x G prompts (each clip's prompt G times, ``videos=`` the frames), sampling at
+temperature 1 / top-k 0 / top-p 1, at most L new tokens -- generation alone, the least any GRPO step must do. Ours is
+a whole GRPO step of ``OnlineTrainer`` + ``VisionLanguagePolicy`` on the shipped video VLM's task
+(``unialign.embedded.vlm_video``, the motion world's 5-frame clips, 48 video tokens each): sampling, scoring and the
+update. Reported: completion tokens per second of each (steps interleaved, median after a warm-up step), and the
+share of ours spent sampling.
+
     .venv/bin/python -m benchmarks.p12_vlm_grpo [--quick] [--seeds=0,1,2]   # rows as JSON
+    .venv/bin/python -m benchmarks.p12_vlm_grpo --video > RUN.json   # the video row alone, a run for benchmarks.record
     .venv/bin/python -m benchmarks.run P12                     # through the suite
 """
 
@@ -274,6 +285,74 @@ def train_trl(model, processor, rows, P, G, L, steps, out_dir, seed=0, reward=No
     tr.train()
 
 
+def video_available() -> bool:
+    try:
+        from unialign.embedded.vlm_video import VLM_VIDEO_DIR
+    except ImportError:
+        return False
+    return (Path(VLM_VIDEO_DIR) / "config.json").exists()
+
+
+def generate_loop(model, processor, rows, G: int, L: int) -> int:
+    """The plain loop a user would write: one ``model.generate`` over the P x G prompts (each row's G times), sampling
+    (temperature 1, top-k 0, top-p 1), at most ``L`` new tokens; returns the completion tokens (up to and including
+    EOS)."""
+    from unialign.embedded import vlm
+
+    prompts = [r for r in rows for _ in range(G)]
+    enc = vlm.encode(processor, [vlm._question(r) for r in prompts], videos=[r["video"] for r in prompts])
+    tok = processor.tokenizer
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=L,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    new = out[:, enc["input_ids"].shape[1]:]
+    done = (new == tok.eos_token_id).int().cumsum(1)
+    return int(((done == 0) | ((done == 1) & (new == tok.eos_token_id))).sum())
+
+
+def video_throughput(P: int, G: int, L: int, steps: int, seed: int = 0, threads: int = THREADS) -> dict:
+    """Ours (whole GRPO steps) and the plain generate loop on the same prompts, interleaved step by step."""
+    import time
+
+    from unialign.embedded import vlm, vlm_video
+
+    torch.set_num_threads(threads)
+    base, processor = vlm_video.load_embedded_vlm_video()
+    for name, p in base.named_parameters():
+        if "visual" in name:
+            p.requires_grad_(False)
+    base.train()
+    rows = vlm_video.video_dataset("train")
+    baseline_model = copy.deepcopy(base).eval()
+    res: dict = {"P": P, "G": G, "L": L, "steps": steps, "threads": threads, "seed": seed}
+    ours_times, ours_tokens, base_times, base_tokens, sample_times = [], [], [], [], []
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(seed)
+        ours = make_ours(copy.deepcopy(base), copy.deepcopy(processor), rows, P, G, L, steps,
+                         os.path.join(d, "ours"), seed, reward=vlm.accuracy_reward)
+        rng = random.Random(seed)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            traj, _ = ours.collect()
+            sample_times.append(time.perf_counter() - t0)
+            ours_tokens.append(int(traj.mask_B_T.sum()) if traj is not None else 0)
+            if traj is not None:
+                ours.update(traj)
+            ours.step += 1
+            ours_times.append(time.perf_counter() - t0)
+            chunk = rng.sample(rows, P)
+            t0 = time.perf_counter()
+            base_tokens.append(generate_loop(baseline_model, processor, chunk, G, L))
+            base_times.append(time.perf_counter() - t0)
+    res.update(ours_times=ours_times, ours_tokens=ours_tokens, base_times=base_times, base_tokens=base_tokens,
+               sample_times=sample_times)
+    res["ours_tok_s"] = common.median(_tok_s(ours_times, ours_tokens))
+    res["generate_tok_s"] = common.median(_tok_s(base_times, base_tokens))
+    res["ours_sampling_tok_s"] = common.median(_tok_s(sample_times, ours_tokens))
+    res["sampling_share"] = common.median([s / t for s, t in zip(sample_times[1:], ours_times[1:])])
+    return res
+
+
 def _tok_s(times, tokens) -> list[float]:
     return [n / t for t, n in zip(times[1:], tokens[1:]) if t > 0]  # drop the warm-up step
 
@@ -328,7 +407,30 @@ def run(quick: bool = False, seeds: tuple[int, ...] | None = None) -> list[dict]
             f"{tag}-mem", "VLM GRPO", "p12_vlm_grpo", dict(kind=kind, P=P, G=G, L=L, steps=mem_steps),
             f"{model_desc}; each trainer alone in a fresh process, {mem_steps} steps; peak VmHWM minus RSS after "
             "importing both libraries and reading the rows; informative (no target)"))
+    if video_available():
+        rows.append(_video_row(P, G, L, 2 if quick else VIDEO_STEPS))
     return rows
+
+
+VIDEO_STEPS = 12  # the video row: steps of each side (the first a warm-up)
+
+
+def _video_row(P: int, G: int, L: int, steps: int) -> dict:
+    try:
+        r = video_throughput(P, G, L, steps)
+    except Exception as e:  # noqa: BLE001
+        return common.error_row("P12-video-tput", "VLM video GRPO completion tokens/s", e)
+    return common.row("P12-video-tput", "VLM video GRPO step (sample+score+update) tokens/s vs the same model's plain "
+                      "generate loop (generation only)", r["ours_tok_s"], r["generate_tok_s"], "tok/s", "higher", None,
+                      f"embedded video VLM (unialign/embedded/assets/vlm_video), motion-world clips (5 frames 32x32, 48 "
+                      f"video tokens), vlm_accuracy; P={P} x G={G}, max {L} new tokens, {steps} steps interleaved "
+                      f"(median of steps 2..{steps}); ours samples in {r['sampling_share']:.0%} of its step, its "
+                      f"sampling alone {r['ours_sampling_tok_s'] / r['generate_tok_s']:.2f}x the loop's tokens/s; TRL's "
+                      "GRPOTrainer takes no video column (TRL 1.16: prompt / image / images), so the baseline is "
+                      "model.generate on the same prompts and clips; informative (no target); CPU fp32, "
+                      f"{THREADS} torch thread", ours_step_s=common.median(r["ours_times"][1:]),
+                      baseline_step_s=common.median(r["base_times"][1:]), sampling_share=r["sampling_share"],
+                      ours_sampling_tok_s=r["ours_sampling_tok_s"], raw=r)
 
 
 if __name__ == "__main__":
@@ -337,4 +439,14 @@ if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     seeds = next((tuple(int(x) for x in a.split("=", 1)[1].split(",")) for a in sys.argv if a.startswith("--seeds=")),
                  None)
-    print(json.dumps(run(quick="--quick" in sys.argv, seeds=seeds), indent=1, default=str))
+    if "--video" in sys.argv:  # the video row alone, as a run benchmarks.record takes
+        import contextlib
+        import time
+
+        date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with contextlib.redirect_stdout(sys.stderr):  # the policy's notices: stdout is the run's JSON
+            video = _video_row(*P_G_L, VIDEO_STEPS)
+        print(json.dumps({"machine": common.machine_info(), "date": date, "mode": "default", "rows": [video],
+                          "command": "python -m benchmarks.p12_vlm_grpo --video"}, indent=1, default=str))
+    else:
+        print(json.dumps(run(quick="--quick" in sys.argv, seeds=seeds), indent=1, default=str))
