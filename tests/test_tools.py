@@ -190,7 +190,7 @@ def test_the_motion_world_build_writes_the_shipped_folder_layout(tmp_path):
     from unialign.embedded.motion_world import WAN_DIR
 
     record = build(tmp_path / "wan", vae_frame_steps=2, vae_steps=2, steps=2, per_prompt=1, eval_samples=0,
-                   verbose=False)
+                   decoder_steps=2, verbose=False)
     result = compare(tmp_path / "wan", WAN_DIR, BUILT_FILES)
     verdicts = {p: v for p, v, _ in result.rows}
     assert "not rebuilt" not in verdicts.values() and "not shipped" not in verdicts.values(), result.table()
@@ -199,6 +199,40 @@ def test_the_motion_world_build_writes_the_shipped_folder_layout(tmp_path):
         "vae/diffusion_pytorch_model.safetensors", "vae/config.json", "build_metrics.json"}, result.table()
     shipped = json.loads((WAN_DIR / "build_metrics.json").read_text())
     assert set(KEYS) <= set(shipped) and record["parameters"] == shipped["parameters"]
+
+
+def test_the_motion_world_fidelity_spreads_its_prompts_over_the_split():
+    """The split's order is shape-major (all circles first): the build's fidelity measures every shape."""
+    from tools.build_motion_world import spread
+    from unialign.embedded import motion_world
+
+    prompts = motion_world.prompts("train")
+    chosen = spread(prompts, 96)
+    assert len(chosen) == len(set(chosen)) == 96
+    shapes = [motion_world.parse_motion_prompt(p)[0] for p in chosen]
+    assert {s: shapes.count(s) for s in set(shapes)} == {"circle": 32, "square": 32, "triangle": 32}
+    assert spread(prompts[:5], 7) == prompts[:5] + prompts[:2]
+
+
+def test_the_motion_worlds_label_noise_swaps_left_and_right_only_and_is_fixed_per_clip():
+    from tools.build_motion_world import noisy_captions
+    from unialign.embedded import motion_world
+
+    data = motion_world.clip_dataset("train", per_prompt=2, seed=0)
+    noisy = noisy_captions(data, 0.8, seed=0)
+    assert noisy == noisy_captions(data, 0.8, seed=0) and noisy != noisy_captions(data, 0.8, seed=1)
+    assert noisy_captions(data, 0.0, seed=0) == [d["prompt"] for d in data]
+    swapped = {"left": 0, "right": 0}
+    for d, caption in zip(data, noisy):
+        true, got = motion_world.parse_motion_prompt(d["prompt"]), motion_world.parse_motion_prompt(caption)
+        assert true[:3] == got[:3]  # shape, colour, background untouched
+        if true[3] in ("up", "down"):
+            assert got[3] == true[3]
+        else:
+            swapped[true[3]] += got[3] != true[3]
+            assert got[3] in ("left", "right")
+    n = {k: sum(motion_world.parse_motion_prompt(d["prompt"])[3] == k for d in data) for k in swapped}
+    assert all(0.7 < swapped[k] / n[k] < 0.9 for k in swapped), (swapped, n)
 
 
 def test_the_video_vlm_check_reads_the_shipped_record_and_compares_every_file_it_writes(tmp_path):
