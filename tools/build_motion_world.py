@@ -97,6 +97,24 @@ DECODER_STEPS, DECODER_LR = 0, 1e-3  # sharpen_decoder (off in the shipped build
 OBJECT_WEIGHT = 10.0  # the object's pixels (~6-12 % of a frame) weigh this much in the reconstruction loss
 
 
+def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L1 + MSE of a reconstruction [B, 3, F, H, W], the object's pixels (off the frame's corner colour) weighted
+    ``OBJECT_WEIGHT``."""
+    weight = 1 + (OBJECT_WEIGHT - 1) * ((x - x[:, :, :1, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
+    return (weight * ((rec - x).abs() + (rec - x) ** 2)).mean()
+
+
+def update(loss: torch.Tensor, opt, sched, params, ema: float | None) -> float:
+    """One optimizer step of every stage (gradients clipped to norm 1, the one-cycle schedule stepped); returns the
+    loss's running mean (0.95 decay; ``ema`` None: the first step)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    return loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+
+
 def train_vae(vae, clips: torch.Tensor, frame_steps: int, steps: int, batch_size: int, lr: float,
               seed: int) -> float:
     """A deterministic autoencoder (the posterior mean decoded; the latents are normalised per channel afterwards,
@@ -120,14 +138,8 @@ def train_vae(vae, clips: torch.Tensor, frame_steps: int, steps: int, batch_size
             else:
                 x = clips[idx]
             rec = vae.decode(vae.encode(x).latent_dist.mean).sample
-            weight = 1 + (OBJECT_WEIGHT - 1) * ((x - x[:, :, :1, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
-            loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            ema = loss.item() if step == 0 else 0.95 * ema + 0.05 * loss.item()
+            loss = reconstruction_loss(rec, x)
+            ema = update(loss, opt, sched, vae.parameters(), ema if step else None)
             if step % 100 == 0 or step == n - 1:
                 _log(f"  vae {'frames' if stage == 0 else 'clips'} step {step:4d} loss(ema) {ema:.4f}")
     vae.eval().requires_grad_(False)
@@ -158,14 +170,8 @@ def sharpen_decoder(vae, clips: torch.Tensor, steps: int, batch_size: int, lr: f
         idx = torch.randint(0, len(clips), (batch_size,), generator=gen)
         x = clips[idx]
         rec = vae.decode(z[idx]).sample
-        weight = 1 + (OBJECT_WEIGHT - 1) * ((x - x[:, :, :1, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
-        loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if step == 0 else 0.95 * ema + 0.05 * loss.item()
+        loss = reconstruction_loss(rec, x)
+        ema = update(loss, opt, sched, params, ema if step else None)
         if step % 100 == 0 or step == steps - 1:
             _log(f"  decoder step {step:4d} loss(ema) {ema:.4f}")
     vae.eval().requires_grad_(False)
@@ -204,12 +210,7 @@ def train_model(parts: dict[str, Any], latents: torch.Tensor, ids: torch.Tensor,
         pred = transformer(hidden_states=(1 - sv) * x0 + sv * noise, timestep=s * 1000,
                            encoder_hidden_states=encode_text(encoder, b_ids, b_mask), return_dict=False)[0]
         loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if step == 0 else 0.95 * ema + 0.05 * loss.item()
+        ema = update(loss, opt, sched, params, ema if step else None)
         if step % 200 == 0 or step == steps - 1:
             _log(f"  wan step {step:4d} loss(ema) {ema:.4f}")
     transformer.eval().requires_grad_(False)

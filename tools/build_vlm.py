@@ -89,12 +89,14 @@ def draw_example(rng: random.Random, gen: torch.Generator, captions: list[str], 
     return [(image, vlm.QUESTIONS[qt], answer)]
 
 
-def collate(processor, examples: list[tuple[Any, str, str]]) -> dict[str, torch.Tensor]:
-    """Left-padded processor inputs of prompt + target + ``<|im_end|>``, labels on the target and ``<|im_end|>``."""
+def collate(processor, examples: list[tuple[Any, str, str]], media: str = "image") -> dict[str, torch.Tensor]:
+    """Left-padded processor inputs of prompt + target + ``<|im_end|>``, labels on the target and ``<|im_end|>``.
+    ``examples``: (image, question, target word), or (video frames, question, target word) with ``media="video"``."""
     tok = processor.tokenizer
-    texts = [vlm.chat_prompt(processor, q) + a + vlm.EOS for _, q, a in examples]
+    texts = [vlm.chat_prompt(processor, q, media) + a + vlm.EOS for _, q, a in examples]
     tok.padding_side = "left"
-    enc = processor(text=texts, images=[im for im, _, _ in examples], padding=True, return_tensors="pt")
+    visuals = {"images" if media == "image" else "videos": [v for v, _, _ in examples]}
+    enc = processor(text=texts, **visuals, padding=True, return_tensors="pt")
     labels = torch.full_like(enc["input_ids"], -100)
     for i, (_, _, a) in enumerate(examples):
         n = len(tok.encode(a + vlm.EOS, add_special_tokens=False))
@@ -144,19 +146,19 @@ def pretrain_vision(model, processor, captions: list[str], steps: int, lr: float
     return loss.item()
 
 
-def evaluate(model, processor, n_rows: int | None = None, k: int = 8, seed: int = 0) -> dict[str, Any]:
-    """Held-out numbers: greedy QA accuracy (all and per question type), pass@k at temperature 1, judge accuracy
-    (P(yes) > 0.5) and mean P(yes) on positive / negative judge rows, the greedy answers' form (one word)."""
-    rows = vlm.vlm_dataset("test", n=n_rows)
+def qa_metrics(model, processor, rows: list[dict[str, Any]], question_types: tuple[str, ...],
+               confusions: dict[str, str], k: int = 8, seed: int = 0) -> dict[str, Any]:
+    """Greedy accuracy on ``rows`` (all, per question type, on the words of ``confusions`` and the others), the
+    greedy answers' form (one word), pass@k and per-sample accuracy at temperature 1 (``vlm.generate_answers``)."""
     greedy = [c[0] for c in vlm.generate_answers(model, processor, rows)]
     correct = [vlm.is_correct(c, r["solution"]) for c, r in zip(greedy, rows)]
     out: dict[str, Any] = {"qa_rows": len(rows), "greedy_acc": round(sum(correct) / len(rows), 4)}
-    for qt in vlm.QA_TYPES:
+    for qt in question_types:
         sel = [ok for ok, r in zip(correct, rows) if r["question_type"] == qt]
         out[f"greedy_acc_{qt}"] = round(sum(sel) / max(1, len(sel)), 4)
     out["greedy_well_formed"] = round(sum(vlm.parse_answer(c) is not None for c in greedy) / len(rows), 4)
-    confused = [ok for ok, r in zip(correct, rows) if r["solution"] in vlm.CONFUSIONS]
-    clean = [ok for ok, r in zip(correct, rows) if r["solution"] not in vlm.CONFUSIONS]
+    confused = [ok for ok, r in zip(correct, rows) if r["solution"] in confusions]
+    clean = [ok for ok, r in zip(correct, rows) if r["solution"] not in confusions]
     out["greedy_acc_confused_words"] = round(sum(confused) / max(1, len(confused)), 4)
     out["greedy_acc_other_words"] = round(sum(clean) / max(1, len(clean)), 4)
     samples = vlm.generate_answers(model, processor, rows, greedy=False, num_samples=k, seed=seed)
@@ -164,6 +166,14 @@ def evaluate(model, processor, n_rows: int | None = None, k: int = 8, seed: int 
                                     for cs, r in zip(samples, rows)) / len(rows), 4)
     out["sample_acc"] = round(sum(vlm.is_correct(c, r["solution"]) for cs, r in zip(samples, rows) for c in cs)
                               / (k * len(rows)), 4)
+    return out
+
+
+def evaluate(model, processor, n_rows: int | None = None, k: int = 8, seed: int = 0) -> dict[str, Any]:
+    """Held-out numbers: greedy QA accuracy (all and per question type), pass@k at temperature 1, judge accuracy
+    (P(yes) > 0.5) and mean P(yes) on positive / negative judge rows, the greedy answers' form (one word)."""
+    rows = vlm.vlm_dataset("test", n=n_rows)
+    out = qa_metrics(model, processor, rows, vlm.QA_TYPES, vlm.CONFUSIONS, k, seed)
     judge = vlm.vlm_dataset("test", question_types=("judge",), seed=seed)
     judge = judge[:n_rows] if n_rows else judge
     p_yes = vlm.yes_probability(model, processor, [r["image"] for r in judge], [vlm._question(r) for r in judge])

@@ -33,6 +33,7 @@ import torch
 
 from tools import asset_check
 from tools.asset_check import Comparison, rebuild_from_record
+from tools.build_vlm import collate, qa_metrics
 from unialign.embedded import motion_world, vlm, vlm_video
 
 DEFAULT_STEPS = 800
@@ -130,41 +131,11 @@ def draw_example(rng: random.Random, prompts: list[str], confusion_rate: float) 
     return clip, vlm_video.QUESTIONS[qt], answer
 
 
-def collate(processor, examples: list[tuple[list, str, str]]) -> dict[str, torch.Tensor]:
-    """Left-padded processor inputs of prompt + target + ``<|im_end|>``, labels on the target and ``<|im_end|>``."""
-    tok = processor.tokenizer
-    texts = [vlm.chat_prompt(processor, q, "video") + a + vlm.EOS for _, q, a in examples]
-    tok.padding_side = "left"
-    enc = processor(text=texts, videos=[c for c, _, _ in examples], padding=True, return_tensors="pt")
-    labels = torch.full_like(enc["input_ids"], -100)
-    for i, (_, _, a) in enumerate(examples):
-        n = len(tok.encode(a + vlm.EOS, add_special_tokens=False))
-        labels[i, -n:] = enc["input_ids"][i, -n:]
-    enc["labels"] = labels
-    return dict(enc)
-
-
 def evaluate(model, processor, n_rows: int | None = None, k: int = 8, seed: int = 0) -> dict[str, Any]:
-    """Held-out numbers: greedy accuracy (all, per question type, on the confused words and the others), pass@k and
-    per-sample accuracy at temperature 1, the greedy answers' form (one word)."""
+    """Held-out numbers (``build_vlm.qa_metrics``): greedy accuracy (all, per question type, on the confused words and
+    the others), the answers' form, pass@k and per-sample accuracy at temperature 1."""
     rows = vlm_video.video_dataset("test", n=n_rows)
-    greedy = [c[0] for c in vlm.generate_answers(model, processor, rows)]
-    correct = [vlm.is_correct(c, r["solution"]) for c, r in zip(greedy, rows)]
-    out: dict[str, Any] = {"rows": len(rows), "greedy_acc": round(sum(correct) / len(rows), 4)}
-    for qt in vlm_video.QA_TYPES:
-        sel = [ok for ok, r in zip(correct, rows) if r["question_type"] == qt]
-        out[f"greedy_acc_{qt}"] = round(sum(sel) / max(1, len(sel)), 4)
-    confused = [ok for ok, r in zip(correct, rows) if r["solution"] in vlm_video.CONFUSIONS]
-    clean = [ok for ok, r in zip(correct, rows) if r["solution"] not in vlm_video.CONFUSIONS]
-    out["greedy_acc_confused_words"] = round(sum(confused) / max(1, len(confused)), 4)
-    out["greedy_acc_other_words"] = round(sum(clean) / max(1, len(clean)), 4)
-    out["greedy_well_formed"] = round(sum(vlm.parse_answer(c) is not None for c in greedy) / len(rows), 4)
-    samples = vlm.generate_answers(model, processor, rows, greedy=False, num_samples=k, seed=seed)
-    out[f"pass_at_{k}"] = round(sum(any(vlm.is_correct(c, r["solution"]) for c in cs)
-                                    for cs, r in zip(samples, rows)) / len(rows), 4)
-    out["sample_acc"] = round(sum(vlm.is_correct(c, r["solution"]) for cs, r in zip(samples, rows) for c in cs)
-                              / (k * len(rows)), 4)
-    return out
+    return qa_metrics(model, processor, rows, vlm_video.QA_TYPES, vlm_video.CONFUSIONS, k, seed)
 
 
 def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
@@ -197,7 +168,7 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
             return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
 
         for step in range(steps):
-            batch = collate(processor, [draw_example(rng, prompts, confusion_rate) for _ in range(batch_size)])
+            batch = collate(processor, [draw_example(rng, prompts, confusion_rate) for _ in range(batch_size)], "video")
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             loss = model(**batch).loss
