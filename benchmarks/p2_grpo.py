@@ -94,8 +94,9 @@ class _TokenCountingReward:
 
 
 # ----------------------------------------------------------------------------- builders
-def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, **policy_kw):
-    """Ours: ``CausalLMPolicy`` + ``OnlineTrainer`` with the settings of the module docstring (GRPO preset)."""
+def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, async_rollouts=False, max_staleness=1, **policy_kw):
+    """Ours: ``CausalLMPolicy`` + ``OnlineTrainer`` with the settings of the module docstring (GRPO preset);
+    ``async_rollouts`` / ``max_staleness``: the config's."""
     from unialign.rewards.math import math_accuracy_reward
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers.online import OnlineConfig, OnlineTrainer
@@ -105,7 +106,7 @@ def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, **policy_kw):
                        micro_batch_size=P * G, num_mini_batches=1, max_steps=steps, learning_rate=LR,
                        max_completion_length=L, report_to="none", output_dir=out_dir, seed=seed,
                        lr_scheduler_type="constant", max_grad_norm=1.0, epsilon=0.2, scale_rewards="group",
-                       num_iterations=1)
+                       num_iterations=1, async_rollouts=async_rollouts, max_staleness=max_staleness)
     return OnlineTrainer(policy, math_accuracy_reward, rows, cfg)
 
 
@@ -215,6 +216,69 @@ def throughput(kind: str, P: int, G: int, L: int, steps: int, eval_rows: int = 0
     return res
 
 
+def run_seconds(trainer, steps: int) -> float:
+    """Wall seconds of ``steps`` steps of ours (``train_step``: sample, score, update), from the first step's start
+    to the last one's end; an async run's thread is stopped afterwards (pipeline fill included, drain excluded:
+    the last step waits for nothing more)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+        trainer.step += 1
+    seconds = time.perf_counter() - t0
+    if trainer.rollouts is not None:
+        trainer.rollouts.close()
+    return seconds
+
+
+def async_wall(P: int, G: int, L: int, steps: int, seed: int = 0, threads: int = 1, repeats: int = 2) -> dict:
+    """Whole-loop wall time of ``steps`` GRPO steps on the embedded model: ours synchronous, ours with async rollouts
+    (``max_staleness`` 1) at ``threads`` torch threads (the embedded default's 1: the rollout thread takes the second
+    core), and TRL's GRPOTrainer at torch's default threads (both cores), in this process, in the order
+    sync, async, TRL, then reversed, ``repeats`` times; the median per side."""
+    from transformers import TrainerCallback
+
+    base, tok = build_model("arith", seed)
+    rows = train_rows()
+    times: dict[str, list[float]] = {"sync": [], "async": [], "trl": []}
+    default_threads = torch.get_num_threads()
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 0:
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.t1 = time.perf_counter()
+
+    def one(side: str, d: str) -> None:
+        gc.collect()
+        torch.manual_seed(seed)
+        if side == "trl":
+            torch.set_num_threads(default_threads)
+            clock = Clock()
+            trainer, _ = make_trl(copy.deepcopy(base), copy.deepcopy(tok), rows, P, G, L, steps,
+                                  os.path.join(d, f"trl{len(times[side])}"), callbacks=[clock], seed=seed)
+            trainer.train()
+            times[side].append(clock.t1 - clock.t0)
+            return
+        torch.set_num_threads(threads)
+        out = os.path.join(d, f"{side}{len(times[side])}")
+        trainer = make_ours(copy.deepcopy(base), copy.deepcopy(tok), rows, P, G, L, steps, out, seed,
+                            async_rollouts=side == "async", max_staleness=1)
+        times[side].append(run_seconds(trainer, steps))
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            for r in range(repeats):
+                order = ["sync", "async", "trl"]
+                for side in order if r % 2 == 0 else order[::-1]:
+                    one(side, d)
+    finally:
+        torch.set_num_threads(default_threads)
+    return {"steps": steps, "threads": threads, "trl_threads": default_threads, "times": times,
+            **{f"{k}_s": common.median(v) for k, v in times.items()}}
+
+
 def memory_child(impl: str, kind: str, P: int, G: int, L: int, steps: int, seed: int = 0) -> dict:
     """One trainer alone (run in a fresh process): peak RSS over ``steps`` steps minus RSS after imports."""
     torch.manual_seed(seed)
@@ -272,6 +336,26 @@ def run(quick: bool = False) -> list[dict]:
                                        "noise is large, see benchmarks/README.md)"))
         except Exception as e:  # noqa: BLE001
             rows.append(common.error_row(f"{tag}-tput", "GRPO completion tokens/s", e))
+        if kind == "arith":
+            try:
+                st = 2 if quick else 20
+                w = async_wall(P, G, L, st, repeats=1 if quick else 2)
+                setting = (f"embedded arith_lm; P={P} x G={G}, max {L} new tokens, grpo/dapo token-mean, lr {LR}; "
+                           f"{st} steps timed whole (sample, score, update; the async pipeline's fill included), "
+                           f"median of {len(w['times']['sync'])} runs per side in one process, order alternated; ours at "
+                           f"{w['threads']} torch thread (the embedded default; the rollout thread takes the other "
+                           f"core), TRL at {w['trl_threads']}")
+                rows.append(common.row(
+                    "P2-arith-async", "seconds per GRPO step, async rollouts (max_staleness 1) vs ours synchronous",
+                    w["async_s"] / st, w["sync_s"] / st, "s/step", "lower", None,
+                    setting + "; informative: what overlap buys, not learning (docs/scaling.md: async learns less "
+                    "on this task)", raw=w))
+                rows.append(common.row(
+                    "P2-arith-wall", "seconds per GRPO step, ours async vs TRL GRPOTrainer (synchronous; TRL's "
+                    "AsyncGRPOTrainer needs a vLLM server)", w["async_s"] / st, w["trl_s"] / st, "s/step", "lower",
+                    None, setting + f"; ours synchronous: {w['sync_s'] / st:.3f} s/step", raw=w))
+            except Exception as e:  # noqa: BLE001
+                rows.append(common.error_row("P2-arith-async", "seconds per GRPO step, async rollouts", e))
         mem_steps = 1 if quick else 3
         rows.append(common.peak_memory_row(
             f"{tag}-mem", "GRPO", "p2_grpo", dict(kind=kind, P=P, G=G, L=L, steps=mem_steps),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unialign.policy as seam
-from unialign.policy import ClosedFormKL, Critic, KLWeights, LossRequest, PolicyBase, StepChunks
+from unialign.policy import ClosedFormKL, Critic, KLWeights, LossRequest, PolicyBase, SamplingCopy, StepChunks
 from unialign.types import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,9 +72,9 @@ def test_capabilities_are_declared_by_the_policy_classes():
 
     declared = {cls: {c for c in CAPABILITIES if c in cls.__mro__} for cls in
                 (CausalLMPolicy, VisionLanguagePolicy, DiffusionPolicy, FlowPolicyBase)}
-    assert declared[CausalLMPolicy] == declared[VisionLanguagePolicy] == {Critic}
-    assert declared[DiffusionPolicy] == set(CAPABILITIES) - {Critic, KLWeights}
-    assert declared[FlowPolicyBase] == set(CAPABILITIES) - {Critic}
+    assert declared[CausalLMPolicy] == declared[VisionLanguagePolicy] == {Critic, SamplingCopy}
+    assert declared[DiffusionPolicy] == set(CAPABILITIES) - {Critic, KLWeights, SamplingCopy}
+    assert declared[FlowPolicyBase] == set(CAPABILITIES) - {Critic, SamplingCopy}
     assert issubclass(DenoiserPolicy, StepChunks) and not issubclass(CausalLMPolicy, StepChunks)
     assert all(issubclass(cls, PolicyBase) for cls in declared)
 

@@ -16,6 +16,8 @@ lists them among its bases; ``isinstance`` then answers the trainer, which check
     OptimizerStepHook   ``after_optimizer_step``: work after each optimizer step (an old policy's average)
     StepStatistics      ``per_step_diagnostics``: whether step t is the same step for every sample (a sampler's
                         denoising steps), so the importance ratio's statistics per step mean something
+    SamplingCopy        ``sampling_view(model)``: the policy sampling from a frozen copy of its weights, callable
+                        from another thread (async rollouts, ``unialign.trainers.async_rollouts``)
 
 ``PolicyBase`` gives a policy ``loss_forward`` built from the capabilities it declares, and the default
 ``log_prob_estimator`` ("sampler": the sampler's own step or token densities).
@@ -125,6 +127,18 @@ class StepStatistics(Protocol):
 
     @property
     def per_step_diagnostics(self) -> bool: ...
+
+
+@runtime_checkable
+class SamplingCopy(Protocol):
+    """``sampling_view(model) -> Policy``: this policy sampling from ``model``, a frozen copy of its trained module
+    whose weights the caller refreshes, sharing nothing mutable with the trained policy (its own tokenizer,
+    caches and rollout engine), so that it samples in a background thread while the trainer updates. Its
+    ``sample`` must draw every random number from the ``generator`` it is given (none from torch's global RNG,
+    which the trainer draws from concurrently) and record the copy's log-probs. ValueError when an option of
+    this policy rules it out (naming the option)."""
+
+    def sampling_view(self, model: torch.nn.Module) -> Policy: ...
 
 
 @runtime_checkable

@@ -4,6 +4,7 @@ transformers and vLLM, held by the policy and read by its rollout engine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from unialign.text.sampling import SamplingKnobs
 
@@ -145,3 +146,52 @@ def test_a_stop_flag_that_does_not_read_is_refused_naming_it_before_anything_loa
     assert parse_config(C, []).sampling().stop == ()
     with pytest.raises(UserError, match="--stop: '\\[1' is not a JSON list"):
         parse_config(C, ["--stop", "[1"])
+
+
+def first_token_probs(policy, prompt: str, temperature: float, top_k: int) -> torch.Tensor:
+    """The distribution of the first sampled token, computed here: softmax(logits / T) over the top-k, renormalised."""
+    enc = policy._encode_prompts([prompt])
+    with torch.no_grad():
+        logits = policy.model(**enc).logits[0, -1].double() / temperature
+    keep = torch.topk(logits, top_k).indices
+    probs = torch.zeros_like(logits)
+    probs[keep] = torch.softmax(logits[keep], -1)
+    return probs
+
+
+def test_seeded_sampling_draws_the_warped_distribution_from_its_generator_alone(tiny_policy):
+    """``sample(generator=...)`` (async rollouts): the distribution of the knobs (Gumbel-max after temperature and
+    top-k), the same draws for the same seed, other draws for another, and torch's global RNG untouched."""
+    tiny_policy.sampling = SamplingKnobs(max_new_tokens=1, temperature=0.05, top_k=5)  # 0.10-0.35 each (tiny logits)
+    prompts = ["3+4?"] * 3000
+    before = torch.random.get_rng_state()
+    first = tiny_policy.sample(prompts, generator=torch.Generator().manual_seed(5), record_logp=False)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    ids = first.payload["completion_ids"][:, 0]
+    expected = first_token_probs(tiny_policy, "3+4?", 0.05, 5)
+    seen = torch.bincount(ids, minlength=expected.numel()).double() / len(ids)
+    assert (seen[expected == 0] == 0).all()  # nothing outside the top 5
+    assert 0.5 * (seen - expected).abs().sum() < 0.03, (seen[expected > 0], expected[expected > 0])
+    again = tiny_policy.sample(prompts[:64], generator=torch.Generator().manual_seed(5), record_logp=False)
+    assert torch.equal(again.payload["completion_ids"], first.payload["completion_ids"][:64])
+    other = tiny_policy.sample(prompts[:64], generator=torch.Generator().manual_seed(6), record_logp=False)
+    assert not torch.equal(other.payload["completion_ids"], again.payload["completion_ids"])
+
+
+def test_seeded_sampling_in_a_thread_ignores_the_global_rng_drawn_beside_it(tiny_policy):
+    import threading
+
+    prompts = ["1+2?", "5+5?"] * 8
+    alone = tiny_policy.sample(prompts, generator=torch.Generator().manual_seed(1), record_logp=False)
+    out, done = {}, threading.Event()
+
+    def sample():
+        out["traj"] = tiny_policy.sample(prompts, generator=torch.Generator().manual_seed(1), record_logp=False)
+        done.set()
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    while not done.is_set():  # the trainer's draws meanwhile
+        torch.rand(1000)
+    thread.join()
+    assert torch.equal(out["traj"].payload["completion_ids"], alone.payload["completion_ids"])

@@ -23,7 +23,7 @@ import torch
 
 from unialign.dist import fsdp2_root, gathered_state_dict, is_main_rank, unwrap
 from unialign.hub import hub_error, require_hub
-from unialign.policy import Critic, PolicyBase, ReferencePolicy
+from unialign.policy import Critic, PolicyBase, ReferencePolicy, SamplingCopy
 from unialign.text import prefix
 from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, detached_critics
 from unialign.text.head import install_fused_head
@@ -66,7 +66,7 @@ class _SamplingKnob:
         obj.sampling = obj.sampling.with_(**{self.name: value})
 
 
-class CausalLMPolicy(PolicyBase, Critic):
+class CausalLMPolicy(PolicyBase, Critic, SamplingCopy):
     """Policy over token sequences. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
 
     tokenizer = _PromptSetting()
@@ -208,13 +208,30 @@ class CausalLMPolicy(PolicyBase, Critic):
             return None
         return self.rollout.refresh(unwrap(self.model))
 
+    def sampling_view(self, model: torch.nn.Module) -> CausalLMPolicy:
+        """``SamplingCopy``: this policy sampling from ``model`` (a frozen copy of the trained module) with its own
+        tokenizer (a fast tokenizer is not safe to call from two threads), KV caches and rollout engine (a
+        ``rollout_dtype`` copy refreshed from ``model``); the sampling settings are copied as they are now. Not on
+        vLLM: its engine lives beside the trained model and takes the weights itself."""
+        if self.generation_backend != "hf":
+            raise ValueError(f"generation_backend={self.generation_backend!r}: async rollouts sample from a weight "
+                             "copy through transformers (generation_backend 'hf')")
+        view = copy.copy(self)
+        view.model = model
+        view.prompt_encoder = copy.deepcopy(self.prompt_encoder)
+        view.hf_rollout = HFRollout()
+        view.rollout = build_rollout("hf", self.rollout_dtype, self.generation_cache, {}, view.hf_rollout)
+        view._frozen_copy = None
+        return view
+
     def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
                record_logp: bool = True) -> Trajectory:
-        """One sampled completion per prompt (repeat prompts for groups). ``generator`` is unused:
-        generation draws from torch's global RNG, which the trainer seeds and checkpoints.
+        """One sampled completion per prompt (repeat prompts for groups), drawn from ``generator`` when given (the
+        Gumbel-max form of the same distribution, ``SamplingKnobs.seeded_kwargs``; not on vLLM), else from torch's
+        global RNG, which the trainer seeds and checkpoints.
         ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None). From a rollout copy
         (``rollout_dtype``) or vLLM, the engine's log-probs go to ``rollout_logp_B_T``."""
-        g = self.rollout.generate(self, prompts)
+        g = self.rollout.generate(self, prompts, generator=generator)
         traj = Trajectory(
             prompts=list(prompts),
             completions=g["texts"],

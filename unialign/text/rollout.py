@@ -31,9 +31,9 @@ PAYLOAD_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"
 
 class RolloutEngine(Protocol):
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
-                 max_new_tokens: int | None = None) -> dict:
+                 max_new_tokens: int | None = None, generator: torch.Generator | None = None) -> dict:
         """Completions of ``prompts`` (one per prompt; repeat prompts for groups) by ``policy`` (a
-        ``CausalLMPolicy``): ``prompt_ids`` / ``prompt_mask`` [B, W] (left-padded), ``completion_ids`` /
+        ``CausalLMPolicy``), drawn from ``generator`` when given (else torch's global RNG): ``prompt_ids`` / ``prompt_mask`` [B, W] (left-padded), ``completion_ids`` /
         ``completion_mask`` [B, T] (right-padded; tokens up to and including the first EOS), ``truncated`` [B]
         (no EOS within ``max_new_tokens``, default the policy's), ``texts`` (decoded, without special tokens)
         and, from an engine other than the trained model, ``rollout_logp`` [B, T]: that engine's log-probs of
@@ -103,9 +103,12 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
-                 max_new_tokens: int | None = None, model: torch.nn.Module | None = None) -> dict:
+                 max_new_tokens: int | None = None, model: torch.nn.Module | None = None,
+                 generator: torch.Generator | None = None) -> dict:
         """``RolloutEngine.generate`` (no log-probs) on ``model``, default the policy's trained one
-        (unwrapped): another module with the same tokenizer to sample from (the rollout copy)."""
+        (unwrapped): another module with the same tokenizer to sample from (the rollout copy). ``generator``:
+        sample from it rather than torch's global RNG (``SamplingKnobs.seeded_kwargs``; the same
+        distribution, other draws)."""
         tokenizer = policy.tokenizer
         enc = policy._encode_prompts(prompts)
         model = unwrap(policy.model) if model is None else model
@@ -113,7 +116,8 @@ class HFRollout:
         model.eval()
         eos = tokenizer.eos_token_id
         knobs = policy.sampling.with_(max_new_tokens=max_new_tokens or policy.max_new_tokens)
-        gen_kwargs = dict(**knobs.hf_kwargs(greedy), pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+        sampling = knobs.seeded_kwargs(generator) if generator is not None and not greedy else knobs.hf_kwargs(greedy)
+        gen_kwargs = dict(**sampling, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
         if knobs.stop:
             gen_kwargs["tokenizer"] = tokenizer  # generate reads the stop strings' tokens from it
         batch, prompt_width = enc["input_ids"].shape
@@ -192,9 +196,9 @@ class LowPrecisionRollout:
         return self.copy
 
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
-                 max_new_tokens: int | None = None) -> dict:
+                 max_new_tokens: int | None = None, generator: torch.Generator | None = None) -> dict:
         rollout = self.refresh(unwrap(policy.model))
-        g = self.hf.generate(policy, prompts, greedy, max_new_tokens, model=rollout)
+        g = self.hf.generate(policy, prompts, greedy, max_new_tokens, model=rollout, generator=generator)
         with torch.no_grad():
             payload = {**{k: g[k] for k in PAYLOAD_KEYS}, **g.get("payload", {})}
             g["rollout_logp"], _, _ = policy._forward(rollout, payload, False)
@@ -215,10 +219,13 @@ class VLLMRollout:
         self.fresh = False  # the engine holds the current weights (just built)
 
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
-                 max_new_tokens: int | None = None) -> dict:
+                 max_new_tokens: int | None = None, generator: torch.Generator | None = None) -> dict:
         """Runs of identical prompts (a GRPO group) go once with ``n`` = the run length when all runs are
-        equally long, else one by one."""
+        equally long, else one by one. vLLM draws from its own RNG: a ``generator`` is refused."""
         from unialign.text.vllm_engine import VLLMEngine
+
+        if generator is not None:
+            raise ValueError("the vLLM rollout engine samples with its own seeded RNG and takes no torch.Generator")
 
         tokenizer = policy.tokenizer
         enc = policy._encode_prompts(prompts)

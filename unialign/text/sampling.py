@@ -83,6 +83,50 @@ class SamplingKnobs:
             out["repetition_penalty"] = float(self.repetition_penalty)
         return out
 
+    def seeded_kwargs(self, generator: Any) -> dict[str, Any]:
+        """transformers ``generate`` keyword arguments that draw the same distribution as ``hf_kwargs()`` from
+        ``generator`` (a ``torch.Generator``) instead of torch's global RNG: the greedy search of the Gumbel-max
+        trick (argmax of the warped log-probs plus Gumbel noise is a draw from their softmax; Gumbel 1954,
+        Maddison et al. 2014), after the warpers transformers applies when it samples, in its order
+        (temperature, top-k, top-p, min-p; ``generate`` itself applies the repetition penalty first, greedy or
+        not). transformers' multinomial step takes no generator, hence this; a rollout thread that must not
+        share the trainer's RNG (async rollouts) samples through it."""
+        from transformers import (
+            LogitsProcessorList,
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        out = self.hf_kwargs(greedy=True)
+        if self.repetition_penalty != 1.0:
+            out["repetition_penalty"] = self.repetition_penalty
+        warpers = [TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else []
+        if self.top_k:
+            warpers.append(TopKLogitsWarper(top_k=self.top_k))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=self.top_p))
+        if self.min_p:
+            warpers.append(MinPLogitsWarper(min_p=self.min_p))
+        out["logits_processor"] = LogitsProcessorList([*warpers, GumbelNoise(generator)])
+        return out
+
+
+class GumbelNoise:
+    """A transformers logits processor adding standard Gumbel noise drawn from ``generator`` to the scores
+    (``SamplingKnobs.seeded_kwargs``): their argmax is then a sample of softmax(scores); -inf stays -inf."""
+
+    def __init__(self, generator: Any):
+        self.generator = generator
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        u = torch.rand(scores.shape, generator=self.generator, device=scores.device, dtype=torch.float32)
+        gumbel = -torch.log(-torch.log(u.clamp(torch.finfo(torch.float32).tiny, 1.0 - 2 ** -24)))
+        return scores.float() + gumbel
+
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 

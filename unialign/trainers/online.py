@@ -59,6 +59,7 @@ from unialign.registry import (
     AlgoSpec,
 )
 from unialign.rewards.base import CombinedReward, RewardError
+from unialign.trainers.async_rollouts import AsyncRollouts, RolloutJob
 from unialign.trainers.loop import TrainerLoop
 from unialign.trainers.online_config import OnlineConfig
 from unialign.trainers.outputs import save_curves, save_step_ratios
@@ -237,6 +238,10 @@ class OnlineTrainer(TrainerLoop):
         self.ratio_checked = False
         self._param_dtype = params[0].dtype
         self.evaluator = evaluator
+        # --async_rollouts: batches sampled ahead in a thread, from a copy of the weights (unialign.trainers.async_rollouts)
+        self.rollouts = AsyncRollouts(policy, config.max_staleness, config.seed, self._sample_groups) \
+            if config.async_rollouts else None
+        self._current_job: RolloutJob | None = None
 
     @property
     def _old_logp_from_update(self) -> bool:
@@ -254,9 +259,17 @@ class OnlineTrainer(TrainerLoop):
         self.cursor += len(ids)
         return ids
 
-    def _sample_groups(self, row_ids: list[int]) -> Trajectory:
+    def _mine(self, row_ids: list[int]) -> list[int]:
+        """This process's share of a step's global row ids."""
+        per_proc = len(row_ids) // self.acc.num_processes
+        return row_ids[self.acc.process_index * per_proc:(self.acc.process_index + 1) * per_proc]
+
+    def _sample_groups(self, policy: Policy, row_ids: list[int], generator: torch.Generator | None = None,
+                       record_logp: bool | None = None) -> Trajectory:
+        """``num_generations`` samples of each of this process's share of ``row_ids`` by ``policy`` (the trained
+        one, or an async rollout copy's view), drawn from ``generator`` when given."""
         G = self.cfg.num_generations
-        rows = [self.rows[r] for r in row_ids]
+        rows = [self.rows[r] for r in self._mine(row_ids)]
         # the batch's columns: one a row lacks (GenEval's "exclude" outside counting prompts) is None there
         names = [k for k in dict.fromkeys(k for row in rows for k in row) if k != "prompt"]
         prompts, columns = [], {}
@@ -264,8 +277,10 @@ class OnlineTrainer(TrainerLoop):
             prompts += [row["prompt"]] * G
             for k in names:
                 columns.setdefault(k, []).extend([row.get(k)] * G)
+        if record_logp is None:
+            record_logp = not self._old_logp_from_update
         with self.autocast():  # --mixed_precision: sampled under the same autocast as trained
-            traj = self.policy.sample(prompts, record_logp=not self._old_logp_from_update)
+            traj = policy.sample(prompts, generator=generator, record_logp=record_logp)
         traj.columns = columns
         return traj
 
@@ -344,10 +359,11 @@ class OnlineTrainer(TrainerLoop):
         t0 = time.perf_counter()
         while True:
             rounds += 1
-            row_ids = self._next_prompts()
-            per_proc = len(row_ids) // self.acc.num_processes
-            mine = row_ids[self.acc.process_index * per_proc:(self.acc.process_index + 1) * per_proc]
-            traj = self._sample_groups(mine)
+            if self.rollouts is None:
+                traj = self._sample_groups(self.policy, self._next_prompts())
+            else:
+                traj, waited = self._async_batch()
+                stats.update(waited)
             stats.update(self._score(traj))
             r_P_G = traj.rewards_B.reshape(-1, G)
             self.counters["nonfinite_rewards"] += int((~torch.isfinite(r_P_G)).sum())
@@ -376,6 +392,26 @@ class OnlineTrainer(TrainerLoop):
             traj.values_B_T = self._batched(lambda t: self.policy.log_prob_and_values(t)[2], traj)
         stats.update(self._advantages(traj))
         return traj, stats
+
+    def _async_batch(self) -> tuple[Trajectory, dict[str, float]]:
+        """This step's batch from the async rollouts (``unialign.trainers.async_rollouts``): every batch up to
+        ``max_staleness`` steps ahead submitted with the current weights, then this one waited for. Sampled
+        ``lag`` > 0 updates ago, its log-probs become the behaviour policy's (``rollout_logp_B_T``, unless an
+        engine recorded its own), corrected against the current weights' by ``--rollout_correction``; the old
+        log-probs are then the current weights' (the update's own when it makes one optimizer step)."""
+        cfg, r = self.cfg, self.rollouts
+        r.submit_through(min(self.step + cfg.max_staleness, cfg.max_steps - 1), self.step, self._next_prompts,
+                         not self._old_logp_from_update)
+        job, traj, waited = r.next()
+        self._current_job = job
+        lag = self.step - job.version
+        if lag > 0:
+            if traj.rollout_logp_B_T is None:
+                traj.rollout_logp_B_T = traj.old_logp_B_T
+            traj.old_logp_B_T = None
+            if not self._old_logp_from_update:
+                traj.old_logp_B_T = self._batched(self.policy.log_prob, traj) * traj.mask_B_T
+        return traj, {"async/lag": float(lag), "async/wait_seconds": waited}
 
     # ------------------------------------------------------------------ phase 4
     def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
@@ -529,12 +565,29 @@ class OnlineTrainer(TrainerLoop):
         return metrics
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
+        extra = {"stat_tracker": self.stat_tracker.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
+        if self.rollouts is not None:  # the batches sampled ahead: sampled again on resume (their weights are tensors)
+            extra["async_rollouts"] = self.rollouts.state()
+        return extra
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.stat_tracker.load_state_dict(state["stat_tracker"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.ratio_checked = True  # the check is for fresh runs; resumed batches may be mid-epoch
+        ahead = state.get("async_rollouts") or {"submitted": self.step, "pending": []}
+        if self.rollouts is not None:
+            self.rollouts.load_state(ahead, not self._old_logp_from_update)
+        elif ahead["pending"]:
+            raise ValueError(f"the checkpoint holds {len(ahead['pending'])} batch(es) sampled ahead by async rollouts: "
+                             "resume with --async_rollouts")
+
+    def train(self) -> list[dict]:
+        """``TrainerLoop.train``; the async rollout thread, if any, is stopped at the end, or on an error."""
+        try:
+            return super().train()
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
 
     def train_step(self) -> dict[str, float]:
         """One iteration: phases 1-4 (sample, score, advantages, update); a step whose groups carry no
@@ -562,7 +615,7 @@ class OnlineTrainer(TrainerLoop):
         return stats
 
     def _random_sources(self) -> dict[str, Any]:
-        return {"policy": self.policy, "reward": self.reward_fn}
+        return {"policy": self.policy, "reward": self.reward_fn, "rollouts": self.rollouts}
 
     def _progress(self, stats: dict[str, Any]) -> dict[str, str]:
         return {"reward": f"{stats.get('reward/mean', math.nan):.3f}"}
@@ -572,7 +625,10 @@ class OnlineTrainer(TrainerLoop):
         process; the step that failed is not counted) and return the error, saying where progress is."""
         where = ""
         if self.step > 0 and self.acc.num_processes == 1:
-            self.cursor = cursor  # the failed step's prompts are drawn again on resume
+            if self.rollouts is None:
+                self.cursor = cursor  # the failed step's prompts are drawn again on resume
+            elif self._current_job is not None and self._current_job.index == self.step:
+                self.rollouts.pending.appendleft(self._current_job)  # sampled again on resume, from its weights
             path = self.save_checkpoint()
             where = f"; steps 1-{self.step} are saved in {path} (fix the reward, then --resume_from_checkpoint latest)"
         return RewardError(f"{err}{where}")

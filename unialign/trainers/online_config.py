@@ -51,10 +51,17 @@ class _OnlineLoopConfig(TrainConfig):
         "stopped and named (reward, limit, step); --reward_errors raise stops the run (steps so far checkpointed), "
         "skip scores that batch as reward errors. 0 or none: no limit (10 minutes is also torch's NCCL timeout, after "
         "which a multi-GPU run would fail anyway)", group="algorithm", min=0.0)
-    # rollout engine vs trainer (vLLM, --rollout_dtype): applies only when the policy records rollout log-probs
+    async_rollouts: bool = arg(
+        False, "sample the next batches in a background thread, on a copy of the weights lagging the trained ones by "
+        "max_staleness optimizer steps, while the trainer updates (TRL's AsyncGRPOTrainer; docs/scaling.md); stale "
+        "batches are corrected by --rollout_correction. Off: sample, then update", group="algorithm")
+    max_staleness: int = arg(
+        1, "async rollouts: how many optimizer steps the sampling weights lag (TRL's name); 0 runs the synchronous "
+        "schedule through the same thread", group="algorithm", min=0)
+    # rollout engine vs trainer (vLLM, --rollout_dtype, async rollouts): applies when log-probs of another sampler exist
     rollout_correction: str = arg(
-        "truncate", "importance-sampling correction when sampling ran on another engine than the trained model "
-        "(its log-probs recorded): truncate (TIS: min(ratio, cap)), mask (MIS: 0 above cap) or off; the mismatch "
+        "truncate", "importance-sampling correction when sampling ran on another engine than the trained model, or on "
+        "older weights (async rollouts), its log-probs recorded: truncate (TIS: min(ratio, cap)), mask (MIS: 0 above cap) or off; the mismatch "
         "metrics are logged either way", group="algorithm", choices=("truncate", "mask", "off"))
     rollout_correction_level: str = arg(
         "token", "rollout correction ratio per token, or per sequence (product of its token ratios)",
@@ -85,4 +92,7 @@ class OnlineConfig(AlgoOverrides, _OnlineLoopConfig):
         if self.num_generations < 2 and algos.get_estimator(spec.advantage).uses_groups:
             raise UserError(f"--num_generations: must be >= 2 for {spec.name} (group baselines), got "
                             f"{self.num_generations}")
+        if self.async_rollouts and spec.dynamic_sampling:
+            raise UserError(f"--async_rollouts: {spec.name}'s dynamic sampling samples again within a step, from the "
+                            "current weights; turn one of them off (--dynamic_sampling false)")
         super().check()

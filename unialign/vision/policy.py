@@ -24,6 +24,7 @@ on its images), the training forward's prompt-prefix pass is on and keyed by the
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any
 
@@ -66,6 +67,13 @@ class VisionLanguagePolicy(CausalLMPolicy):
         super().__init__(model, processor.tokenizer, **kwargs)
         self.family = families.model_type(self._core())
         self.image_ids = families.image_token_ids(self._core(), processor)
+
+    def sampling_view(self, model: torch.nn.Module) -> VisionLanguagePolicy:
+        """``CausalLMPolicy.sampling_view`` with its own processor (tokenizer and image processor) too."""
+        view = super().sampling_view(model)
+        view.processor = copy.deepcopy(self.processor)
+        view.prompt_encoder.tokenizer = view.processor.tokenizer
+        return view
 
     def _core(self) -> torch.nn.Module:
         model = unwrap(self.model)

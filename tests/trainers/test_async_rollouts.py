@@ -1,0 +1,154 @@
+"""Async rollouts (``--async_rollouts``): staleness 0 is the synchronous run bit for bit; stale batches come from the
+lagging weights, carry their behaviour log-probs and are corrected; a killed async run resumes exactly."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from tests.trainers.test_online import capture_gradients, make, params
+from unialign.config import validate
+from unialign.dist import unwrap
+from unialign.errors import UserError
+from unialign.trainers import OnlineConfig
+from unialign.trainers.async_rollouts import AsyncRollouts, rollout_seed
+
+ASYNC = dict(async_rollouts=True)
+
+
+def spread_reward(prompts, completions):
+    """Varied rewards (the tiny model's completions are mostly of one length, which ``length_reward`` scores alike)."""
+    return [sum(map(ord, c)) % 11 / 10 for c in completions]
+
+
+def rewards(trainer) -> list[float]:
+    return [h["reward/mean"] for h in trainer.history if "reward/mean" in h]
+
+
+def test_staleness_zero_is_the_synchronous_run_bit_for_bit(tmp_path):
+    sync = make(tmp_path / "sync", max_steps=3)
+    sync.train()
+    run = make(tmp_path / "async", max_steps=3, max_staleness=0, **ASYNC)
+    threads = []
+    sample = run.rollouts.view.sample
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        assert kwargs.get("generator") is None  # k = 0: the global RNG, as the synchronous loop draws it
+        return sample(*args, **kwargs)
+
+    run.rollouts.view.sample = spy
+    run.train()
+    assert threads and all(t.startswith("unialign-rollouts") for t in threads)  # sampled in the thread, on the copy
+    assert rewards(run) == rewards(sync)
+    a, b = params(sync), params(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["async/lag"] for h in run.history] == [0.0, 0.0, 0.0]
+
+
+def test_stale_batches_come_from_the_lagging_weights_with_their_log_probs(tmp_path):
+    """max_staleness 1: batch b is sampled from the weights before update b - 1; its behaviour log-probs are those
+    weights' (checked against an independent forward of a model holding them), the old log-probs the current
+    weights' (from the update), and the correction's metrics are logged."""
+    trainer = make(tmp_path, spread_reward, max_steps=3, max_staleness=1, **ASYNC)
+    weights, batches = [params(trainer)], []
+    update, next_batch = trainer.update, trainer._async_batch
+
+    def keep_weights(traj):
+        out = update(traj)
+        weights.append(params(trainer))
+        return out
+
+    def keep_batch():
+        traj, stats = next_batch()
+        batches.append(copy.deepcopy(traj))
+        return traj, stats
+
+    trainer.update, trainer._async_batch = keep_weights, keep_batch
+    trainer.train()
+    assert [h["async/lag"] for h in trainer.history] == [0.0, 1.0, 1.0]
+    assert batches[0].rollout_logp_B_T is None  # batch 0 is trained by the weights it was sampled from
+    model = copy.deepcopy(unwrap(trainer.policy.model))
+    for b in (1, 2):  # sampled from the weights after update b - 1, i.e. weights[b - 1]
+        traj = batches[b]
+        assert traj.old_logp_B_T is None  # one optimizer step: the update's own forward gives the old log-probs
+        model.load_state_dict(weights[b - 1], strict=False)
+        logp, _, _ = trainer.policy._forward(model, traj.payload, False)
+        torch.testing.assert_close(traj.rollout_logp_B_T, logp * traj.mask_B_T, rtol=0, atol=1e-5)
+        model.load_state_dict(weights[b], strict=False)
+        now, _, _ = trainer.policy._forward(model, traj.payload, False)
+        assert ((now - logp).abs() * traj.mask_B_T).max() > 1e-4  # stale: the current weights differ
+        assert "rollout/weight_mean" in trainer.history[b] and trainer.history[b]["rollout/mismatch_mean"] > 0
+
+
+@pytest.mark.parametrize("mode,zero", [("mask", True), ("off", False)])
+def test_stale_batches_are_reweighted_by_the_rollout_correction(tmp_path, mode, zero):
+    """With weights that never move (the optimizer step recorded instead), every ratio old / behaviour is 1: MIS
+    with cap 0.5 masks every token of a stale batch (no gradient), no correction leaves it."""
+    trainer = make(tmp_path, spread_reward, max_steps=2, max_staleness=1, rollout_correction=mode, rollout_correction_cap=0.5,
+                   **ASYNC)
+    grads, seen = capture_gradients(trainer), []
+    step = trainer.optimizer.step
+
+    def record(*a, **k):
+        step()
+        seen.append(max(float(g.abs().max()) for g in grads.values()))
+
+    trainer.optimizer.step = record
+    trainer.train()
+    assert seen[0] > 0  # batch 0: not stale, not corrected
+    assert (seen[1] == 0) == zero
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_killed_async_run_resumes_as_the_uninterrupted_run(tmp_path, staleness):
+    full = make(tmp_path / "full", spread_reward, max_steps=5, max_staleness=staleness, **ASYNC)
+    full.train()
+    killed = make(tmp_path / "cut", spread_reward, max_steps=5, max_staleness=staleness, save_steps=2, **ASYNC)
+    update, calls = killed.update, []
+
+    def die_at_third(traj):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return update(traj)
+
+    killed.update = die_at_third
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    assert killed.rollouts._executor is None  # the thread was stopped on the way out
+    resumed = make(tmp_path / "cut", spread_reward, max_steps=5, max_staleness=staleness, save_steps=2,
+                   resume_from_checkpoint="latest", **ASYNC)
+    resumed.train()
+    assert rewards(resumed) == rewards(full)
+    assert all(h["reward/std"] > 0 for h in full.history)  # every batch moves the weights
+    a, b = params(full), params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_stale_batches_draw_from_their_own_generator_not_the_global_rng(tmp_path):
+    trainer = make(tmp_path, max_steps=2, max_staleness=1, **ASYNC)
+    seeds = []
+    sample = trainer.rollouts.view.sample
+
+    def spy(prompts, generator=None, record_logp=True):
+        seeds.append(generator.initial_seed())
+        return sample(prompts, generator=generator, record_logp=record_logp)
+
+    trainer.rollouts.view.sample = spy
+    trainer.train()
+    assert seeds == [rollout_seed(0, 0), rollout_seed(0, 1)]
+
+
+def test_async_rollouts_refuse_what_they_cannot_run(tmp_path):
+    with pytest.raises(UserError, match="--async_rollouts: .*dynamic sampling"):
+        validate(OnlineConfig(algorithm="dapo", async_rollouts=True))
+    with pytest.raises(ValueError, match="cannot sample from a copy of its weights"):
+        AsyncRollouts(object(), 1, 0, lambda *a: None)
+    trainer = make(tmp_path)
+    trainer.policy.generation_backend = "vllm"
+    with pytest.raises(ValueError, match="generation_backend='vllm'"):
+        trainer.policy.sampling_view(unwrap(trainer.policy.model))
