@@ -205,3 +205,35 @@ def test_ppo_critic_head_lora_and_stock_loading(tmp_path):
     AutoProcessor.from_pretrained(str(tmp_path / "final"))
     with pytest.raises(ValueError, match="value_head"):
         VisionLanguagePolicy(*build("qwen2_vl"), value_head="separate")
+
+
+def test_async_rollouts_sample_a_vlm_from_its_lagging_copy(tmp_path):
+    """--async_rollouts on a VLM: the rollout thread samples from the copy (its own processor), the stale batch's
+    behaviour log-probs are the previous weights' on the same images."""
+    import copy
+
+    from unialign.trainers import OnlineConfig, OnlineTrainer
+
+    policy = _policy(FAMILIES[0])
+    rows = [{"prompt": p} for p in _prompts()[::2]]
+    cfg = OnlineConfig(num_generations=2, prompts_per_step=2, micro_batch_size=4, max_steps=2, report_to="none",
+                       output_dir=str(tmp_path), learning_rate=0.1, beta=0.0, seed=0, async_rollouts=True)
+    reward = lambda prompts, completions: [float(sum(map(ord, c)) % 7) for c in completions]  # noqa: E731 (varies)
+    trainer = OnlineTrainer(policy, reward, rows, cfg)
+    assert trainer.rollouts.view.processor is not policy.processor
+    first = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
+    batches, next_batch = [], trainer._async_batch
+
+    def keep():
+        traj, stats = next_batch()
+        batches.append(copy.deepcopy(traj))
+        return traj, stats
+
+    trainer._async_batch = keep
+    trainer.train()
+    stale = batches[1]
+    assert trainer.history[1]["async/lag"] == 1.0 and stale.rollout_logp_B_T is not None
+    model = copy.deepcopy(policy.model)
+    model.load_state_dict(first, strict=False)  # tied head: one name for both
+    logp, _, _ = policy._forward(model, stale.payload, False)
+    torch.testing.assert_close(stale.rollout_logp_B_T, logp * stale.mask_B_T, rtol=0, atol=1e-5)
