@@ -1,7 +1,7 @@
 """Benchmark P2: GRPO end to end, ``unialign.trainers.OnlineTrainer`` vs TRL's ``GRPOTrainer``.
 
 Identical on both sides: the model (the same initial weights, deep-copied), the embedded character
-tokenizer and chat template (conversational prompts for TRL, so both condition on the same text),
+tokenizer and chat template (conversational prompts for both, so both condition on the same templated text),
 the data (``unialign.embedded.arith.arithmetic_dataset("train")``), the reward
 (``unialign.rewards.math.math_accuracy_reward``), P prompts x G generations per step, completion
 length, temperature 1 / top-p 1 / top-k 0, beta = 0, token-mean ("dapo") aggregation, epsilon 0.2,
@@ -73,9 +73,13 @@ def build_model(kind: str, seed: int = 0):
 
 
 def train_rows(n: int | None = None):
+    """The embedded task's training rows as conversations (TRL's conversational format), so that both trainers
+    condition on the chat template, as the held-out evaluation (``evaluate_accuracy``) and ``grpo_math.py`` do (a
+    raw string would be used untemplated: TRL's rule, which both follow)."""
     from unialign.embedded.arith import arithmetic_dataset
 
-    return [{"prompt": r["question"], "answer": r["answer"]} for r in arithmetic_dataset("train", n=n)]
+    return [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+            for r in arithmetic_dataset("train", n=n)]
 
 
 class _TokenCountingReward:
@@ -129,8 +133,7 @@ def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0, **
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                                     for r in rows])
+    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
     args = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
