@@ -98,19 +98,22 @@ class _TokenCountingReward:
 
 
 # ----------------------------------------------------------------------------- builders
-def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, async_rollouts=False, max_staleness=1, **policy_kw):
+def make_ours(model, tok, rows, P, G, L, steps, out_dir, seed=0, async_rollouts=False, max_staleness=1,
+              config: dict | None = None, **policy_kw):
     """Ours: ``CausalLMPolicy`` + ``OnlineTrainer`` with the settings of the module docstring (GRPO preset);
-    ``async_rollouts`` / ``max_staleness``: the config's."""
+    ``async_rollouts`` / ``max_staleness``: the config's; ``config``: other ``OnlineConfig`` fields to override
+    (e.g. the schedule)."""
     from unialign.rewards.math import math_accuracy_reward
     from unialign.text.policy import CausalLMPolicy
     from unialign.trainers.online import OnlineConfig, OnlineTrainer
 
     policy = CausalLMPolicy(model, tok, max_new_tokens=L, temperature=1.0, top_p=1.0, top_k=0, **policy_kw)
-    cfg = OnlineConfig(algorithm="grpo", beta=0.0, loss_type="dapo", num_generations=G, prompts_per_step=P,
-                       micro_batch_size=P * G, num_mini_batches=1, max_steps=steps, learning_rate=LR,
-                       max_completion_length=L, report_to="none", output_dir=out_dir, seed=seed,
-                       lr_scheduler_type="constant", max_grad_norm=1.0, epsilon=0.2, scale_rewards="group",
-                       num_iterations=1, async_rollouts=async_rollouts, max_staleness=max_staleness)
+    fields = dict(algorithm="grpo", beta=0.0, loss_type="dapo", num_generations=G, prompts_per_step=P,
+                  micro_batch_size=P * G, num_mini_batches=1, max_steps=steps, learning_rate=LR,
+                  max_completion_length=L, report_to="none", output_dir=out_dir, seed=seed,
+                  lr_scheduler_type="constant", max_grad_norm=1.0, epsilon=0.2, scale_rewards="group",
+                  num_iterations=1, async_rollouts=async_rollouts, max_staleness=max_staleness)
+    cfg = OnlineConfig(**{**fields, **(config or {})})
     return OnlineTrainer(policy, math_accuracy_reward, rows, cfg)
 
 
@@ -135,13 +138,14 @@ def make_trl(model, tok, rows, P, G, L, steps, out_dir, callbacks=(), seed=0, **
 
     ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
-    args = GRPOConfig(
+    fields = dict(
         output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
         max_completion_length=L, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, beta=0.0,
         loss_type="dapo", epsilon=0.2, scale_rewards="group", num_iterations=1, report_to=[],
         bf16=False, fp16=False, gradient_checkpointing=False, lr_scheduler_type="constant", optim="adamw_torch",
         weight_decay=0.0, max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=seed, use_cpu=not cuda, dataloader_num_workers=0, **trl_args)
+        disable_tqdm=True, seed=seed, use_cpu=not cuda, dataloader_num_workers=0)
+    args = GRPOConfig(**{**fields, **trl_args})
     reward = _TokenCountingReward()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
                           callbacks=list(callbacks))

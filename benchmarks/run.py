@@ -15,7 +15,10 @@ SDE log-prob recording vs the stock ``StableDiffusion3Pipeline``, P10b a GRPO st
 with an SDE window of 2 steps vs all steps (one torch thread, whatever ``--threads`` says); P11 image RL side by side
 (AWM, DiffusionNFT, DGPO, GRPO-Guard, Flow-DPPO) against Flow-GRPO and the grpo_image default, seconds to held-out
 fidelity 0.85 and both fidelity readings on the embedded SD3 world over 3 seeds (about two hours: only with ``--long`` or ``--only P11``; ``--quick`` runs it small);
-P12 GRPO on a vision-language model (``VisionLanguagePolicy``) vs TRL GRPOTrainer with a processor.
+P12 GRPO on a vision-language model (``VisionLanguagePolicy``) vs TRL GRPOTrainer with a processor; P2P where a GRPO
+step's time goes (generation, scoring forward, reward, advantages, loss forward, backward, optimizer, the rest); P2T wall time to a
+held-out accuracy on the embedded arithmetic task, ours synchronous and async vs TRL GRPOTrainer, 3 seeds (~15 min:
+only with ``--long`` or by name).
 Each group runs in a fresh child process (``python -m benchmarks.run --only KEY --in-process``; ``--in-process``: all
 in this one). JSON: {"machine": {...}, "date", "command", "mode", "rows": [{"id", "measure", "ours", "baseline",
 "unit", "ratio", "target_ratio", "better", "met", "notes", ...}], "timings_s", "seconds"}; without ``--output`` it goes
@@ -48,8 +51,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_sampling",
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
-           "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo", "P13": "p13_dlm", "P14": "p14_video"}
-LONG = ("P11",)  # about two hours: the default suite leaves it out (``--long`` or ``--only P11``); --quick runs it
+           "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo", "P13": "p13_dlm", "P14": "p14_video",
+           "P2P": "p2_profile", "P2T": "p2_time_to_accuracy"}
+# P11 about two hours, P2T about 15 minutes: the default suite leaves them out (``--long``, or by name); --quick runs them
+LONG = ("P11", "P2T")
 
 
 def p1_rows(quick: bool) -> list[dict]:
