@@ -129,6 +129,23 @@ def test_sigkill_then_resume_latest_is_the_uninterrupted_run(tmp_path, uninterru
 
 
 @pytest.mark.slow
+def test_an_async_run_killed_outright_resumes_as_the_uninterrupted_async_run(tmp_path):
+    """--async_rollouts, SIGKILL while the rollout thread samples ahead: the resume samples the pending batch again
+    from the weights it was sampled from and ends where the uninterrupted async run does."""
+    args = [*GRPO, "--max_steps", "12", "--async_rollouts", "true", "--max_staleness", "2"]
+    whole = tmp_path / "whole"
+    run("grpo_math", [*args, "--output_dir", str(whole)])
+    out = tmp_path / "killed"
+    proc = _launch("grpo_math", [*args, "--output_dir", str(out)])
+    _wait_for(out / "checkpoint-3", proc)
+    proc.kill()
+    proc.wait()
+    assert not (out / "final").exists()
+    run("grpo_math", [*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert_same_run(whole, out)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_exits_non_zero_naming_it(tmp_path, uninterrupted, sig):
     out = tmp_path / "stopped"
