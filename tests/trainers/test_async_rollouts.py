@@ -140,7 +140,7 @@ def test_stale_batches_draw_from_their_own_generator_not_the_global_rng(tmp_path
 
     trainer.rollouts.view.sample = spy
     trainer.train()
-    assert seeds == [rollout_seed(0, 0), rollout_seed(0, 1)]
+    assert seeds == [rollout_seed(0, 0), rollout_seed(0, 1)] and rollout_seed(0, 1, rank=1) != rollout_seed(0, 1)
 
 
 def test_async_rollouts_refuse_what_they_cannot_run(tmp_path):
@@ -192,3 +192,25 @@ def test_an_async_run_evaluates_and_checkpoints_between_steps_like_a_synchronous
     assert len(calls) >= 4
     a, b = params(plain), params(busy)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_processes_run_async_rollouts_in_step(tmp_path):
+    """torchrun, 2 processes, max_staleness 1: no deadlock between the rollout threads and the collectives, the
+    ranks' weights stay equal (DDP), each rank samples its own prompts from its own generators."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    out = tmp_path / "ranks.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29641",
+           "-m", "tests.trainers.dist_async", str(out)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (torch.load(f"{out}.{rank}") for rank in (0, 1))
+    assert a["lags"] == b["lags"] == [0.0, 1.0, 1.0]
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert a["completions"] != b["completions"]

@@ -7,7 +7,7 @@ batches from the initial weights). Before update ``u`` the trainer submits every
 current weights (a copy of the trainable parameters, taken then) and waits for batch ``u``. ``k = 0`` is the
 synchronous loop through the same machinery: the trainer waits for each batch as soon as it submits it.
 
-Randomness: with ``k > 0`` batch ``b`` draws from its own ``torch.Generator`` seeded by (``seed``, ``b``), never
+Randomness: with ``k > 0`` batch ``b`` draws from its own ``torch.Generator`` seeded by (``seed``, ``b``, the process), never
 from torch's global RNG, which the trainer draws from at the same time (mini-batch order, the evaluation's
 preserved RNG); the policy's ``sampling_view`` promises it (``unialign.policy.SamplingCopy``). With ``k = 0``
 nothing runs beside the sampling, which draws from the global RNG exactly as the synchronous loop does: the
@@ -54,20 +54,21 @@ class RolloutJob:
     future: Future | None = None
 
 
-def rollout_seed(seed: int, index: int) -> int:
-    """The generator seed of batch ``index`` in a run seeded ``seed`` (distinct per batch, in int64)."""
-    return (seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63)
+def rollout_seed(seed: int, index: int, rank: int = 0) -> int:
+    """The generator seed of batch ``index`` on process ``rank`` in a run seeded ``seed`` (distinct per batch and
+    process, in int64)."""
+    return (seed * 1_000_003 + index * 7_919 + rank * 104_729 + 1) % (2 ** 63)
 
 
 class AsyncRollouts:
     """Samples batches of ``policy`` in one background thread, from a frozen copy of its trained module.
 
     ``sample(view, row_ids, generator, record_logp) -> Trajectory`` is the trainer's sampling of one batch from
-    a policy (``view``: this copy's ``sampling_view``); ``staleness`` is ``max_staleness``; ``seed`` seeds the
-    batches' generators."""
+    a policy (``view``: this copy's ``sampling_view``); ``staleness`` is ``max_staleness``; ``seed`` and ``rank`` (this
+    process's index) seed the batches' generators."""
 
     def __init__(self, policy: Any, staleness: int, seed: int,
-                 sample: Callable[[Any, list[int], torch.Generator | None, bool], Trajectory]):
+                 sample: Callable[[Any, list[int], torch.Generator | None, bool], Trajectory], rank: int = 0):
         if not isinstance(policy, SamplingCopy):
             raise ValueError(f"async_rollouts: {type(policy).__name__} cannot sample from a copy of its weights "
                              "(no sampling_view, unialign.policy.SamplingCopy); turn async_rollouts off")
@@ -79,7 +80,7 @@ class AsyncRollouts:
         names = {id(p): n for n, p in trained.named_parameters()}
         self._trainable = [(names[id(p)], p) for p in policy.trainable_parameters() if id(p) in names]
         self._copy_params = dict(self.model.named_parameters())
-        self.staleness, self.seed, self._sample = staleness, seed, sample
+        self.staleness, self.seed, self.rank, self._sample = staleness, seed, rank, sample
         self.device = next(trained.parameters()).device
         self.pending: deque[RolloutJob] = deque()
         self.submitted = 0  # batches submitted so far: the next one's index
@@ -116,7 +117,7 @@ class AsyncRollouts:
             self._copy_params[name].copy_(value)
         generator = None
         if self.staleness > 0:  # the trainer runs meanwhile: draw from this batch's own generator
-            generator = torch.Generator(device=self.device).manual_seed(rollout_seed(self.seed, job.index))
+            generator = torch.Generator(device=self.device).manual_seed(rollout_seed(self.seed, job.index, self.rank))
         return self._sample(self.view, job.row_ids, generator, record_logp)
 
     def close(self) -> None:

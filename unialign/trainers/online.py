@@ -239,8 +239,8 @@ class OnlineTrainer(TrainerLoop):
         self._param_dtype = params[0].dtype
         self.evaluator = evaluator
         # --async_rollouts: batches sampled ahead in a thread, from a copy of the weights (unialign.trainers.async_rollouts)
-        self.rollouts = AsyncRollouts(policy, config.max_staleness, config.seed, self._sample_groups) \
-            if config.async_rollouts else None
+        self.rollouts = AsyncRollouts(policy, config.max_staleness, config.seed, self._sample_groups,
+                                      rank=self.acc.process_index) if config.async_rollouts else None
         self._current_job: RolloutJob | None = None
 
     @property
