@@ -132,3 +132,50 @@ def test_vrpo_pairs_share_masks_so_the_first_dpo_loss_is_ln2(tiny):
     torch.testing.assert_close(chosen.detach(), ref_chosen)
     loss = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1)[0].mean()
     assert float(loss) == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_sampling_from_a_generator_leaves_the_global_rng_alone(tiny):
+    """``sample(generator=...)`` (async rollouts): every draw (tokens, commits, mask seeds) from the generator; the
+    same seed, the same trajectory."""
+    policy = policy_of(tiny)
+    before = torch.random.get_rng_state()
+    a = policy.sample(PROMPTS, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.rand(100)  # the global RNG moves; the generator's draws do not depend on it
+    b = policy.sample(PROMPTS, generator=torch.Generator().manual_seed(3))
+    for key in ("completion_ids", "step_map", "mask_seed"):
+        assert torch.equal(a.payload[key], b.payload[key]), key
+    c = policy.sample(PROMPTS, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(a.payload["mask_seed"], c.payload["mask_seed"])
+
+
+def test_async_rollouts_sample_a_diffusion_lm_from_its_lagging_copy(tiny, tmp_path):
+    import copy
+
+    from unialign.dist import unwrap
+    from unialign.trainers import OnlineConfig, OnlineTrainer
+
+    policy = policy_of(tiny)
+    rows = [{"prompt": p} for p in PROMPTS[:2]] * 2
+    cfg = OnlineConfig(algorithm="diffu_grpo", num_generations=2, prompts_per_step=2, micro_batch_size=4,
+                       max_steps=2, report_to="none", output_dir=str(tmp_path), learning_rate=0.05, beta=0.0,
+                       seed=0, async_rollouts=True, log_prob_estimator=policy.log_prob_estimator)
+    reward = lambda prompts, completions: [float(sum(map(ord, c)) % 7) for c in completions]  # noqa: E731 (varies)
+    trainer = OnlineTrainer(policy, reward, rows, cfg)
+    first = {k: v.detach().clone() for k, v in unwrap(policy.model).named_parameters()}
+    batches, next_batch = [], trainer._async_batch
+
+    def keep():
+        traj, stats = next_batch()
+        batches.append(copy.deepcopy(traj))
+        return traj, stats
+
+    trainer._async_batch = keep
+    trainer.train()
+    stale = batches[1]
+    assert trainer.history[1]["async/lag"] == 1.0 and stale.rollout_logp_B_T is not None
+    model = copy.deepcopy(unwrap(policy.model))
+    model.load_state_dict(first, strict=False)
+    with torch.no_grad():
+        logp = policy._estimate(model, stale.payload) * stale.mask_B_T
+    torch.testing.assert_close(stale.rollout_logp_B_T, logp, rtol=0, atol=1e-5)

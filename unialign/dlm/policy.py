@@ -31,7 +31,7 @@ from unialign.dist import is_main_rank, unwrap
 from unialign.dlm.families import Family, family_of, require_trust
 from unialign.dlm.sampling import DiffusionSampling, block_decode
 from unialign.hub import hub_error, require_hub
-from unialign.policy import LossTerms, PolicyBase, ReferencePolicy
+from unialign.policy import LossTerms, PolicyBase, ReferencePolicy, SamplingCopy
 from unialign.text import prefix
 from unialign.text.policy import load_model_options, prepare_model
 from unialign.text.prompts import PromptEncoder
@@ -42,7 +42,7 @@ from unialign.weights import check_finite
 TERMS = ("eubo",)
 
 
-class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
+class MaskedDiffusionLMPolicy(PolicyBase, LossTerms, SamplingCopy):
     """Policy over a masked-diffusion LM. ``model`` may be wrapped (DDP / FSDP) by the trainer."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, family: Family,
@@ -179,12 +179,13 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
         return fn(self._score(model, prompt_mask, seq.completion_ids_B_T), seq, self.estimator_options, sign_B)
 
     # ---------------------------------------------------------------- sampling
-    def _decode(self, model: torch.nn.Module, prompts: list[Any], greedy: bool) -> dict[str, Any]:
+    def _decode(self, model: torch.nn.Module, prompts: list[Any], greedy: bool,
+                generator: torch.Generator | None = None) -> dict[str, Any]:
         enc = self.prompt_encoder.encode(prompts, self.device)
         prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
         completion, step_map, forwards = block_decode(
             lambda x: self._logits(model, prompt_ids, prompt_mask, x), len(prompts), self.mask_id, self.sampling,
-            greedy=greedy, device=self.device)
+            greedy=greedy, device=self.device, generator=generator)
         self.last_forwards = forwards
         eos = completion == self.tokenizer.eos_token_id
         first = torch.where(eos.any(-1), eos.float().argmax(-1), torch.full_like(eos[:, 0], completion.shape[1],
@@ -209,19 +210,23 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
     def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
                record_logp: bool = True) -> Trajectory:
         """One block-decoded completion per prompt; the payload keeps the tokens, the ``step_map`` and one
-        ``mask_seed`` per sample (drawn from torch's global RNG, which the trainer seeds and checkpoints), from
-        which every later ``log_prob`` of this trajectory draws its masks."""
-        traj = self._trajectory(prompts, self.generate(prompts))
+        ``mask_seed`` per sample, from which every later ``log_prob`` of this trajectory draws its masks. Every draw
+        comes from ``generator`` when given, else from torch's global RNG (which the trainer seeds and checkpoints)."""
+        with torch.no_grad():
+            g = self._decode(unwrap(self.model), prompts, False, generator)
+        traj = self._trajectory(prompts, g, generator)
         if record_logp:
             with torch.no_grad():
                 traj.old_logp_B_T = self._estimate(unwrap(self.model), traj.payload) * traj.mask_B_T
         return traj
 
     @staticmethod
-    def _trajectory(prompts: list[Any], g: dict[str, Any]) -> Trajectory:
-        """A decoding's trajectory (no log-probs yet), with one mask seed per sample from torch's global RNG."""
+    def _trajectory(prompts: list[Any], g: dict[str, Any], generator: torch.Generator | None = None) -> Trajectory:
+        """A decoding's trajectory (no log-probs yet), with one mask seed per sample from ``generator`` (default
+        torch's global RNG)."""
         payload = {k: g[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "step_map")}
-        payload["mask_seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
+        payload["mask_seed"] = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
+                                             device=generator.device if generator is not None else "cpu").cpu()
         return Trajectory(prompts=list(prompts), completions=g["texts"], mask_B_T=g["completion_mask"].float(),
                           old_logp_B_T=None, truncated_B=g["truncated"].cpu(), payload=payload)
 
@@ -312,6 +317,16 @@ class MaskedDiffusionLMPolicy(PolicyBase, LossTerms):
         if self._frozen_copy is None:
             self._frozen_copy = copy.deepcopy(base).eval().requires_grad_(False)
         return ReferencePolicy(self, self._frozen_copy)
+
+    def sampling_view(self, model: torch.nn.Module) -> MaskedDiffusionLMPolicy:
+        """``SamplingCopy``: this policy block-decoding from ``model`` (a frozen copy of the trained module) with its
+        own tokenizer (a fast tokenizer is not safe to call from two threads); the sampling settings copied as they
+        are now."""
+        view = copy.copy(self)
+        view.model = model
+        view.prompt_encoder = copy.deepcopy(self.prompt_encoder)
+        view._frozen_copy = None
+        return view
 
     def _sample(self, model: torch.nn.Module, prompts: list[Any], generator: torch.Generator | None = None):
         g = self._decode(model, prompts, greedy=False)
