@@ -214,3 +214,31 @@ def test_two_processes_run_async_rollouts_in_step(tmp_path):
     assert a["lags"] == b["lags"] == [0.0, 1.0, 1.0]
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     assert a["completions"] != b["completions"]
+
+
+def test_a_reward_error_mid_async_run_keeps_its_batch_for_the_resume(tmp_path):
+    """reward_errors raise at step 3 of an async run: steps 1-2 are checkpointed with the failed step's batch still
+    pending (sampled again on resume from its weights), so the fixed run ends where an uninterrupted one does."""
+    from unialign.rewards.base import RewardError
+
+    calls, bug = [], {"on": False}
+
+    def flaky(prompts, completions):  # one name for the broken and the fixed reward (a resume compares them)
+        calls.append(1)
+        if bug["on"] and len(calls) == 3:
+            raise ZeroDivisionError("the reward's bug")
+        return spread_reward(prompts, completions)
+
+    whole = make(tmp_path / "whole", flaky, max_steps=4, max_staleness=1, **ASYNC)
+    whole.train()
+    calls.clear()
+    bug["on"] = True
+    broken = make(tmp_path / "cut", flaky, max_steps=4, max_staleness=1, **ASYNC)
+    with pytest.raises(RewardError, match="steps 1-2 are saved"):
+        broken.train()
+    bug["on"] = False
+    fixed = make(tmp_path / "cut", flaky, max_steps=4, max_staleness=1, resume_from_checkpoint="latest", **ASYNC)
+    fixed.train()
+    assert rewards(fixed) == rewards(whole)
+    a, b = params(whole), params(fixed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
