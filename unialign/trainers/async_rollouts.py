@@ -85,6 +85,7 @@ class AsyncRollouts:
         self.pending: deque[RolloutJob] = deque()
         self.submitted = 0  # batches submitted so far: the next one's index
         self._executor: ThreadPoolExecutor | None = None
+        self._loaded: dict[str, torch.Tensor] = {}  # a checkpoint's pending weights, until ``load_state``
 
     # ------------------------------------------------------------------ the schedule
     def submit_through(self, last: int, version: int, next_rows: Callable[[], list[int]],
@@ -145,7 +146,7 @@ class AsyncRollouts:
         ``load_state_tensors`` first), in order."""
         self.close()
         self.pending.clear()
-        tensors = getattr(self, "_loaded", {})
+        tensors = self._loaded
         for j in state["pending"]:
             prefix = f"{j['index']}."
             weights = {k[len(prefix):]: v.to(self.device) for k, v in tensors.items() if k.startswith(prefix)}
