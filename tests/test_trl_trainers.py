@@ -147,3 +147,19 @@ def test_ppo_trainer_takes_trls_signature_reward_model_and_value_model(tmp_path)
         assert trainer.state.global_step == 1 and "value_loss" in trainer.state.log_history[-1]
     with pytest.raises(UserError, match="ref_model: the reference is the initial model"):
         PPOTrainer(args=args, model=str(ARITH_LM_DIR), ref_model=object(), reward_model=str(tmp_path), train_dataset=rows)
+
+
+def test_async_grpo_trainer_takes_trls_signature(tmp_path):
+    from unialign import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig
+    from unialign.config import UserError
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "async"), per_device_train_batch_size=4, num_generations=2,
+                           max_completion_length=8, max_steps=2, max_staleness=1, report_to="none")
+    assert args.async_rollouts and args.max_staleness == 1
+    rows = [{"prompt": r["question"], "answer": r["answer"].split("#### ")[-1]} for r in arithmetic_dataset("train", n=4)]
+    trainer = AsyncGRPOTrainer(model=str(ARITH_LM_DIR), reward_funcs="math_accuracy", args=args, train_dataset=rows)
+    trainer.train()
+    assert [h["async/lag"] for h in trainer.state.log_history if "async/lag" in h] == [0.0, 1.0]
+    with pytest.raises(UserError, match="AsyncGRPOTrainer: args has async_rollouts off"):
+        AsyncGRPOTrainer(model=str(ARITH_LM_DIR), reward_funcs="math_accuracy", train_dataset=rows,
+                         args=GRPOConfig(output_dir=str(tmp_path / "sync"), report_to="none"))

@@ -48,6 +48,8 @@ _LAZY = {  # name -> module that defines it
     "PPOConfig": "unialign.trl",
     "PPOTrainer": "unialign.trl",
     "RLOOTrainer": "unialign.trl",
+    "AsyncGRPOConfig": "unialign.trl",
+    "AsyncGRPOTrainer": "unialign.trl",
     "RewardConfig": "unialign.trl",
     "RewardTrainer": "unialign.trl",
     "GRPOTrainer": "unialign.trl",

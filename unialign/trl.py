@@ -188,6 +188,18 @@ class RLOOConfig(GRPOConfig):
         super().__init__(**{"algorithm": "rloo", "num_generations": 2, "beta": 0.05, **kwargs})
 
 
+class AsyncGRPOConfig(GRPOConfig):
+    """TRL's ``AsyncGRPOConfig`` for ``AsyncGRPOTrainer``: ``GRPOConfig`` with async rollouts on (``async_rollouts``,
+    and ``max_staleness``, TRL's name: how many optimizer steps the sampling weights lag, default 1). TRL samples on a
+    vLLM server and sends it the weights; here a thread of this process samples from a copy of the weights
+    (docs/scaling.md#async-rollouts), so TRL's server and weight-transfer fields have no counterpart."""
+
+    TRL_CONFIG = "GRPOConfig"  # TRL's AsyncGRPOConfig keeps GRPOConfig's training defaults
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"async_rollouts": True, **kwargs})
+
+
 class PPOConfig(GRPOConfig):
     """TRL's ``PPOConfig`` for ``PPOTrainer``: ``GRPOConfig`` with PPO's preset (``algorithm="ppo"``: a critic,
     GAE, the KL to the reference in the reward) and one completion per prompt."""
@@ -572,6 +584,18 @@ class RLOOTrainer(GRPOTrainer):
 
     def __init__(self, model: Any, reward_funcs: Any, args: RLOOConfig | None = None, **kwargs: Any):
         super().__init__(model, reward_funcs, RLOOConfig() if args is None else args, **kwargs)
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    """TRL's ``AsyncGRPOTrainer(model, reward_funcs, args=AsyncGRPOConfig(...), train_dataset, ...)``: ``GRPOTrainer``
+    with the next batches sampled while it updates (``AsyncGRPOConfig``)."""
+
+    def __init__(self, model: Any, reward_funcs: Any, args: AsyncGRPOConfig | None = None, **kwargs: Any):
+        args = AsyncGRPOConfig() if args is None else args
+        if not getattr(args, "async_rollouts", False):
+            raise UserError("AsyncGRPOTrainer: args has async_rollouts off; pass AsyncGRPOConfig(...) (or "
+                            "async_rollouts=True), or use GRPOTrainer for synchronous sampling")
+        super().__init__(model, reward_funcs, args, **kwargs)
 
 
 class RewardTrainer(_Wrapper):
