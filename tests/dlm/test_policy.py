@@ -152,6 +152,7 @@ def test_sampling_from_a_generator_leaves_the_global_rng_alone(tiny):
 def test_async_rollouts_sample_a_diffusion_lm_from_its_lagging_copy(tiny, tmp_path):
     import copy
 
+    from tests.trainers.test_async_rollouts import train_keeping_batches
     from unialign.dist import unwrap
     from unialign.trainers import OnlineConfig, OnlineTrainer
 
@@ -162,16 +163,7 @@ def test_async_rollouts_sample_a_diffusion_lm_from_its_lagging_copy(tiny, tmp_pa
                        seed=0, async_rollouts=True, log_prob_estimator=policy.log_prob_estimator)
     reward = lambda prompts, completions: [float(sum(map(ord, c)) % 7) for c in completions]  # noqa: E731 (varies)
     trainer = OnlineTrainer(policy, reward, rows, cfg)
-    first = {k: v.detach().clone() for k, v in unwrap(policy.model).named_parameters()}
-    batches, next_batch = [], trainer._async_batch
-
-    def keep():
-        traj, stats = next_batch()
-        batches.append(copy.deepcopy(traj))
-        return traj, stats
-
-    trainer._async_batch = keep
-    trainer.train()
+    first, batches = train_keeping_batches(trainer)
     stale = batches[1]
     assert trainer.history[1]["async/lag"] == 1.0 and stale.rollout_logp_B_T is not None
     model = copy.deepcopy(unwrap(policy.model))

@@ -24,6 +24,22 @@ def spread_reward(prompts, completions):
     return [sum(map(ord, c)) % 11 / 10 for c in completions]
 
 
+def train_keeping_batches(trainer) -> tuple[dict, list]:
+    """Train ``trainer`` (async) keeping a copy of every batch it trains on; returns (the initial weights of the
+    unwrapped model, the batches)."""
+    first = {k: v.detach().clone() for k, v in unwrap(trainer.policy.model).named_parameters()}
+    batches, next_batch = [], trainer._async_batch
+
+    def keep():
+        traj, stats = next_batch()
+        batches.append(copy.deepcopy(traj))
+        return traj, stats
+
+    trainer._async_batch = keep
+    trainer.train()
+    return first, batches
+
+
 def rewards(trainer) -> list[float]:
     return [h["reward/mean"] for h in trainer.history if "reward/mean" in h]
 
@@ -54,21 +70,15 @@ def test_stale_batches_come_from_the_lagging_weights_with_their_log_probs(tmp_pa
     weights' (checked against an independent forward of a model holding them), the old log-probs the current
     weights' (from the update), and the correction's metrics are logged."""
     trainer = make(tmp_path, spread_reward, max_steps=3, max_staleness=1, **ASYNC)
-    weights, batches = [params(trainer)], []
-    update, next_batch = trainer.update, trainer._async_batch
+    weights, update = [params(trainer)], trainer.update
 
     def keep_weights(traj):
         out = update(traj)
         weights.append(params(trainer))
         return out
 
-    def keep_batch():
-        traj, stats = next_batch()
-        batches.append(copy.deepcopy(traj))
-        return traj, stats
-
-    trainer.update, trainer._async_batch = keep_weights, keep_batch
-    trainer.train()
+    trainer.update = keep_weights
+    _, batches = train_keeping_batches(trainer)
     assert [h["async/lag"] for h in trainer.history] == [0.0, 1.0, 1.0]
     assert batches[0].rollout_logp_B_T is None  # batch 0 is trained by the weights it was sampled from
     model = copy.deepcopy(unwrap(trainer.policy.model))

@@ -212,6 +212,7 @@ def test_async_rollouts_sample_a_vlm_from_its_lagging_copy(tmp_path):
     behaviour log-probs are the previous weights' on the same images."""
     import copy
 
+    from tests.trainers.test_async_rollouts import train_keeping_batches
     from unialign.trainers import OnlineConfig, OnlineTrainer
 
     policy = _policy(FAMILIES[0])
@@ -221,16 +222,7 @@ def test_async_rollouts_sample_a_vlm_from_its_lagging_copy(tmp_path):
     reward = lambda prompts, completions: [float(sum(map(ord, c)) % 7) for c in completions]  # noqa: E731 (varies)
     trainer = OnlineTrainer(policy, reward, rows, cfg)
     assert trainer.rollouts.view.processor is not policy.processor
-    first = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
-    batches, next_batch = [], trainer._async_batch
-
-    def keep():
-        traj, stats = next_batch()
-        batches.append(copy.deepcopy(traj))
-        return traj, stats
-
-    trainer._async_batch = keep
-    trainer.train()
+    first, batches = train_keeping_batches(trainer)
     stale = batches[1]
     assert trainer.history[1]["async/lag"] == 1.0 and stale.rollout_logp_B_T is not None
     model = copy.deepcopy(policy.model)
