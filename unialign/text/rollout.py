@@ -33,8 +33,9 @@ class RolloutEngine(Protocol):
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
                  max_new_tokens: int | None = None, generator: torch.Generator | None = None) -> dict:
         """Completions of ``prompts`` (one per prompt; repeat prompts for groups) by ``policy`` (a
-        ``CausalLMPolicy``), drawn from ``generator`` when given (else torch's global RNG): ``prompt_ids`` / ``prompt_mask`` [B, W] (left-padded), ``completion_ids`` /
-        ``completion_mask`` [B, T] (right-padded; tokens up to and including the first EOS), ``truncated`` [B]
+        ``CausalLMPolicy``), drawn from ``generator`` when given (else torch's global RNG): ``prompt_ids`` /
+        ``prompt_mask`` [B, W] (left-padded), ``completion_ids`` / ``completion_mask`` [B, T] (right-padded; tokens
+        up to and including the first EOS), ``truncated`` [B]
         (no EOS within ``max_new_tokens``, default the policy's), ``texts`` (decoded, without special tokens)
         and, from an engine other than the trained model, ``rollout_logp`` [B, T]: that engine's log-probs of
         the sampled tokens; ``payload``: what the policy's ``_generate_inputs`` keeps for the trajectory beside
