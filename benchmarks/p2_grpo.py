@@ -268,10 +268,9 @@ def async_wall(P: int, G: int, L: int, steps: int, seed: int = 0, threads: int =
             trainer.train()
             times[side].append(clock.t1 - clock.t0)
             return
-        torch.set_num_threads(threads)
-        out = os.path.join(d, f"{side}{len(times[side])}")
+        out = os.path.join(d, f"{side}{len(times[side])}")  # the trainer sets its own threads (config)
         trainer = make_ours(copy.deepcopy(base), copy.deepcopy(tok), rows, P, G, L, steps, out, seed,
-                            async_rollouts=side == "async", max_staleness=1)
+                            async_rollouts=side == "async", max_staleness=1, config=dict(num_threads=threads))
         times[side].append(run_seconds(trainer, steps))
 
     try:

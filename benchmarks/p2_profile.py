@@ -40,13 +40,12 @@ def breakdown(L: int, P: int = 16, G: int = 8, steps: int = 12, warmup: int = 2,
     """Seconds per phase summed over ``steps - warmup`` steps of GRPO at ``L`` new tokens (``threads`` torch
     threads: the embedded default's 1)."""
     base, tok = build_model("arith", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    previous = torch.get_num_threads()  # the trainer sets its own (config), restored afterwards
     clock: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory() as d:
             trainer = make_ours(base, tok, train_rows(), P, G, L, steps, os.path.join(d, "ours"), 0,
-                                config=dict(lr_scheduler_type="cosine", warmup_steps=5))
+                                config=dict(lr_scheduler_type="cosine", warmup_steps=5, num_threads=threads))
             policy = trainer.policy
             policy.rollout.generate = _timed(policy.rollout.generate, clock, "generate")
             forward = policy._forward

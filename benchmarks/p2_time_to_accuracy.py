@@ -37,11 +37,10 @@ SCHEDULE = dict(lr_scheduler_type="cosine", warmup_steps=5)
 def curve_ours(seed: int, async_rollouts: bool, steps: int, every: int) -> tuple[list[float], list[dict]]:
     """Ours for ``steps`` steps: (cumulative step seconds at each copy, the copies' weights)."""
     base, tok = build_model("arith", seed)
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         trainer = make_ours(base, tok, train_rows(), P, G, L, steps, os.path.join(d, "ours"), seed,
                             async_rollouts=async_rollouts, max_staleness=1,
-                            config=dict(learning_rate=LR, **SCHEDULE))
+                            config=dict(learning_rate=LR, num_threads=1, **SCHEDULE))
         model = trainer.policy.model
         seconds, times, copies = 0.0, [], []
         try:

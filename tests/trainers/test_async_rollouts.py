@@ -140,17 +140,22 @@ def test_a_killed_async_run_resumes_as_the_uninterrupted_run(tmp_path, staleness
 
 
 def test_stale_batches_draw_from_their_own_generator_not_the_global_rng(tmp_path):
-    trainer = make(tmp_path, max_steps=2, max_staleness=1, **ASYNC)
-    seeds = []
-    sample = trainer.rollouts.view.sample
+    """k > 0: every batch gets a generator of its own (a seed per batch and per process), the same in a rerun."""
+    def seeds_of(run: str) -> list[int]:
+        trainer = make(tmp_path / run, max_steps=3, max_staleness=1, **ASYNC)
+        seeds, sample = [], trainer.rollouts.view.sample
 
-    def spy(prompts, generator=None, record_logp=True):
-        seeds.append(generator.initial_seed())
-        return sample(prompts, generator=generator, record_logp=record_logp)
+        def spy(prompts, generator=None, record_logp=True):
+            seeds.append(generator.initial_seed())
+            return sample(prompts, generator=generator, record_logp=record_logp)
 
-    trainer.rollouts.view.sample = spy
-    trainer.train()
-    assert seeds == [rollout_seed(0, 0), rollout_seed(0, 1)] and rollout_seed(0, 1, rank=1) != rollout_seed(0, 1)
+        trainer.rollouts.view.sample = spy
+        trainer.train()
+        return seeds
+
+    first = seeds_of("a")
+    assert len(first) == 3 and len(set(first)) == 3 and seeds_of("b") == first
+    assert len({rollout_seed(0, 1, rank=r) for r in range(4)}) == 4
 
 
 def test_async_rollouts_refuse_what_they_cannot_run(tmp_path):

@@ -131,7 +131,7 @@ class AsyncRollouts:
     def state(self) -> dict[str, Any]:
         """The schedule, for the trainer state (JSON): batches submitted, and each pending batch's index, rows
         and weight version (its weights are ``state_tensors``)."""
-        return {"submitted": self.submitted, "max_staleness": self.staleness,
+        return {"submitted": self.submitted,
                 "pending": [{"index": j.index, "row_ids": j.row_ids, "version": j.version} for j in self.pending]}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
