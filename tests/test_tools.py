@@ -214,6 +214,23 @@ def test_the_motion_world_fidelity_spreads_its_prompts_over_the_split():
     assert spread(prompts[:5], 7) == prompts[:5] + prompts[:2]
 
 
+def test_the_motion_worlds_object_mask_marks_the_latents_the_causal_vae_puts_the_object_in():
+    """Frame 0 alone, then frames (1, 2) and (3, 4), each latent a 4 x 4 cell; an independent reading of one-pixel
+    objects against the VAE's own layout."""
+    import torch
+
+    from tools.build_motion_world import object_latent_mask
+
+    clips = torch.full((2, 3, 5, 32, 32), -0.5)
+    clips[0, :, 0, 9, 30] = 0.7    # frame 0 -> latent frame 0, cell (2, 7)
+    clips[0, :, 2, 0, 4] = 0.7     # frame 2 -> latent frame 1, cell (0, 1)
+    clips[1, 0, 3, 31, 31] = 0.0   # frame 3 -> latent frame 2, cell (7, 7); one channel off is enough
+    mask = object_latent_mask(clips)
+    assert mask.shape == (2, 1, 3, 8, 8) and mask.dtype == torch.bool
+    assert sorted(map(tuple, mask.nonzero().tolist())) == [(0, 0, 0, 2, 7), (0, 0, 1, 0, 1), (1, 0, 2, 7, 7)]
+    assert not object_latent_mask(torch.full((1, 3, 5, 32, 32), 0.3)).any()  # no object, no mask
+
+
 def test_the_motion_worlds_label_noise_swaps_left_and_right_only_and_is_fixed_per_clip():
     from tools.build_motion_world import noisy_captions
     from unialign.embedded import motion_world
