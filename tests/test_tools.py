@@ -231,6 +231,18 @@ def test_the_motion_worlds_object_mask_marks_the_latents_the_causal_vae_puts_the
     assert not object_latent_mask(torch.full((1, 3, 5, 32, 32), 0.3)).any()  # no object, no mask
 
 
+def test_the_motion_worlds_weighted_flow_loss_against_hand_computed_values():
+    import torch
+
+    from tools.build_motion_world import flow_loss
+
+    pred, target = torch.zeros(1, 2, 1, 1, 2), torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 2, 1, 1, 2)
+    mask = torch.tensor([True, False]).view(1, 1, 1, 1, 2)  # the first latent (1 and 3 in its two channels)
+    assert flow_loss(pred, target) == torch.tensor((1 + 4 + 9 + 16) / 4)
+    assert flow_loss(pred, target, mask, 1.0) == flow_loss(pred, target)
+    assert torch.isclose(flow_loss(pred, target, mask, 5.0), torch.tensor((5 * 1 + 4 + 5 * 9 + 16) / 4))
+
+
 def test_the_motion_worlds_label_noise_swaps_left_and_right_only_and_is_fixed_per_clip():
     from tools.build_motion_world import noisy_captions
     from unialign.embedded import motion_world

@@ -193,11 +193,22 @@ def object_latent_mask(clips: torch.Tensor) -> torch.Tensor:
     """Which latents of ``vae_part``'s VAE a clip's object touches: clips [N, 3, F, H, W] -> bool
     [N, 1, 1 + (F - 1) / 2, H / 4, W / 4]. A pixel is the object's when it is off the frame's corner colour (as in
     ``reconstruction_loss``); the causal VAE encodes frame 0 alone and then frames in pairs, and each latent covers
-    4 x 4 pixels, so a latent is the object's when any pixel of its frames and cell is (~25 % of the latents:
-    the shape's cells, its edge and corners included)."""
+    4 x 4 pixels, so a latent is the object's when any pixel of its frames and cell is (~22 % of the training
+    clips' latents: the shape's cells, its edge and corners included)."""
     pix = ((clips - clips[:, :, :, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()  # N 1 F H W
     frames = [pix[:, :, :1]] + [pix[:, :, i:i + 2].amax(2, keepdim=True) for i in range(1, pix.shape[2], 2)]
     return F.max_pool3d(torch.cat(frames, 2), (1, 4, 4)) > 0
+
+
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, object_mask: torch.Tensor | None = None,
+              object_weight: float = OBJECT_FLOW_WEIGHT) -> torch.Tensor:
+    """The mean squared error of ``pred`` against ``target`` ([B, C, F, H, W]), each element of a latent in
+    ``object_mask`` ([B, 1, F, H, W] bool) weighted ``object_weight`` and the rest 1 (the mean of the weighted
+    errors; without a mask, or at weight 1, ``F.mse_loss``)."""
+    if object_mask is None or object_weight == 1.0:
+        return F.mse_loss(pred, target)
+    weight = 1 + (object_weight - 1) * object_mask.to(pred.dtype)
+    return (weight * (pred - target) ** 2).mean()
 
 
 def train_model(parts: dict[str, Any], latents: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
@@ -206,9 +217,9 @@ def train_model(parts: dict[str, Any], latents: torch.Tensor, ids: torch.Tensor,
                 object_weight: float = OBJECT_FLOW_WEIGHT) -> float:
     """Rectified flow (x_s = (1 - s) x0 + s eps, s ~ logit-normal(0, 1), target eps - x0, timestep s x 1000) of the
     transformer and the text encoder together; the prompt replaced by the empty one with probability
-    ``p_uncond``. With ``object_mask`` ([N, 1, F', H', W'] bool, ``object_latent_mask``) and ``object_weight`` > 1
-    the squared error of the latents the object covers weighs ``object_weight`` (the rest 1; the mean of the
-    weighted errors): the object is ~10 % of the latents and decides three of the four parts the verifier reads."""
+    ``p_uncond``. With ``object_mask`` ([N, 1, F', H', W'] bool, ``object_latent_mask``) the loss is
+    ``flow_loss``'s, the latents the object covers weighted ``object_weight``: the object is ~22 % of the latents
+    and decides three of the four parts the verifier reads."""
     transformer, encoder = parts["transformer"], parts["text_encoder"]
     gen = torch.Generator().manual_seed(seed)
     params = [*transformer.parameters(), *encoder.parameters()]
@@ -228,11 +239,7 @@ def train_model(parts: dict[str, Any], latents: torch.Tensor, ids: torch.Tensor,
         b_mask = torch.where(keep, mask[idx], empty[1])
         pred = transformer(hidden_states=(1 - sv) * x0 + sv * noise, timestep=s * 1000,
                            encoder_hidden_states=encode_text(encoder, b_ids, b_mask), return_dict=False)[0]
-        if object_mask is not None and object_weight != 1.0:
-            weight = 1 + (object_weight - 1) * object_mask[idx].float()
-            loss = (weight * (pred - (noise - x0)) ** 2).mean()
-        else:
-            loss = F.mse_loss(pred, noise - x0)
+        loss = flow_loss(pred, noise - x0, None if object_mask is None else object_mask[idx], object_weight)
         ema = update(loss, opt, sched, params, ema if step else None)
         if step % 200 == 0 or step == steps - 1:
             _log(f"  wan step {step:4d} loss(ema) {ema:.4f}")
@@ -374,7 +381,7 @@ def check(shipped: str | Path = world.WAN_DIR, keep: str | Path | None = None):
                                TIMING_FIELDS, keep, prefix="wan_")
 
 
-# what a record written before the decoder stage and the label noise existed means by their absence
+# what a record written before the decoder stage, the label noise and the object weight existed means by their absence
 RECORD_BEFORE_2026_12_06 = {"decoder_steps": 0, "decoder_lr": DECODER_LR, "confusion_rate": 0.0, "object_weight": 1.0}
 
 
