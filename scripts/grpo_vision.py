@@ -38,6 +38,12 @@ from unialign.vision import VisionLanguagePolicy
 
 PRESETS = presets.GRPO_VISION
 
+# measured on the shipped models (docs/vision.md)
+TUNED = dict(max_new_tokens=8, learning_rate=1e-3, warmup_steps=5, lr_scheduler_type="cosine", micro_batch_size=128,
+             num_threads=1)
+# the image task's run: at 60 steps seed 5 of 0-7 gained 13.6 points; at 120 every seed gains 28.9 or more
+VLM_STEPS = 120
+
 
 @dataclass
 class GRPOVisionConfig(RunArgs, RewardArgs, TextRLArgs, SystemPromptArgs, TextModelArgs, VisionArgs, TextDataArgs,
@@ -45,9 +51,8 @@ class GRPOVisionConfig(RunArgs, RewardArgs, TextRLArgs, SystemPromptArgs, TextMo
     PRESETS: ClassVar[dict] = PRESETS
     TRL_CONFIG: ClassVar[str] = "GRPOConfig"  # the defaults below are TRL's unless printed at start
     DATASET_MODELS: ClassVar[dict] = DATASET_MODELS  # --dataset_name embedded-vlm-video: its own model
-    MODEL_DEFAULTS: ClassVar[dict] = tuned_for((VLM_NAME, VLM_VIDEO_NAME), dict(  # measured (docs/vision.md)
-        max_new_tokens=8, learning_rate=1e-3, warmup_steps=5, lr_scheduler_type="cosine", micro_batch_size=128,
-        num_threads=1))
+    MODEL_DEFAULTS: ClassVar[dict] = {**tuned_for((VLM_VIDEO_NAME,), TUNED),
+                                      **tuned_for((VLM_NAME,), dict(TUNED, max_steps=VLM_STEPS))}
     model_name_or_path: str = arg("embedded-vlm", "Hub id, local directory, 'embedded-vlm' (the shipped tiny "
                                   "Qwen2-VL-architecture model) or 'embedded-vlm-video' (it, extended to clips)",
                                   group="model")
