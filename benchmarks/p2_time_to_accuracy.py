@@ -4,8 +4,8 @@ async rollouts) against TRL's ``GRPOTrainer``, three seeds.
 Both sides: P2's harness (``p2_grpo.make_ours`` / ``make_trl``: the same initial weights, tokenizer, chat-templated
 prompts, reward, P x G, completion length, dapo token-mean loss, AdamW) with ``grpo_math.py``'s embedded
 schedule: P = 16 prompts x G = 8, 32 new tokens, learning rate 3e-4 with 5 warm-up steps and cosine decay over
-200 steps (100 until 2026-12-07, when the script's default doubled). Ours runs at one torch thread (the embedded default; the async rollout thread takes the other core),
-TRL at torch's default (both cores).
+200 steps (100 until 2026-12-07, when the script's default doubled). Ours runs at one torch thread (the embedded
+default; the async rollout thread takes the other core), TRL at torch's default (both cores).
 
 Timing: the sum of the training steps' wall times (sample, score, update). Every ``EVAL_EVERY`` steps the trained
 weights are copied (outside the clock; a copy of this model takes milliseconds) and evaluated after the run, all

@@ -53,7 +53,7 @@ MODULES = {"P1": None, "P2": "p2_grpo", "P3": "p3_dpo", "P4": "p4_diffusion_samp
            "P5": "p5_diffusion_dpo_memory", "P6": "math_reward", "P9": "p9_ddpo",
            "P10": "p10_flow", "P11": "p11_forward", "P12": "p12_vlm_grpo", "P13": "p13_dlm", "P14": "p14_video",
            "P2P": "p2_profile", "P2T": "p2_time_to_accuracy"}
-# P11 about two hours, P2T about 30 minutes: the default suite leaves them out (``--long``, or by name); --quick runs them
+# P11 about two hours, P2T about 20 minutes: the default suite leaves them out (``--long``, or by name); --quick runs them
 LONG = ("P11", "P2T")
 
 
