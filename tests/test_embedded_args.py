@@ -30,18 +30,17 @@ def test_a_pair_length_below_one_is_refused_naming_the_field():
         parse_config(PairConfig, ["--max_completion_length", "0"])
 
 
-@pytest.mark.parametrize("script, argv, steps", [
-    ("grpo_math", [], 200),                                                  # the arithmetic model (docs/text.md)
-    ("grpo_math", ["--model_name_or_path", "embedded-mdlm"], 100),           # the diffusion LM keeps its run
-    ("grpo_math", ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], 100),  # another model: the script's
-    ("grpo_math", ["--max_steps", "7"], 7),                                  # a flag wins
-    ("grpo_vision", [], 120),                                                # the image VLM (docs/vision.md)
-    ("grpo_vision", ["--dataset_name", "embedded-vlm-video"], 60),           # the video VLM keeps its run
+@pytest.mark.parametrize("script, argv, steps, lr", [
+    ("grpo_math", [], 200, 3e-4),                                            # the arithmetic model (docs/text.md)
+    ("grpo_math", ["--model_name_or_path", "embedded-mdlm"], 100, 3e-4),     # the diffusion LM keeps its run
+    ("grpo_math", ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], 100, 1e-6),  # another model: TRL's
+    ("grpo_math", ["--max_steps", "7"], 7, 3e-4),                            # a flag wins
+    ("grpo_vision", [], 120, 1e-3),                                          # the image VLM (docs/vision.md)
+    ("grpo_vision", ["--dataset_name", "embedded-vlm-video"], 60, 1e-3),     # the video VLM keeps its run
 ])
-def test_each_shipped_model_gets_its_own_measured_run_length(tmp_path, script, argv, steps):
+def test_each_shipped_model_gets_its_own_measured_run_length(tmp_path, script, argv, steps, lr):
     from tests.test_scripts import load_script
 
     cls = {"grpo_math": "GRPOMathConfig", "grpo_vision": "GRPOVisionConfig"}[script]
     cfg = parse_config(getattr(load_script(script), cls), [*argv, "--output_dir", str(tmp_path)])
-    assert cfg.max_steps == steps
-    assert cfg.learning_rate == (1e-6 if "Qwen" in " ".join(argv) else 3e-4 if script == "grpo_math" else 1e-3)
+    assert (cfg.max_steps, cfg.learning_rate) == (steps, lr)
