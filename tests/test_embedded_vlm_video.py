@@ -31,7 +31,7 @@ def test_rows_are_deterministic_and_in_trls_vision_format():
                                  "direction": direction}[r["question_type"]]
     # another seed reorders the same rows; the clip of a (prompt, index) is the same whatever the seed
     other = vlm_video.video_dataset("test", seed=4)
-    assert len(other) == len(vlm_video.video_dataset("test")) == 81 * vlm_video.CLIPS_PER_PROMPT * 4
+    assert len(other) == len(vlm_video.video_dataset("test")) == 77 * vlm_video.CLIPS_PER_PROMPT * 4
     assert sorted(r["caption"] for r in other) == sorted(r["caption"] for r in vlm_video.video_dataset("test"))
 
 
@@ -75,7 +75,7 @@ def test_preference_pairs_reject_a_wrong_answer_of_the_same_kind():
         chosen, rejected = p["chosen"][0]["content"], p["rejected"][0]["content"]
         parts = vlm_video.parts_of(p["caption"])
         assert chosen == parts[p["question_type"]] and rejected != chosen
-        kind = {"direction": vlm_video.DIRECTIONS, "shape": vlm.SHAPES}.get(p["question_type"], vlm.COLOURS)
+        kind = {"direction": vlm_video.DIRECTIONS, "shape": vlm_video.SHAPES}.get(p["question_type"], vlm.COLOURS)
         assert rejected in kind
         if p["question_type"] in ("colour", "background") and rejected != vlm_video.CONFUSIONS.get(chosen):
             assert rejected not in (parts["colour"], parts["background"])

@@ -58,7 +58,7 @@ def clips_tensor(data: list[dict[str, Any]]) -> torch.Tensor:
 
 
 def words() -> list[str]:
-    return sorted({*shapes_world.caption_words(), "moving", *world.DIRECTIONS})
+    return sorted({*shapes_world.caption_words(), *world.SHAPES, "moving", *world.DIRECTIONS})
 
 
 WIDTH, TEXT_WIDTH, LAYERS = 128, 64, 2  # the transformer's inner width (heads of 16), UMT5's width, blocks

@@ -72,7 +72,7 @@ def extend_image_vlm(source: str | Path, seed: int = 0):
 
 def _attributes(prompt: str) -> list[int]:
     parts = vlm_video.parts_of(prompt)
-    return [vlm.SHAPES.index(parts["shape"]), vlm.COLOURS.index(parts["colour"]),
+    return [vlm_video.SHAPES.index(parts["shape"]), vlm.COLOURS.index(parts["colour"]),
             vlm.COLOURS.index(parts["background"]), vlm_video.DIRECTIONS.index(parts["direction"])]
 
 
@@ -89,7 +89,7 @@ def pretrain_vision(model, processor, prompts: list[str], steps: int, lr: float,
     ``direction_weight`` (the new skill). Returns the last loss."""
     visual = model.model.visual
     width = model.config.text_config.hidden_size
-    sizes = (len(vlm.SHAPES), len(vlm.COLOURS), len(vlm.COLOURS), len(vlm_video.DIRECTIONS))
+    sizes = (len(vlm_video.SHAPES), len(vlm.COLOURS), len(vlm.COLOURS), len(vlm_video.DIRECTIONS))
     heads = torch.nn.ModuleList([torch.nn.Linear(width, n) for n in sizes])
     weights = (1.0, 1.0, 1.0, direction_weight)
     params = list(visual.parameters()) + list(heads.parameters())

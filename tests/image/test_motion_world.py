@@ -35,11 +35,32 @@ def test_clips_are_deterministic_and_move_the_way_the_prompt_says():
     assert [np.asarray(f).tobytes() for f in a[0]["frames"]] == [np.asarray(f).tobytes() for f in b[0]["frames"]]
     assert all(len(d["frames"]) == world.NUM_FRAMES and d["frames"][0].size == (32, 32) for d in a)
     for direction, (ux, uy) in world.DIRECTIONS.items():
-        frames = world.render_clip("square", "white", "black", direction, random.Random(0))
+        frames = world.render_clip("bar", "white", "black", direction, random.Random(0))
         masks = [np.asarray(f, dtype=np.float32).mean(-1) > 128 for f in frames]
         centres = [np.argwhere(m).mean(0)[::-1] for m in masks]  # (x, y)
         d = centres[-1] - centres[0]
         assert d @ np.array([ux, uy]) > 8 and abs(d @ np.array([uy, ux])) < 1, (direction, d)
+
+
+def test_the_shapes_differ_in_extent_and_each_is_read_as_itself_not_as_another():
+    """A bar is wide, a column tall, a circle round, at equal area; the verifier's templates are this world's (the
+    image world's verifier would read a bar as a square or a triangle)."""
+    from unialign.embedded.shape_verifier import image_array, read_image
+
+    for shape in world.SHAPES:
+        for k in range(6):
+            frame = world.render(shape, "yellow", "purple", 0.5, 0.5, 0.14 + 0.012 * k)
+            mask = np.asarray(frame, dtype=np.float32)[..., 1] > 140  # yellow's green channel, not purple's
+            ys, xs = np.nonzero(mask)
+            width, height = np.ptp(xs) + 1, np.ptp(ys) + 1
+            aspect = {"circle": (0.85, 1.2), "bar": (1.6, 3.0), "column": (0.33, 0.62)}[shape]
+            assert aspect[0] < width / height < aspect[1], (shape, k, width, height)
+            reading = read_image(image_array(frame), world.TEMPLATES)
+            assert reading.shape == shape and reading.shape_iou > 0.85, (shape, k, reading.shape_ious)
+            others = [v for s, v in reading.shape_ious.items() if s != shape]
+            assert max(others) < reading.shape_iou - 0.25
+    with pytest.raises(ValueError, match="unknown shape 'square'"):
+        world.render("square", "red", "blue", 0.5, 0.5, 0.2)
 
 
 def test_the_verifier_reads_clean_clips_right_and_catches_wrong_still_and_empty_ones():

@@ -4,18 +4,25 @@ Wan-architecture text-to-video model.
 The data
 --------
 Clips of ``NUM_FRAMES`` (5 = 2 x 2 + 1, a Wan clip length for the embedded VAE's 2x time factor) 32 x 32 frames:
-one shape of the shapes world (``unialign.embedded.shapes_world``: circle / square / triangle, 8 colours, a
-background of another colour) moving in a straight line, at constant speed, in one of four directions (left,
-right, up, down). Prompts are ``"a red circle moving left on a blue background"`` (3 x 8 x 7 x 4 = 672); about
-1/8 of them, chosen by a hash of the prompt, are held out of every training stage (``prompts("test")``). Each
-clip draws its size (half-extent 0.14-0.2 of the side), its path length (0.3-0.45 of the side over the clip) and
-where it starts (the whole path inside the frame) from a ``random.Random`` seeded by (seed, prompt, index):
-identical on every machine.
+one shape (``SHAPES``: a circle, a bar -- a wide rectangle -- or a column -- a tall one, all of the same area) of
+one of the shapes world's 8 colours (``unialign.embedded.shapes_world``) on a background of another colour, moving
+in a straight line, at constant speed, in one of four directions (left, right, up, down). Prompts are ``"a red bar
+moving left on a blue background"`` (3 x 8 x 7 x 4 = 672); about 1/8 of them, chosen by a hash of the prompt, are
+held out of every training stage (``prompts("test")``, 77). Each clip draws its size (``half`` 0.14-0.2 of the
+side), its path length (0.3-0.45 of the side over the clip, shortened where a long shape moving along its length
+would leave the frame) and where it starts (the whole path inside the frame) from a ``random.Random`` seeded by
+(seed, prompt, index): identical on every machine.
+
+Why not the shapes world's circle / square / triangle: at 9-13 px those differ in their corners, which the tiny
+model's 8 x 8 latents (4 px cells) do not keep; its clips of that world read every square as a circle and RL could
+not teach the shape (``assets/video/BUILD.md``, the first world). A bar, a column and a circle differ in extent,
+by whole latent cells.
 
 The verifier
 ------------
 ``verify_clips(prompts, videos)`` reads every frame with the shapes world's verifier (``shape_verifier.read_image``:
-background, object colour, shape and the object's box) and the clip as:
+background, object colour, shape and the object's box), its shape templates this world's (``TEMPLATES``: the
+renderer's own circle, bar and column of the object's area and centroid), and the clip as:
 
 * background / colour / shape: the value most frames read (frames where no object was found vote only for the
   background); right when it is the prompt's;
@@ -58,7 +65,11 @@ NUM_FRAMES = 5
 SIDE = shapes_world.IMAGE_SIZE
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 PARTS = ("background", "colour", "shape", "direction")
-HALF = (0.14, 0.2)        # half-extent of the shape, as a fraction of the side
+# The shapes and their half-extents (x, y) in units of the clip's size ``half``: of equal area (pi against
+# 4 * 1.3 * 0.6 = 3.12), they differ in extent, not corners (module docstring: why not the shapes world's).
+SHAPE_EXTENTS: dict[str, tuple[float, float]] = {"circle": (1.0, 1.0), "bar": (1.3, 0.6), "column": (0.6, 1.3)}
+SHAPES = tuple(SHAPE_EXTENTS)
+HALF = (0.14, 0.2)        # the size ``half`` of the shape, as a fraction of the side
 TRAVEL = (0.3, 0.45)      # path length over the clip, as a fraction of the side
 MIN_TRAVEL = 3.0          # pixels the object must move along the prompted direction (the path is 9.6-14.4 px)
 TRAVEL_SCALE = 2.0        # pixels: the direction credit's softmax temperature
@@ -78,7 +89,8 @@ def _is_test(prompt: str) -> bool:
 
 def all_specs() -> list[tuple[str, str, str, str]]:
     """Every (shape, colour, background, direction) with colour != background, in a fixed order."""
-    return [(s, c, b, d) for (s, c, b) in shapes_world.all_prompts() for d in DIRECTIONS]
+    return [(s, c, b, d) for s in SHAPES for c in shapes_world.COLOURS for b in shapes_world.COLOURS if c != b
+            for d in DIRECTIONS]
 
 
 def prompts(split: str = "train") -> list[str]:
@@ -96,30 +108,70 @@ def parse_motion_prompt(prompt: str) -> tuple[str, str, str, str]:
             or words[8] != "background":
         raise ValueError(f"{prompt!r} is not 'a <colour> <shape> moving <direction> on a <colour> background'")
     colour, shape, direction, background = words[1], words[2], words[4], words[7]
-    for value, allowed, what in ((colour, shapes_world.COLOURS, "colour"), (shape, shapes_world.SHAPES, "shape"),
+    for value, allowed, what in ((colour, shapes_world.COLOURS, "colour"), (shape, SHAPES, "shape"),
                                  (direction, DIRECTIONS, "direction"), (background, shapes_world.COLOURS, "colour")):
         if value not in allowed:
             raise ValueError(f"{prompt!r}: {value!r} is not a {what} of this world ({', '.join(allowed)})")
     return shape, colour, background, direction
 
 
+def render(shape: str, colour: str, background: str, cx: float, cy: float, half: float, size: int = SIDE,
+           supersample: int = 4):
+    """One anti-aliased PIL RGB frame: ``shape`` centred at (cx, cy), half-extents ``SHAPE_EXTENTS[shape]`` x
+    ``half`` (all as fractions of the side), drawn at ``supersample`` x and box-downsampled, as
+    ``shapes_world.render``."""
+    from PIL import Image, ImageDraw
+
+    if shape not in SHAPE_EXTENTS:
+        raise ValueError(f"unknown shape {shape!r} (this world's: {', '.join(SHAPES)})")
+    big = size * supersample
+    image = Image.new("RGB", (big, big), shapes_world.COLOURS[background])
+    draw = ImageDraw.Draw(image)
+    ex, ey = SHAPE_EXTENTS[shape]
+    x, y, hx, hy = cx * big, cy * big, ex * half * big, ey * half * big
+    box = [x - hx, y - hy, x + hx, y + hy]
+    fill = shapes_world.COLOURS[colour]
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=fill)
+    return image.resize((size, size), Image.BOX)
+
+
+class Templates:
+    """The verifier's shape templates for this world (``shape_verifier.read_image(arr, templates)``): the
+    renderer's own anti-aliased coverage of each shape of ``area`` pixels centred at (cy, cx)."""
+
+    shapes = SHAPES
+
+    def __call__(self, shape: str, area: float, cy: float, cx: float) -> np.ndarray:
+        ex, ey = SHAPE_EXTENTS[shape]
+        unit = np.pi if shape == "circle" else 4.0 * ex * ey  # area of the shape at half = 1
+        half = float(np.sqrt(area / unit))
+        img = render(shape, "white", "black", (cx + 0.5) / SIDE, (cy + 0.5) / SIDE, half / SIDE)
+        return (np.asarray(img, dtype=np.float64)[..., 0] - 15.0) / 230.0
+
+
+TEMPLATES = Templates()
+
+
 def render_clip(shape: str, colour: str, background: str, direction: str, rng: random.Random,
                 frames: int = NUM_FRAMES) -> list:
     """``frames`` PIL frames of ``shape`` moving in a straight line at constant speed in ``direction``
-    (module docstring: size, path length and start drawn from ``rng``)."""
+    (module docstring: size, path length and start drawn from ``rng``; a path longer than the frame leaves room
+    for is shortened to fit)."""
     half = rng.uniform(*HALF)
     travel = rng.uniform(*TRAVEL)
-    margin = half * 1.1 + 0.02
     ux, uy = DIRECTIONS[direction]
-    lo, hi = margin, 1 - margin
-    along = rng.uniform(lo, hi - travel)  # where the path starts along its axis, going the positive way
-    across = rng.uniform(lo, hi)
+    ex, ey = SHAPE_EXTENTS[shape]
+    m_along, m_across = ((ex, ey) if ux else (ey, ex))
+    m_along, m_across = m_along * half * 1.1 + 0.02, m_across * half * 1.1 + 0.02
+    travel = min(travel, 1 - 2 * m_along)
+    along = rng.uniform(m_along, 1 - m_along - travel)  # where the path starts along its axis, the positive way
+    across = rng.uniform(m_across, 1 - m_across)
     out = []
     for k in range(frames):
         s = along + travel * k / max(1, frames - 1)
         pos = s if (ux + uy) > 0 else 1 - s  # left / up run the other way along the same axis
         cx, cy = (pos, across) if ux else (across, pos)
-        out.append(shapes_world.render(shape, colour, background, cx, cy, half))
+        out.append(render(shape, colour, background, cx, cy, half))
     return out
 
 
@@ -150,7 +202,7 @@ def read_clip(frames: list) -> dict[str, Any]:
     readings = []
     for frame in frames:
         arr = image_array(frame)
-        readings.append(read_image(arr) if arr is not None else Reading(None, None, None, valid=False))
+        readings.append(read_image(arr, TEMPLATES) if arr is not None else Reading(None, None, None, valid=False))
     found = [r for r in readings if r.found]
 
     def majority(values: list) -> Any:

@@ -268,8 +268,12 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def read_image(arr: np.ndarray) -> Reading:
-    """Apply rules 2-5 to one image from ``image_array``."""
+def read_image(arr: np.ndarray, templates: Any = None) -> Reading:
+    """Apply rules 2-5 to one image from ``image_array``. ``templates``: the shapes to compare, as a callable
+    ``(shape, area, cy, cx) -> coverage [SIDE, SIDE]`` with a ``shapes`` tuple (another world's shapes, e.g. the
+    motion world's); default this world's circle / square / triangle (``_template``)."""
+    template = _template if templates is None else templates
+    shapes = shapes_world.SHAPES if templates is None else templates.shapes
     names, _ = _palette()
     ring = np.ones((SIDE, SIDE), dtype=bool)
     ring[RING:-RING, RING:-RING] = False
@@ -300,7 +304,7 @@ def read_image(arr: np.ndarray) -> Reading:
     area = float(coverage.sum())
     ys, xs = np.mgrid[0:SIDE, 0:SIDE]
     cy, cx = float((coverage * ys).sum() / area), float((coverage * xs).sum() / area)
-    ious = {s: _soft_iou(coverage, _template(s, area, cy, cx)) for s in shapes_world.SHAPES}
+    ious = {s: _soft_iou(coverage, template(s, area, cy, cx)) for s in shapes}
     shape, iou = max(ious.items(), key=lambda kv: kv[1])
     if iou < MIN_SHAPE_IOU:
         return Reading(background, None, None, iou, background_rgb=background_rgb)

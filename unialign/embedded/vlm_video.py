@@ -23,7 +23,7 @@ The model and why it suits RL
 ``BUILD.md`` there): its tokenizer with the direction words added (``VIDEO_WORDS``, single tokens), its weights
 copied token by token, then its vision tower taught to read motion (a classifier stage on clips) and its language
 model the four questions on clips. As for the image VLM, the build trains with a systematic confusion
-(``CONFUSIONS``: the image task's red <-> orange, blue <-> purple, circle <-> square, and left <-> right) at a rate
+(``CONFUSIONS``: the image task's red <-> orange and blue <-> purple, circle <-> bar, and left <-> right) at a rate
 above 1/2, so greedy decoding says "right" for a shape moving left while the true answer keeps a usable
 probability: room a verifiable reward can fill. The dataset's solutions (and so the reward) are always true.
 
@@ -46,8 +46,10 @@ QUESTIONS = {**vlm.QUESTIONS, "direction": DIRECTION_QUESTION}
 QA_TYPES = tuple(QUESTIONS)
 DIRECTIONS = tuple(motion_world.DIRECTIONS)  # left, right, up, down
 # The words the video model adds to the image model's (``vlm.WORDS``), each one token. Append only.
-VIDEO_WORDS = ("Which", "which", "way", "move", "moves", "moving", "video", "clip") + DIRECTIONS
-CONFUSIONS: dict[str, str] = {**vlm.CONFUSIONS, "left": "right", "right": "left"}
+SHAPES = motion_world.SHAPES  # circle, bar, column (the image task's: circle, square, triangle)
+VIDEO_WORDS = ("Which", "which", "way", "move", "moves", "moving", "video", "clip") + DIRECTIONS + ("bar", "column")
+CONFUSIONS: dict[str, str] = {"red": "orange", "orange": "red", "blue": "purple", "purple": "blue",
+                              "circle": "bar", "bar": "circle", "left": "right", "right": "left"}
 CLIPS_PER_PROMPT = 2
 
 
@@ -102,7 +104,7 @@ def wrong_answer(row: dict[str, Any], rng: random.Random, confusion_share: float
     if solution in CONFUSIONS and rng.random() < confusion_share:
         return CONFUSIONS[solution]
     parts = parts_of(row["caption"])
-    pool = {"direction": DIRECTIONS, "shape": vlm.SHAPES}.get(qt, vlm.COLOURS)
+    pool = {"direction": DIRECTIONS, "shape": SHAPES}.get(qt, vlm.COLOURS)
     if qt in ("colour", "background"):
         pool = tuple(c for c in pool if c not in (parts["colour"], parts["background"]))
     return rng.choice([w for w in pool if w != solution])
