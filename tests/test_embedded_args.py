@@ -36,7 +36,8 @@ def test_a_pair_length_below_one_is_refused_naming_the_field():
     ("grpo_math", ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], 100, 1e-6),  # another model: TRL's
     ("grpo_math", ["--max_steps", "7"], 7, 3e-4),                            # a flag wins
     ("grpo_vision", [], 120, 1e-3),                                          # the image VLM (docs/vision.md)
-    ("grpo_vision", ["--dataset_name", "embedded-vlm-video"], 60, 1e-3),     # the video VLM keeps its run
+    ("grpo_vision", ["--dataset_name", "embedded-vlm-video"], 120, 1e-3),    # the video VLM too
+    ("grpo_vision", ["--model_name_or_path", "Qwen/Qwen2-VL-2B-Instruct"], 60, 1e-6),  # another model: the script's
 ])
 def test_each_shipped_model_gets_its_own_measured_run_length(tmp_path, script, argv, steps, lr):
     from tests.test_scripts import load_script
