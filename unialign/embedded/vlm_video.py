@@ -3,14 +3,14 @@ Qwen2-VL-architecture model that half-knows the answers.
 
 The task
 --------
-Videos are the motion world's clips (``motion_world.render_clip``: 5 frames of 32x32, one shape of the shapes
-world moving left / right / up / down on a background of another colour), given as a list of PIL frames in the
+Videos are the motion world's clips (``motion_world.render_clip``: 5 frames of 32x32, a circle, bar or column of
+one of 8 colours moving left / right / up / down on a background of another colour), given as a list of PIL frames in the
 ``video`` column, asked in TRL's VLM format with a ``{"type": "video"}`` block. Four one-word questions
 (``QUESTIONS``): the image task's three (``vlm.QUESTIONS``: the shape's colour, the shape, the background) and::
 
     "Which way does the shape move?"   -> "left"     (question_type "direction")
 
-* The split is the motion world's own (``motion_world.prompts("test")``, 81 of 672 prompts held out of every
+* The split is the motion world's own (``motion_world.prompts("test")``, 77 of 672 prompts held out of every
   build): every held-out clip shows an unseen (shape, colour, background, direction) combination.
   ``CLIPS_PER_PROMPT`` clips of each prompt, drawn from a ``random.Random`` seeded by (prompt, index): the same
   clips whatever the seed or the question.
@@ -20,8 +20,8 @@ world moving left / right / up / down on a background of another colour), given 
 The model and why it suits RL
 -----------------------------
 ``assets/vlm_video``: the embedded image VLM (``vlm.py``) extended, by ``tools/build_vlm_video.py`` (numbers in
-``BUILD.md`` there): its tokenizer with the direction words added (``VIDEO_WORDS``, single tokens), its weights
-copied token by token, then its vision tower taught to read motion (a classifier stage on clips) and its language
+``BUILD.md`` there): its tokenizer with the direction and shape words added (``VIDEO_WORDS``, single tokens), its
+weights copied token by token, then its vision tower taught to read motion (a classifier stage on clips) and its language
 model the four questions on clips. As for the image VLM, the build trains with a systematic confusion
 (``CONFUSIONS``: the image task's red <-> orange and blue <-> purple, circle <-> bar, and left <-> right) at a rate
 above 1/2, so greedy decoding says "right" for a shape moving left while the true answer keeps a usable
@@ -75,9 +75,9 @@ def video_dataset(split: str, n: int | None = None, seed: int = 0,
     """Deterministic rows of the video task in TRL's format: ``{"prompt": [user turn: video block, question],
     "video": [5 PIL frames], "solution", "question_type", "caption"}`` (``caption``: the clip's prompt).
 
-    split: ``"train"`` (591 prompts) or ``"test"`` (81; ``motion_world.prompts``): disjoint by prompt.
+    split: ``"train"`` (595 prompts) or ``"test"`` (77; ``motion_world.prompts``): disjoint by prompt.
     n: the first ``n`` rows of the shuffled split (``None``: all; ``CLIPS_PER_PROMPT`` clips per prompt, one row per
-       clip and question type: 4728 train / 648 test rows).
+       clip and question type: 4760 train / 616 test rows).
     seed: shuffles the order; the clips and answers do not depend on it.
     """
     if split not in ("train", "test"):
