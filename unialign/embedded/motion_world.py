@@ -145,8 +145,9 @@ class Templates:
         ex, ey = SHAPE_EXTENTS[shape]
         unit = np.pi if shape == "circle" else 4.0 * ex * ey  # area of the shape at half = 1
         half = float(np.sqrt(area / unit))
-        img = render(shape, "white", "black", (cx + 0.5) / SIDE, (cy + 0.5) / SIDE, half / SIDE)
-        return (np.asarray(img, dtype=np.float64)[..., 0] - 15.0) / 230.0
+        from unialign.embedded.shape_verifier import coverage_of
+
+        return coverage_of(render(shape, "white", "black", (cx + 0.5) / SIDE, (cy + 0.5) / SIDE, half / SIDE))
 
 
 TEMPLATES = Templates()

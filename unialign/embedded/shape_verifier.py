@@ -220,8 +220,12 @@ def _template(shape: str, area: float, cy: float, cx: float) -> np.ndarray:
     else:                                      # apex (0, -h), base at +0.8 h, width 2.2 h: area 1.98 h^2
         half = np.sqrt(area / 1.98)
         centre_y = cy - 0.2 * half             # the triangle's centroid sits 0.2 h below its box centre
-    img = world.render(shape, "white", "black", (cx + 0.5) / SIDE, (centre_y + 0.5) / SIDE, half / SIDE)
-    return (np.asarray(img, dtype=np.float64)[..., 0] - 15.0) / 230.0
+    return coverage_of(world.render(shape, "white", "black", (cx + 0.5) / SIDE, (centre_y + 0.5) / SIDE, half / SIDE))
+
+
+def coverage_of(white_on_black: Any) -> np.ndarray:
+    """[SIDE, SIDE] coverage 0..1 of a shape the renderer drew white (245) on black (15): a template."""
+    return (np.asarray(white_on_black, dtype=np.float64)[..., 0] - 15.0) / 230.0
 
 
 def _soft_iou(a: np.ndarray, b: np.ndarray) -> float:

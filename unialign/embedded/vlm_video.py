@@ -48,7 +48,7 @@ DIRECTIONS = tuple(motion_world.DIRECTIONS)  # left, right, up, down
 # The words the video model adds to the image model's (``vlm.WORDS``), each one token. Append only.
 SHAPES = motion_world.SHAPES  # circle, bar, column (the image task's: circle, square, triangle)
 VIDEO_WORDS = ("Which", "which", "way", "move", "moves", "moving", "video", "clip") + DIRECTIONS + ("bar", "column")
-CONFUSIONS: dict[str, str] = {"red": "orange", "orange": "red", "blue": "purple", "purple": "blue",
+CONFUSIONS: dict[str, str] = {**{k: v for k, v in vlm.CONFUSIONS.items() if k in vlm.COLOURS},
                               "circle": "bar", "bar": "circle", "left": "right", "right": "left"}
 CLIPS_PER_PROMPT = 2
 
