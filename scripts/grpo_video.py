@@ -1,13 +1,15 @@
-"""The GRPO family on text-to-video (Wan 2.1), with any video reward or any image reward scored on every frame.
+"""RL on text-to-video (Wan 2.1): forward-process RL or the GRPO family, any video reward or image reward per frame.
 
-    accelerate launch scripts/grpo_video.py                                   # offline embedded default, CPU
-    accelerate launch scripts/grpo_video.py --algorithm awm                   # forward-process RL, no sampler log-probs
+    accelerate launch scripts/grpo_video.py                                   # offline embedded default (AWM), CPU
+    accelerate launch scripts/grpo_video.py --algorithm flow_grpo             # Flow-GRPO: SDE steps, per-step log-probs
     accelerate launch scripts/grpo_video.py --reward_funcs motion_verifier_partial,temporal_consistency \
         --reward_weights 1,0.2
     accelerate launch scripts/grpo_video.py --preset wan2.1-t2v-1.3b-pickscore --prompt_set my_prompts.txt
 
 The same ``OnlineTrainer`` as ``scripts/grpo_image.py`` trains a Wan policy (``FlowPolicyBase`` with
-``WanFamily``: Flow-GRPO's SDE step on 5-D latents [B, C, F, H, W]); a completion is a clip, a list of frames.
+``WanFamily``: 5-D latents [B, C, F, H, W]) by forward-process RL (AWM, the default: clips sampled by the
+deterministic solver, trained by advantage-weighted flow matching at fresh noise) or by the GRPO family on
+Flow-GRPO's SDE steps; a completion is a clip, a list of frames.
 The default reward is the *verifiable* ``motion_verifier_partial`` (what the prompt asks for -- background,
 colour, shape and the direction it moves -- read from the frames, ``unialign/embedded/motion_world.py``); an image
 reward (``pickscore``, ``aesthetic``, ...) scores every frame and a clip the mean or min of them
@@ -43,22 +45,27 @@ class GRPOVideoConfig(ImageRLDefaults):
     reward_funcs: str = arg("motion_verifier_partial", "comma-separated registry names: video rewards "
                             "(motion_verifier[_partial], temporal_consistency, per_frame) or image rewards scored "
                             "per frame (pickscore, aesthetic, clip_score, ...)")
-    algorithm: str = arg("flow_grpo", "flow_grpo | grpo | grpo_guard | flow_dppo | awm | nft | dgpo | dapo | "
-                         "dr_grpo | gspo | rloo | reinforce")
-    # the embedded default: measured on held-out fidelity (docs/video.md; every step stochastic with 16 prompts a step
-    # ends 0.03 higher on average, within the spread, at 2.5x the time)
+    # the embedded default: measured on held-out fidelity (docs/video.md): AWM with a KL of 0.03 +0.30-0.32 in
+    # 307-320 s (without it +0.33-0.36 and less clean clips); Flow-GRPO +0.15-0.20 in 195-202 s, its knobs below
+    algorithm: str = arg("awm", "awm | nft | dgpo | flow_grpo | grpo | grpo_guard | flow_dppo | dapo | dr_grpo | "
+                         "gspo | rloo | reinforce")
+    # the SDE window: the GRPO family's (--algorithm flow_grpo ...), measured for it
     sde_window_size: int = arg(3, "only a window of this many consecutive steps per sampling call is stochastic and "
                                "trained, the rest deterministic Euler steps (Flow-GRPO-Fast); 0: every step")
     sde_window_range: str | None = arg("0,6", "'lo,hi' -- the window starts uniformly in [lo, hi - size] (unset: "
                                        "0,num_steps)")
-    beta: float | None = arg(0.0, "KL coefficient (0: no reference model)")
+    beta: float | None = arg(0.03, "KL coefficient (0: no reference model)")
+    epsilon: float | None = default(None)  # AWM's trust region, not the image scripts' GRPO clip
+    kl_estimator: str | None = default(None)  # AWM's: the prediction MSE to the reference
     num_generations: int = arg(8, "clips per prompt (G, the group)")
     prompts_per_step: int = default(8)  # 64 clips a step
     num_eval: int = default(192)  # 96 clips read the fidelity to +-0.05 (one standard error): too coarse for +0.25
     max_steps: int = default(100)
     eval_steps: int = default(25)
     output_dir: str = default("outputs/grpo_video")
-    ALGORITHM_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {}
+    # Flow-GRPO here: the image scripts' clip, no KL (--beta 0.04, its published value: +0.14 against +0.20)
+    ALGORITHM_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "flow_grpo": {"beta": 0.0, "epsilon": 1e-2, "kl_estimator": "gaussian"}}
 
 
 def main(cfg: GRPOVideoConfig) -> dict:

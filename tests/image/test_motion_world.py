@@ -123,6 +123,24 @@ def test_grpo_video_runs_the_embedded_wan_end_to_end(tmp_path):
     assert frames.shape == (1, world.NUM_FRAMES, 32, 32, 3) and np.isfinite(frames).all()
 
 
+def test_grpo_video_defaults_to_awm_with_its_own_knobs_and_keeps_the_measured_flow_grpo_recipe():
+    """The default is AWM with its published trust region (epsilon 1, the prediction-MSE KL) and the measured KL
+    of 0.03 -- not the image scripts' GRPO clip of 1e-2, which a default algorithm would otherwise inherit;
+    ``--algorithm flow_grpo`` keeps the recipe measured for it (the clip 1e-2, no KL, a 3-step SDE window in 0-6)."""
+    from tests.test_scripts import load_script
+    from unialign.config import parse_config
+
+    video = load_script("grpo_video")
+    awm = parse_config(video.GRPOVideoConfig, []).algo_spec()
+    assert (awm.name, awm.log_prob_estimator, awm.epsilon, awm.kl_estimator, awm.beta) == (
+        "awm", "forward", 1.0, "prediction_mse", 0.03)
+    cfg = parse_config(video.GRPOVideoConfig, ["--algorithm", "flow_grpo"])
+    spec = cfg.algo_spec()
+    assert (spec.log_prob_estimator, spec.epsilon, spec.beta, cfg.sde_window_size, cfg.sde_window_range) == (
+        "sampler", 1e-2, 0.0, 3, "0,6")
+    assert parse_config(video.GRPOVideoConfig, ["--algorithm", "flow_grpo", "--beta", "0.04"]).algo_spec().beta == 0.04
+
+
 def test_a_video_model_is_refused_by_the_pair_script_and_named_wrong_prompts_before_loading(capsys):
     from tests.test_scripts import load_script
     from unialign.config import UserError, parse_config
