@@ -25,7 +25,8 @@ what would overrun the budget):
   G-LM     ours CausalLMPolicy.log_prob fwd+bwd on the Qwen2.5-0.5B-sized model: tokens/s, peak memory, MFU
   G-P2     GRPO end to end ours vs TRL GRPOTrainer (P2's harness) on the Qwen-sized model: completion tokens/s;
            ours again with generation_cache="static" (G-P2-static: decoding compiled, CUDA graphs)
-  G-P2-vllm the same with vLLM colocated on both sides (needs vllm installed; an error row says so otherwise)
+  G-P2-vllm the same with vLLM colocated on both sides (needs vllm installed; an error row says so otherwise);
+           G-P2-vllm-async: ours on vLLM with async rollouts (max_staleness 1) against ours on vLLM synchronously
   G-P3     DPO step ours vs TRL DPOTrainer on the Qwen-sized model: step time, first-step loss
   G-P4-*   SD1.5 / SDXL sampling, DiffusionPolicy.sample vs the stock pipeline: samples/s, MFU of the UNet
   G-P5     Diffusion-DPO peak memory at SD1.5 size: adapter-disabled reference vs frozen copy (subprocesses)
@@ -307,6 +308,49 @@ def rows_p2_vllm(rows):
                     f"each; {steps} interleaved steps, median after the first",
                     raw={"ours_times": o_t, "ours_tokens": o_n, "trl_times": t_t, "trl_tokens": t_n})]
     go(rows)
+
+    @guarded("G-P2-vllm-async", "GRPO with vLLM: async rollouts (max_staleness 1) vs the synchronous loop", 200)
+    def go_async():
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("vllm is not installed here: `pip install vllm` on the GPU machine")
+        from benchmarks import p2_grpo
+
+        model, tok = qwen_model(lm_dtype())
+        P, G, L, steps = (2, 4, 8, 3) if ARGS.tiny else (8, 8, 256, 6)
+        tr_rows, times = p2_grpo.train_rows(), {}
+        # one after the other (the async side's thread would overlap an interleaved partner): the same model, data
+        # and seed; the engine samples batch b + 1 from the lagging copy while update b runs
+        for side, is_async in (("sync", False), ("async", True)):
+            with tempfile.TemporaryDirectory() as d:
+                trainer = p2_grpo.make_ours(copy.deepcopy(model), copy.deepcopy(tok), tr_rows, P, G, L, steps, d,
+                                            async_rollouts=is_async, max_staleness=1, generation_backend="vllm",
+                                            vllm_options={"gpu_memory_utilization": 0.3})
+                ts, ns = [], []
+                try:
+                    for _ in range(steps):
+                        t, n = p2_grpo.ours_step(trainer)
+                        ts.append(t)
+                        ns.append(n)
+                finally:
+                    if trainer.rollouts is not None:
+                        trainer.rollouts.close()
+                    engine = getattr(trainer.policy.rollout, "engine", None)
+                    del trainer, engine  # each side its own engine: free the first before the second is built
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                times[side] = ts, ns
+        tps = lambda ts, ns: [n / t for t, n in zip(ts[1:], ns[1:])]  # noqa: E731
+        return [row("G-P2-vllm-async-tput", "GRPO completion tokens/s with vLLM, async rollouts vs synchronous",
+                    median(tps(*times["async"])), median(tps(*times["sync"])), "tok/s", "higher", 1.2,
+                    f"Qwen2.5-0.5B dims {lm_dtype()}, P={P} x G={G}, {L} new tokens, beta 0, dapo; "
+                    f"--generation_backend vllm, gpu_memory_utilization 0.3, async max_staleness 1 (the engine "
+                    f"awake through the update) vs synchronous (sleep level 2 through it); {steps} steps each, one "
+                    "side after the other, median after the first",
+                    raw={"async_times": times["async"][0], "async_tokens": times["async"][1],
+                         "sync_times": times["sync"][0], "sync_tokens": times["sync"][1]})]
+    go_async(rows)
 
 
 def rows_p3(rows):

@@ -66,7 +66,9 @@ class ServedModel:
 
 @dataclass
 class FakeLLM:
-    """``vllm.LLM``'s methods the engine uses. ``script(prompt_ids, k) -> (token_ids, logps)``."""
+    """``vllm.LLM``'s methods the engine uses. ``script(prompt_ids, k) -> (token_ids, logps)`` for the k-th
+    completion of a request; a seeded request's k-th completion gets ``k = seed + k`` instead (vLLM's child
+    seeds), so what it returns follows the seed. ``sampling_params``: one, or a list of one per prompt."""
 
     script: object = None
     init_kwargs: dict = field(default_factory=dict)
@@ -75,9 +77,12 @@ class FakeLLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True):
         self.calls.append(("generate", prompts, sampling_params))
+        per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        assert len(per_prompt) == len(prompts)
         return [RequestOutput(str(i), p["prompt_token_ids"],
-                              [completion(k, *self.script(p["prompt_token_ids"], k)) for k in range(sampling_params.n)])
-                for i, p in enumerate(prompts)]
+                              [completion(k, *self.script(p["prompt_token_ids"], (getattr(sp, "seed", None) or 0) + k))
+                               for k in range(sp.n)])
+                for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -212,6 +217,21 @@ def test_generate_passes_distinct_prompts_with_n_and_returns_prompt_major_rows()
     params = [c for c in llm.calls if c[0] == "generate"][-1][2]
     assert params.n == 1 and params.temperature == 0.0
     assert greedy["completion_ids"].tolist() == [[p, 10, 2] for p in (4, 6) for _ in range(3)]  # repeated n times
+
+
+def test_a_seeded_call_gives_every_request_its_own_seeds_n_apart():
+    """``seed``: one parameter set per distinct prompt, prompt p at ``seed + p * n`` (vLLM gives its k-th
+    completion ``+ k``), so no two completions of the call share a seed; unseeded calls keep one shared set."""
+    model, tok = make_tiny_lm()
+    engine, llm = build_engine(model, tok, script=lambda ids, k: ([10 + k, 2], [-0.1, -0.2]))
+    knobs = SamplingKnobs(max_new_tokens=4)
+    got = engine.generate([[4, 5], [6], [7]], 3, knobs, eos_token_id=2, pad_token_id=0, seed=100)
+    params = [c for c in llm.calls if c[0] == "generate"][-1][2]
+    assert [p.seed for p in params] == [100, 103, 106] and all(p.n == 3 for p in params)
+    assert got["completion_ids"][:, 0].tolist() == [110 + k for k in range(9)]  # every completion its own seed
+    engine.generate([[4, 5]], 3, knobs, eos_token_id=2, pad_token_id=0)
+    params = [c for c in llm.calls if c[0] == "generate"][-1][2]
+    assert not isinstance(params, list) and "seed" not in params.kwargs
 
 
 # ------------------------------------------------------------------ weights

@@ -163,10 +163,84 @@ def test_async_rollouts_refuse_what_they_cannot_run(tmp_path):
         validate(OnlineConfig(algorithm="dapo", async_rollouts=True))
     with pytest.raises(ValueError, match="cannot sample from a copy of its weights"):
         AsyncRollouts(object(), 1, 0, lambda *a: None)
-    trainer = make(tmp_path)
-    trainer.policy.generation_backend = "vllm"
-    with pytest.raises(ValueError, match="generation_backend='vllm'"):
-        trainer.policy.sampling_view(unwrap(trainer.policy.model))
+
+
+def vllm_trainer(tmp_path, **kw):
+    """``make`` with the policy on the vLLM path, its engine the stand-in of ``tests/text/test_vllm_engine.py``
+    (a completion's first token follows its request's seed: two digits, then EOS)."""
+    from tests.conftest import make_tiny_lm
+    from tests.text.test_vllm_engine import build_engine
+    from tests.trainers.test_online import ROWS
+    from unialign.text.policy import CausalLMPolicy
+    from unialign.text.rollout import VLLMRollout
+    from unialign.trainers import OnlineTrainer
+
+    model, tok = make_tiny_lm(seed=0)
+    policy = CausalLMPolicy(model, tok, max_new_tokens=8)
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    policy.generation_backend = "vllm"  # the constructor refuses vllm on this CPU machine
+    policy.rollout = VLLMRollout({})
+    policy.rollout.engine, llm = build_engine(model, tok, script=lambda ids, k: (
+        [digits[k % 10], digits[k // 10 % 10], tok.eos_token_id], [-0.5, -0.25, -0.125]))
+    policy.rollout.fresh = True
+    cfg = dict(num_generations=4, prompts_per_step=2, micro_batch_size=4, report_to="none",
+               output_dir=str(tmp_path), learning_rate=1e-2, beta=0.0, seed=0, **kw)
+    return OnlineTrainer(policy, spread_reward, ROWS, OnlineConfig(**cfg)), llm
+
+
+def test_async_rollouts_on_vllm_push_each_batch_its_weights_and_seed_it_from_its_generator(tmp_path):
+    """The same code path on vLLM (engine stand-in): the rollout thread drives the one engine, pushing the
+    lagging copy's weights before each batch (batch b: the weights after update b - 1), never putting it to
+    sleep; a stale batch's requests are seeded from the batch's own generator (the same on a rerun), its engine
+    log-probs kept as behaviour log-probs for the correction."""
+    trainer, llm = vllm_trainer(tmp_path / "a", max_steps=3, max_staleness=1, **ASYNC)
+    weights, update = [params(trainer)], trainer.update
+
+    def keep_weights(traj):
+        out = update(traj)
+        weights.append(params(trainer))
+        return out
+
+    trainer.update = keep_weights
+    _, batches = train_keeping_batches(trainer)
+    calls = [c for c in llm.calls if c[0] != "apply_model"]
+    assert ("sleep", 2) not in calls and [h["async/lag"] for h in trainer.history] == [0.0, 1.0, 1.0]
+    pushes = llm.served.loads[1:]  # [0]: the build; then one push before every batch
+    assert len(pushes) == 3
+    for b, pushed in enumerate(pushes):
+        want = weights[max(b - 1, 0)]
+        assert all(torch.equal(pushed[k], want[k]) for k in want)
+    seeded = [c[2] for c in calls if c[0] == "generate"]
+    assert all(isinstance(p, list) and len(p) == 2 for p in seeded)  # per request: two distinct prompts a batch
+    for traj in batches[1:]:  # stale: the engine's log-probs are the behaviour log-probs
+        assert traj.rollout_logp_B_T is not None and traj.rollout_logp_B_T[:, 0].eq(-0.5).all()
+    rerun, llm2 = vllm_trainer(tmp_path / "b", max_steps=3, max_staleness=1, **ASYNC)
+    rerun.train()
+    again = [c[2] for c in llm2.calls if c[0] == "generate"]
+    assert [[p.seed for p in ps] for ps in again] == [[p.seed for p in ps] for ps in seeded]
+    assert len({p.seed for ps in seeded for p in ps}) == 6  # every batch and prompt its own
+    assert rewards(rerun) == rewards(trainer)
+
+
+def test_async_rollouts_build_the_vllm_engine_on_the_main_thread(tmp_path, monkeypatch):
+    """A policy whose engine is not built yet gets it built by ``sampling_view`` (vLLM is not built from the
+    rollout thread), from the copy's weights."""
+    from tests.text.test_vllm_engine import build_engine
+    from unialign.text import vllm_engine
+
+    built = []
+    trainer, _ = vllm_trainer(tmp_path, max_steps=1)
+    stand_in = build_engine(unwrap(trainer.policy.model), trainer.policy.tokenizer)[0]
+
+    def engine(model, tok, **options):
+        built.append(threading.current_thread().name)
+        return stand_in
+
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", engine)
+    trainer.policy.rollout.engine = None
+    view = trainer.policy.sampling_view(copy.deepcopy(unwrap(trainer.policy.model)))
+    assert built == [threading.main_thread().name] and view.rollout.engine is trainer.policy.rollout.engine
+    assert not view.rollout.sleep_after and trainer.policy.rollout.sleep_after
 
 
 def test_several_updates_per_stale_batch_take_old_log_probs_from_the_current_weights(tmp_path):

@@ -28,7 +28,7 @@ from unialign.text import prefix
 from unialign.text.critic import CRITIC_MODULES, ValueModel, attach_critic, detached_critics
 from unialign.text.head import install_fused_head
 from unialign.text.prompts import CHAT_TEMPLATE_MODES, PromptEncoder, messages_text, templated
-from unialign.text.rollout import HFRollout, LowPrecisionRollout, RolloutEngine, build_rollout
+from unialign.text.rollout import HFRollout, LowPrecisionRollout, RolloutEngine, VLLMRollout, build_rollout
 from unialign.text.sampling import SamplingKnobs
 from unialign.types import PreferenceBatch, Trajectory, _concat
 from unialign.weights import check_finite
@@ -211,16 +211,25 @@ class CausalLMPolicy(PolicyBase, Critic, SamplingCopy):
     def sampling_view(self, model: torch.nn.Module) -> CausalLMPolicy:
         """``SamplingCopy``: this policy sampling from ``model`` (a frozen copy of the trained module) with its own
         tokenizer (a fast tokenizer is not safe to call from two threads), KV caches and rollout engine (a
-        ``rollout_dtype`` copy refreshed from ``model``); the sampling settings are copied as they are now. Not on
-        vLLM: its engine lives beside the trained model and takes the weights itself."""
-        if self.generation_backend != "hf":
-            raise ValueError(f"generation_backend={self.generation_backend!r}: async rollouts sample from a weight "
-                             "copy through transformers (generation_backend 'hf')")
+        ``rollout_dtype`` copy refreshed from ``model``); the sampling settings are copied as they are now.
+        On vLLM the view drives the one engine (built here, on the calling thread, if it is not yet): ``model``'s
+        weights are pushed into it before each call, and it stays awake, sampling while the update runs (its
+        ``gpu_memory_utilization`` share is held throughout); the trained policy's own sampling must not run
+        meanwhile (the trainer samples only through the view when rollouts are async)."""
         view = copy.copy(self)
         view.model = model
         view.prompt_encoder = copy.deepcopy(self.prompt_encoder)
         view.hf_rollout = HFRollout()
-        view.rollout = build_rollout("hf", self.rollout_dtype, self.generation_cache, {}, view.hf_rollout)
+        if self.generation_backend == "vllm":
+            from unialign.text.vllm_engine import VLLMEngine
+
+            if self.rollout.engine is None:  # vLLM is built on the main thread, not in the rollout thread
+                self.rollout.engine = VLLMEngine(model, self.tokenizer, **self.vllm_options)
+                self.rollout.fresh = True
+            # not fresh: every call pushes the copy's weights, a resumed batch's older ones included
+            view.rollout = VLLMRollout(self.vllm_options, engine=self.rollout.engine, sleep_after=False)
+        else:
+            view.rollout = build_rollout("hf", self.rollout_dtype, self.generation_cache, {}, view.hf_rollout)
         view._frozen_copy = None
         return view
 

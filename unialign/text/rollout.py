@@ -210,23 +210,23 @@ class VLLMRollout:
     """``generation_backend="vllm"``: rollouts from a vLLM engine colocated in this process
     (``unialign.text.vllm_engine.VLLMEngine``, options ``vllm_options`` such as ``gpu_memory_utilization``),
     built on the first call; each distinct prompt of a group is sent once with ``n`` = the group size; the
-    trained weights are pushed before every call and the engine sleeps (frees its GPU memory) after it,
-    through the update. Its log-probs are ``rollout_logp``. Needs CUDA and vllm (``build_rollout``
-    checks)."""
+    sampling policy's weights (the trained ones, or an async rollout copy's: ``CausalLMPolicy.sampling_view``)
+    are pushed before every call and, with ``sleep_after``, the engine sleeps (frees its GPU memory) after it,
+    through the update. Its log-probs are ``rollout_logp``. Needs CUDA and vllm (``build_rollout`` checks)."""
 
-    def __init__(self, options: dict[str, Any]):
+    def __init__(self, options: dict[str, Any], engine: Any = None, sleep_after: bool = True):
         self.options = options
-        self.engine: Any = None
+        self.engine: Any = engine
         self.fresh = False  # the engine holds the current weights (just built)
+        self.sleep_after = sleep_after  # off for async rollouts: the engine samples while the update runs
 
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
                  max_new_tokens: int | None = None, generator: torch.Generator | None = None) -> dict:
         """Runs of identical prompts (a GRPO group) go once with ``n`` = the run length when all runs are
-        equally long, else one by one. vLLM draws from its own RNG: a ``generator`` is refused."""
+        equally long, else one by one. vLLM draws from its own RNG, or with a ``generator`` (a batch's own, async
+        rollouts) from per-request seeds the generator draws (``VLLMEngine.generate``'s ``seed``): the same
+        generator state, the same samples, whatever the engine ran before."""
         from unialign.text.vllm_engine import VLLMEngine
-
-        if generator is not None:
-            raise ValueError("the vLLM rollout engine samples with its own seeded RNG and takes no torch.Generator")
 
         tokenizer = policy.tokenizer
         enc = policy._encode_prompts(prompts)
@@ -241,9 +241,13 @@ class VLLMRollout:
             self.engine.push_weights(unwrap(policy.model))
         self.fresh = False
         knobs = policy.sampling.with_(max_new_tokens=max_new_tokens or policy.max_new_tokens)
+        seed = None
+        if generator is not None:  # room below 2**31 for the call's P * n consecutive seeds
+            seed = int(torch.randint(0, 2 ** 31 - len(distinct) * n, (), generator=generator, device=generator.device))
         out = self.engine.generate(distinct, n, knobs, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
-                                   pad_token_id=tokenizer.pad_token_id)
-        self.engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
+                                   pad_token_id=tokenizer.pad_token_id, seed=seed)
+        if self.sleep_after:
+            self.engine.sleep()  # its GPU memory goes back to the update; the next call pushes and wakes it
         device = enc["input_ids"].device
         ends = finish_completions(out["completion_ids"].to(device), out["completion_mask"].long().to(device),
                                   out["truncated"].to(device), tokenizer, knobs.stop)

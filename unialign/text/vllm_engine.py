@@ -336,13 +336,18 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------- rollouts
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, knobs: SamplingKnobs, *, greedy: bool = False,
-                 eos_token_id: int, pad_token_id: int) -> dict:
+                 eos_token_id: int, pad_token_id: int, seed: int | None = None) -> dict:
         """``n`` completions of each of the P distinct prompts (token ids, no padding), in one engine call
         (``SamplingParams(n=n)``: the prompt is prefilled once per group). Returns ``_pack_outputs``'s
         tensors for the P * n rows, prompt-major (prompt 0's n samples first), on CPU. ``greedy``: one
         completion per prompt, repeated n times; its ``logp`` is whatever vLLM reports for temperature 0
         (evaluation only: not an importance-sampling input). Build the engine after the trainer's process
-        group exists: each rank drives its own engine on its own GPU (``LOCAL_RANK``)."""
+        group exists: each rank drives its own engine on its own GPU (``LOCAL_RANK``).
+
+        ``seed``: the call draws from per-request seeds instead of the engine's RNG, so what it samples does
+        not depend on what the engine ran before (async rollouts: a batch's own seed) -- prompt p gets
+        ``seed + p * n``, and vLLM gives its k-th completion ``seed + p * n + k`` (``ParentRequest``'s child
+        seeds, vllm/v1/engine/parallel_sampling.py), so no two completions of a call share one."""
         if not prompt_ids:
             raise ValueError("generate: no prompts")
         if self._weights_stale:
@@ -351,7 +356,11 @@ class VLLMEngine:
         if "kv_cache" in self._sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self._sleeping.discard("kv_cache")
-        params = self._sampling_params_cls(**sampling_kwargs(n, knobs, greedy=greedy, eos_token_id=eos_token_id))
+        kwargs = sampling_kwargs(n, knobs, greedy=greedy, eos_token_id=eos_token_id)
+        if seed is None:
+            params = self._sampling_params_cls(**kwargs)
+        else:  # one parameter set per request (LLM.generate takes a list of the prompts' length)
+            params = [self._sampling_params_cls(**kwargs, seed=int(seed) + p * n) for p in range(len(prompt_ids))]
         outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids],
                                     sampling_params=params, use_tqdm=False)
         if len(outputs) != len(prompt_ids):
