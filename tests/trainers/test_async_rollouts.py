@@ -40,6 +40,19 @@ def train_keeping_batches(trainer) -> tuple[dict, list]:
     return first, batches
 
 
+def keep_weights(trainer) -> list[dict]:
+    """The trainer's weights before training, then after each update (appended as it trains)."""
+    weights, update = [params(trainer)], trainer.update
+
+    def recording(traj):
+        out = update(traj)
+        weights.append(params(trainer))
+        return out
+
+    trainer.update = recording
+    return weights
+
+
 def rewards(trainer) -> list[float]:
     return [h["reward/mean"] for h in trainer.history if "reward/mean" in h]
 
@@ -70,14 +83,7 @@ def test_stale_batches_come_from_the_lagging_weights_with_their_log_probs(tmp_pa
     weights' (checked against an independent forward of a model holding them), the old log-probs the current
     weights' (from the update), and the correction's metrics are logged."""
     trainer = make(tmp_path, spread_reward, max_steps=3, max_staleness=1, **ASYNC)
-    weights, update = [params(trainer)], trainer.update
-
-    def keep_weights(traj):
-        out = update(traj)
-        weights.append(params(trainer))
-        return out
-
-    trainer.update = keep_weights
+    weights = keep_weights(trainer)
     _, batches = train_keeping_batches(trainer)
     assert [h["async/lag"] for h in trainer.history] == [0.0, 1.0, 1.0]
     assert batches[0].rollout_logp_B_T is None  # batch 0 is trained by the weights it was sampled from
@@ -194,14 +200,7 @@ def test_async_rollouts_on_vllm_push_each_batch_its_weights_and_seed_it_from_its
     sleep; a stale batch's requests are seeded from the batch's own generator (the same on a rerun), its engine
     log-probs kept as behaviour log-probs for the correction."""
     trainer, llm = vllm_trainer(tmp_path / "a", max_steps=3, max_staleness=1, **ASYNC)
-    weights, update = [params(trainer)], trainer.update
-
-    def keep_weights(traj):
-        out = update(traj)
-        weights.append(params(trainer))
-        return out
-
-    trainer.update = keep_weights
+    weights = keep_weights(trainer)
     _, batches = train_keeping_batches(trainer)
     calls = [c for c in llm.calls if c[0] != "apply_model"]
     assert ("sleep", 2) not in calls and [h["async/lag"] for h in trainer.history] == [0.0, 1.0, 1.0]
