@@ -8,6 +8,7 @@ all`` (~15 min; each stage alone: ``--stage data | clip | head | sd3 | sdxl``) a
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -138,24 +139,41 @@ def test_arith_check_rebuilds_with_the_shipped_record_and_compares_every_file_it
     assert "check" in capsys.readouterr().out
 
 
+def test_the_arith_build_command_runs_itself_with_the_portable_kernels(tmp_path, monkeypatch):
+    """``build`` from a process without them starts itself again with them set, and the record names them; a
+    ``build()`` called in this process records that it ran without them."""
+    from tools.asset_check import PORTABLE_KERNELS, portable_kernels
+    from tools.build_arith_lm import build, main
+
+    for k in PORTABLE_KERNELS:
+        monkeypatch.delenv(k, raising=False)
+    assert not portable_kernels()
+    monkeypatch.chdir(ROOT)
+    assert main(["build", "--out", str(tmp_path / "cli"), "--steps", "2", "--batch-size", "4", "--eval-rows", "0"]) == 0
+    assert json.loads((tmp_path / "cli" / "build_metrics.json").read_text())["kernels"] == PORTABLE_KERNELS
+    record = build(tmp_path / "here", steps=1, batch_size=4, eval_rows=0, verbose=False)
+    assert record["kernels"] == dict.fromkeys(PORTABLE_KERNELS)
+
+
 @pytest.mark.slow
 def test_the_arith_lm_rebuilds_bit_identically(tmp_path):
-    """The whole 280-step build (~1 min, without the held-out evaluation): every file it writes is the shipped one,
-    the record equal but for its wall time and the evaluation it skipped. Bit-identical on the machine type the
-    assets were built on (the asset's BUILD.md); skipped on another kind of CPU, whose kernels round otherwise."""
-    from tools.asset_check import other_machine_kind
-    from tools.build_arith_lm import TIMING_FIELDS, check
+    """The whole build through its command line (560 steps on one thread and the 256-row evaluation, 2-3 min): every
+    file it writes is the shipped one and the record equal but for its wall time. The command runs the build with
+    the portable kernels, so this holds on any CPU with AVX2 and FMA, Intel or AMD (the asset's BUILD.md)."""
+    import subprocess
 
-    if other_machine_kind():
-        pytest.skip(other_machine_kind())
+    from tools.asset_check import PORTABLE_KERNELS, no_portable_kernels
 
-    result = check(ARITH, keep=tmp_path / "lm", eval_rows=0, verbose=False)
-    verdicts = {p: v for p, v, _ in result.rows}
-    assert {p for p, v in verdicts.items() if v != "identical"} == {"build_metrics.json"}, result.table()
-    record = json.loads((tmp_path / "lm" / "build_metrics.json").read_text())
+    if no_portable_kernels():
+        pytest.skip(no_portable_kernels())
     shipped = json.loads((ARITH / "build_metrics.json").read_text())
-    skipped = (*TIMING_FIELDS, "greedy_acc", "pass_at_8", "eval_rows")
-    assert {k: v for k, v in record.items() if k not in skipped} == {k: v for k, v in shipped.items() if k not in skipped}
+    assert shipped["kernels"] == PORTABLE_KERNELS  # the shipped files were built with them
+    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_KERNELS}  # the command sets them itself
+    res = subprocess.run([sys.executable, "-m", "tools.build_arith_lm", "check", "--keep", str(tmp_path / "lm")],
+                         capture_output=True, text=True, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "lm" / "build_metrics.json").read_text())
+    assert record["kernels"] == PORTABLE_KERNELS and record["greedy_acc"] == shipped["greedy_acc"]
 
 
 @pytest.mark.slow

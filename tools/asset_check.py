@@ -14,6 +14,9 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -171,19 +174,26 @@ def rebuild_from_record(build: Callable[..., Any], shipped: str | Path, keys: It
     return rebuild_and_compare(build, kw, shipped, built_files, timing_fields, keep, prefix=prefix)
 
 
-# The machine type the shipped assets were built on (each asset's BUILD.md): float kernels are chosen by the CPU's
-# vector units, so only a machine of this type rebuilds them bit for bit; elsewhere a rebuild trains other weights.
+# The machine type the shipped image assets were built on (each asset's BUILD.md): float kernels are chosen by the
+# CPU's vector units, so only a machine of this type rebuilds them bit for bit; elsewhere a rebuild trains other
+# weights. (The arithmetic LM is built with PORTABLE_KERNELS instead and rebuilds on any CPU with AVX2 and FMA.)
 BUILD_MACHINE = {"vendor": "GenuineIntel", "avx512f": True}
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    """The CPU vendor and flags (``/proc/cpuinfo``; "unknown" and none elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown", []
+    vendor = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("vendor_id")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    return vendor, flags
 
 
 def this_machine() -> dict[str, Any]:
     """The CPU vendor and whether it has AVX-512 (``/proc/cpuinfo``; unknown elsewhere)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {"vendor": "unknown", "avx512f": False}
-    vendor = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("vendor_id")), "unknown")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    vendor, flags = _cpuinfo()
     return {"vendor": vendor, "avx512f": "avx512f" in flags}
 
 
@@ -195,6 +205,36 @@ def other_machine_kind() -> str | None:
     return (f"the shipped assets were built on {BUILD_MACHINE['vendor']} with AVX-512; this machine is "
             f"{here['vendor']} {'with' if here['avx512f'] else 'without'} it: its float kernels round otherwise, so a "
             "rebuild trains other weights")
+
+
+# Kernels that round alike on every x86-64 CPU with AVX2 and FMA, Intel or AMD: MKL's conditional numerical
+# reproducibility in its portable mode (its default picks other GEMM kernels per CPU vendor and vector width) and
+# ATen's AVX2 kernels instead of the widest the CPU has. Both are read when the libraries first run, so a build that
+# needs them starts itself again with them set (``run_with_portable_kernels``).
+PORTABLE_KERNELS = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def portable_kernels() -> bool:
+    """Whether this process runs with ``PORTABLE_KERNELS`` (set before torch was imported)."""
+    return all(os.environ.get(k) == v for k, v in PORTABLE_KERNELS.items())
+
+
+def kernels_record() -> dict[str, str | None]:
+    """The ``PORTABLE_KERNELS`` variables as this process has them (a build records them)."""
+    return {k: os.environ.get(k) for k in PORTABLE_KERNELS}
+
+
+def no_portable_kernels() -> str | None:
+    """Why this CPU cannot run the portable kernels (no AVX2 or no FMA, or unknown), else None."""
+    vendor, flags = _cpuinfo()
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    return f"this CPU ({vendor}) lacks {' and '.join(missing)}, which the portable kernels need" if missing else None
+
+
+def run_with_portable_kernels(module: str, argv: list[str]) -> int:
+    """Run ``python -m module *argv`` in a child process with ``PORTABLE_KERNELS`` set; its exit status."""
+    env = {**os.environ, **PORTABLE_KERNELS}
+    return subprocess.call([sys.executable, "-m", module, *argv], env=env)
 
 
 # ----------------------------------------------------------------------------------- the builders' command lines

@@ -4,15 +4,15 @@ docstring), plus the check that a rebuild gives the shipped files.
 
 CLI (from the repository root)::
 
-    python -m tools.build_arith_lm build --out DIR   # deterministic rebuild (same machine / torch / threads)
+    python -m tools.build_arith_lm build --out DIR   # deterministic rebuild (any AVX2 CPU, same torch / threads)
     python -m tools.build_arith_lm eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
     python -m tools.build_arith_lm check [--keep DIR]  # build into a temp folder, compare with the shipped one
 
-The build is deterministic on one kind of machine (two rebuilds give the same bytes), but its 280 training steps
-amplify the last-bit differences of the CPU's kernels: a CPU with other vector units (or another torch build) trains
-other weights. The shipped files were built on the machine type this project's CI runs on (2-core Xeon, AVX-512,
-torch 2.14.1), where ``check`` finds every file bit-identical; the weights shipped before them, trained on another
-machine, are not reproducible here (the asset's BUILD.md).
+``build`` and ``check`` run with ``asset_check.PORTABLE_KERNELS`` (MKL's portable GEMM path and ATen's AVX2
+kernels, set by starting the command again in a child process): without them the 560 training steps amplify the
+last-bit differences of each CPU's own kernels and an AMD or an Intel machine trains other weights; with them every
+x86-64 CPU with AVX2 and FMA gives the same bytes (torch 2.14.1, one thread). The record names the kernels it ran
+with; ``build()`` called in a process without them is deterministic on that machine only.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from unialign.embedded.arith import (
 )
 from unialign.text.tokens import encode_prompt
 
-DEFAULT_STEPS = 280
+DEFAULT_STEPS = 560
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
-DEFAULT_CARRY_DROP = 0.4
+DEFAULT_CARRY_DROP = 0.6
 # what `build` writes (BUILD.md beside them is written by hand); build_metrics.json carries the wall time
 BUILT_FILES = ("build_metrics.json", "chat_template.jinja", "config.json", "generation_config.json",
                "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -89,8 +89,9 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
     ``carry_drop`` (default ``DEFAULT_CARRY_DROP``): probability that a drawn training row needing a
     carry gets the carry-dropped (wrong) target instead (label noise; see ``unialign.embedded.arith``).
 
-    Deterministic for a given ``seed`` on the same machine / torch build (fixed thread count,
-    deterministic algorithms, seeded data order). Returns a dict of measurements (also written to
+    Deterministic for a given ``seed`` and torch build (fixed thread count, deterministic algorithms, seeded data
+    order) on one machine, and on every AVX2 machine when the process runs with ``asset_check.PORTABLE_KERNELS``
+    (the command line sees to it; the record's ``kernels`` says which). Returns a dict of measurements (also written to
     ``out_dir/build_metrics.json``). ``callback(step, model, tokenizer)`` is called every ``log_every``
     steps (for exploration).
     """
@@ -150,7 +151,8 @@ def build(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS, batch_
         tok.save_pretrained(str(out))
         metrics: dict[str, Any] = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr,
                                    "warmup": warmup, "num_threads": num_threads, "carry_drop": carry_drop,
-                                   "train_seconds": round(train_s, 1), "torch": torch.__version__}
+                                   "train_seconds": round(train_s, 1), "torch": torch.__version__,
+                                   "kernels": asset_check.kernels_record()}
         if eval_rows:
             test = arithmetic_dataset("test", n=eval_rows)
             metrics["greedy_acc"] = evaluate_accuracy(model, tok, test)
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--k", type=int, default=8)
     asset_check.add_check(sub, DEFAULT_ASSET_DIR)
     args = ap.parse_args(argv)
+    if args.command in ("build", "check") and not asset_check.portable_kernels():
+        return asset_check.run_with_portable_kernels("tools.build_arith_lm", sys.argv[1:] if argv is None else argv)
     if args.command == "build":
         build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
               num_threads=args.threads, eval_rows=args.eval_rows, carry_drop=args.carry_drop)

@@ -32,14 +32,16 @@ GRPO needs a policy that is mid-way: wrong often enough under greedy decoding to
 right often enough when sampling that a group of 8 usually contains a correct answer. A plain short
 SFT reaches that state only in a narrow, steep window of steps (measured: held-out greedy 28 % after
 200 steps, 66 % after 280), too fragile to ship. So the build (``tools/build_arith_lm.py``, in the source
-checkout, not installed) trains long enough to learn the digit steps well, with **noisy labels**: each time a training row that needs a carry is used, with
-probability ``carry_drop`` (default 0.4) its SFT target forgets the ``+1``
-(``"7+8=15,4+3=7\\n#### 75"``: a plausible, wrong answer). The model therefore learns P(carry) of about
-0.4 on carry problems: its greedy answer is usually wrong exactly when a carry is needed (about 47 %
-of problems), while the right answer keeps a usable probability (pass@8 at temperature 1: 70 %).
-Reward-driven RL on the *true* answers (the dataset's answers are always correct; the noise exists
-only inside the build) then sharpens the carry decision, which is the held-out gain that
-``scripts/grpo_math.py`` measures. The numbers for the shipped model are in
+checkout, not installed) trains long enough to learn the digit steps to convergence, with **noisy labels**: each
+time a training row that needs a carry is used, with probability ``carry_drop`` (default 0.6) its SFT target
+forgets the ``+1`` (``"7+8=15,4+3=7\n#### 75"``: a plausible, wrong answer). The model therefore learns
+P(carry) of about 0.4 on carry problems: below one half, so its greedy answer drops the carry (about 47 % of
+problems, nearly all its greedy errors), while a sample adds it often enough that a group of 8 almost always holds
+the right answer (pass@8 at temperature 1: 0.95). A noise rate under one half would make the greedy answer right
+once the model has converged; the earlier builds (0.4, 280 steps) were right only because they had not converged,
+which left their headroom to the CPU's rounding. Reward-driven RL on the *true* answers (the dataset's answers are
+always correct; the noise exists only inside the build) then sharpens the carry decision, which is the held-out
+gain that ``scripts/grpo_math.py`` measures. The numbers for the shipped model are in
 ``unialign/embedded/assets/arith_lm/BUILD.md``.
 
 The model and tokenizer
@@ -54,7 +56,7 @@ This module holds what a run needs (task, tokenizer, architecture, loader, evalu
 start that trained the shipped weights, and the check that a rebuild gives them, are in the source checkout
 (not installed)::
 
-    python -m tools.build_arith_lm build --out DIR   # deterministic rebuild (same machine/torch)
+    python -m tools.build_arith_lm build --out DIR   # deterministic rebuild (any AVX2 CPU, same torch)
     python -m tools.build_arith_lm eval [--path DIR] # greedy accuracy and pass@8 on held-out rows
     python -m tools.build_arith_lm check             # rebuild into a temp folder, compare file by file (sha256)
 """
@@ -133,7 +135,10 @@ def _operands(answer: str) -> tuple[int, int]:
     return 10 * ta + ua, 10 * tb + ub
 
 
-CARRY_ERROR_SHARE = 0.6  # close to the model's own: 139 of the shipped model's 246 wrong greedy answers (512 held-out) drop the carry
+# the share of carry errors in the pairs: close to the 2026-12-02 build's own (139 of its 246 wrong greedy answers on
+# 512 held-out rows dropped the carry); the converged build of 2026-12-07 drops the carry in 120 of its 121 (256
+# rows), while what PPO leaves wrong on it is tens sums (docs/text.md): the other 40 % stand for those
+CARRY_ERROR_SHARE = 0.6
 
 
 def wrong_worked_answer(a: int, b: int, rng: random.Random, carry_error: float = CARRY_ERROR_SHARE) -> str:
