@@ -214,14 +214,14 @@ def other_machine_kind() -> str | None:
 PORTABLE_KERNELS = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
-def portable_kernels() -> bool:
-    """Whether this process runs with ``PORTABLE_KERNELS`` (set before torch was imported)."""
-    return all(os.environ.get(k) == v for k, v in PORTABLE_KERNELS.items())
-
-
 def kernels_record() -> dict[str, str | None]:
     """The ``PORTABLE_KERNELS`` variables as this process has them (a build records them)."""
     return {k: os.environ.get(k) for k in PORTABLE_KERNELS}
+
+
+def portable_kernels() -> bool:
+    """Whether this process runs with ``PORTABLE_KERNELS`` (set before torch was imported)."""
+    return kernels_record() == PORTABLE_KERNELS
 
 
 def no_portable_kernels() -> str | None:
