@@ -242,3 +242,61 @@ def test_static_generation_cache_samples_the_same_tokens_in_one_reused_fixed_siz
     assert auto.generation_cache == "auto" and not auto.hf_rollout.uses_static_cache(auto, model)
     auto.generate(["1+2?"] * 2)
     assert auto.hf_rollout.static_caches == {}
+
+
+def test_a_roomy_decoding_cache_writes_in_place_and_holds_what_concatenation_holds():
+    """``prefix.reserve_room``: a filled ``DynamicCache``'s layers take the next tokens in place (the same buffer
+    while they fit), hold exactly what transformers' concatenating layer holds, and reserve again past their room
+    or after a reorder (beam search's ``reorder_cache``: a fresh tensor); cropping keeps the buffer."""
+    import copy as copy_
+
+    from transformers import DynamicCache
+
+    from unialign.text.prefix import reserve_room
+
+    model, _ = make_tiny_lm()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(4, 40, (3, 5)), use_cache=True).past_key_values
+    plain = copy_.deepcopy(cache)
+    assert isinstance(cache, DynamicCache) and reserve_room(cache, 3) is cache
+    assert {type(layer).__name__ for layer in cache.layers} == {"RoomyLayer"}
+    ptr = cache.layers[0].keys_buffer.data_ptr()
+    B, H, _, D = cache.layers[0].keys.shape
+
+    def step(n=1):
+        k, v = torch.randn(B, H, n, D), torch.randn(B, H, n, D)
+        for i in range(len(cache.layers)):
+            a, b = cache.update(k, v, i), plain.update(k, v, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    step()
+    step(2)
+    assert cache.layers[0].keys_buffer.data_ptr() == ptr and cache.get_seq_length() == 8  # 5 + 3: in place
+    step()  # past the room: reserved again, still the same numbers
+    assert cache.layers[0].keys_buffer.data_ptr() != ptr and cache.get_seq_length() == 9
+    order = torch.tensor([2, 0, 1])
+    cache.reorder_cache(order)
+    plain.reorder_cache(order)
+    step()
+    cache.crop(-2)
+    plain.crop(-2)
+    step(2)
+    assert cache.get_seq_length() == plain.get_seq_length() == 10
+
+
+def test_the_prefix_gather_s_backward_is_autograd_s_own_bit_for_bit():
+    """``prefix.gather_rows``: index_select forward; backward summing a strided gradient (a cache read through
+    ``torch.cat``) to the same bits as autograd's own index_select backward."""
+    from unialign.text.prefix import gather_rows
+
+    torch.manual_seed(0)
+    index = torch.arange(4).repeat_interleave(3)[torch.randperm(12)]
+    src = torch.randn(4, 2, 7, 8, dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(12, 2, 11, 8)[:, :, :7]  # strided, like a slice of cat's gradient
+    ours = gather_rows(src, index)
+    assert torch.equal(ours, src.index_select(0, index))
+    ours.backward(grad)
+    mine, src.grad = src.grad, None
+    src.index_select(0, index).backward(grad)
+    assert torch.equal(mine, src.grad)
+    assert not gather_rows(src.detach(), index).requires_grad

@@ -2,7 +2,7 @@
 
 Each is a ``RolloutEngine``: ``generate(policy, prompts, greedy, max_new_tokens)`` returns the policy's
 ``generate`` dict. ``HFRollout`` runs transformers ``generate`` on the trained model (or a given module),
-with a dynamic KV cache (repeated prompts prefilled once) or a static one (CUDA graphs);
+with a dynamic KV cache (repeated prompts prefilled once, room reserved for the completion) or a static one (CUDA graphs);
 ``LowPrecisionRollout`` (``rollout_dtype``) refreshes a low-precision copy of the policy and samples from it
 through an ``HFRollout``; ``VLLMRollout`` (``generation_backend="vllm"``) samples from a vLLM engine
 colocated in this process (``unialign.text.vllm_engine``). ``build_rollout`` checks the policy's options
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from unialign.dist import gathered_fsdp2_root, unwrap
-from unialign.text.prefix import cache_kwarg, right_align
+from unialign.text.prefix import cache_kwarg, reserve_room, right_align
 from unialign.text.sampling import first_stop, stop_lengths
 
 PAYLOAD_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -127,6 +127,8 @@ class HFRollout:
             gen_kwargs.update(self.static_cache(model, batch, width + gen_kwargs["max_new_tokens"]))
         elif policy.share_prompt_prefix:  # repeated prompts (GRPO groups): prefill each distinct prompt once
             prompt_cache = policy._prompt_cache(model, *right_align(enc["input_ids"], enc["attention_mask"]))
+            for cache in (prompt_cache or {}).values():  # decoding writes in place: no copy of the cache per token
+                reserve_room(cache, 1 + gen_kwargs["max_new_tokens"])
             gen_kwargs.update(prompt_cache or {})
         inputs, extras = policy._generate_inputs(enc)
         with gathered_fsdp2_root(model):  # peft's generate skips the root forward that would unshard it
