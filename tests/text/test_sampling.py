@@ -195,3 +195,51 @@ def test_seeded_sampling_in_a_thread_ignores_the_global_rng_drawn_beside_it(tiny
         torch.rand(1000)
     thread.join()
     assert torch.equal(out["traj"].payload["completion_ids"], alone.payload["completion_ids"])
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_a_sampling_view_keeps_decoding_s_log_probs_instead_of_a_scoring_forward(tiny_policy, knobs):
+    """An async rollout view sampling from its generator records the log-probs decoding computed
+    (``DecodeLogProbs``): the trainer's scoring forward's quantity (log-softmax at the temperature, before top-k /
+    top-p), with no forward over the completions; the trained policy, and a view drawing from the global RNG
+    (staleness 0: the synchronous run), keep the forward."""
+    tiny_policy.sampling = SamplingKnobs(max_new_tokens=12, **knobs)
+    view = tiny_policy.sampling_view(tiny_policy.model)
+    prompts = ["1+2?", "what is 33+4? be quick"] * 4
+    calls: list[int] = []
+    hook = tiny_policy.model.register_forward_hook(lambda m, a, k, out: calls.append(k["input_ids"].shape[1]),
+                                                   with_kwargs=True)
+    try:
+        traj = view.sample(prompts, generator=torch.Generator().manual_seed(3), record_logp=True)
+        decoded_calls = list(calls)
+        calls.clear()
+        forward = tiny_policy.log_prob(traj) * traj.mask_B_T
+    finally:
+        hook.remove()
+    T = traj.payload["completion_ids"].shape[1]
+    assert traj.mask_B_T.sum() > len(prompts) and (traj.old_logp_B_T != 0).any()
+    torch.testing.assert_close(traj.old_logp_B_T, forward, rtol=0, atol=1e-5)
+    assert T + 1 not in decoded_calls and all(c <= 1 for c in decoded_calls[2:])  # prefill, then one token each
+    again = tiny_policy.sample(prompts, generator=torch.Generator().manual_seed(3), record_logp=True)
+    assert torch.equal(again.payload["completion_ids"], traj.payload["completion_ids"])  # the same draws
+    torch.testing.assert_close(again.old_logp_B_T, traj.old_logp_B_T, rtol=0, atol=1e-5)  # the policy's: a forward
+    penalised = tiny_policy.sampling_view(tiny_policy.model)
+    penalised.sampling = penalised.sampling.with_(repetition_penalty=1.3)  # scores the trainer does not compute
+    traj = penalised.sample(prompts, generator=torch.Generator().manual_seed(3), record_logp=True)
+    torch.testing.assert_close(traj.old_logp_B_T, tiny_policy.log_prob(traj) * traj.mask_B_T, rtol=0, atol=1e-6)
+
+
+def test_decoding_log_probs_are_gathered_at_each_step_s_chosen_token():
+    from unialign.text.sampling import DecodeLogProbs
+
+    torch.manual_seed(0)
+    scores = [torch.randn(3, 7) for _ in range(4)]
+    chosen = torch.randint(0, 7, (3, 4))
+    rec = DecodeLogProbs(temperature=0.5)
+    for t, s in enumerate(scores):  # input_ids at step t ends with the tokens chosen before it
+        assert rec(torch.cat([torch.zeros(3, 2, dtype=torch.long), chosen[:, :t]], 1), s) is s
+    got = rec.logp(torch.cat([torch.zeros(3, 2, dtype=torch.long), chosen], 1))
+    want = torch.stack([torch.log_softmax(s / 0.5, -1).gather(-1, chosen[:, t:t + 1])[:, 0]
+                        for t, s in enumerate(scores)], 1)
+    assert torch.equal(got, want)
+    assert DecodeLogProbs(1.0).logp(torch.zeros(3, 2, dtype=torch.long)).shape == (3, 0)

@@ -126,6 +126,8 @@ class CausalLMPolicy(PolicyBase, Critic, SamplingCopy):
         self.generation_backend, self.vllm_options = generation_backend, dict(vllm_options or {})
         self.rollout_dtype, self.generation_cache = rollout_dtype, generation_cache
         self.share_prompt_prefix = share_prompt_prefix
+        # a sampling view's (async rollouts) recorded log-probs are decoding's own (``sample``); the policy's, a forward's
+        self.logp_from_decoding = False
         self.hf_rollout = HFRollout()  # ``generate``: held-out evaluation, and sampling on the hf backend
         # what ``sample`` uses; the options are checked here, before anything is built
         self.rollout: RolloutEngine = build_rollout(generation_backend, rollout_dtype, generation_cache,
@@ -231,6 +233,7 @@ class CausalLMPolicy(PolicyBase, Critic, SamplingCopy):
         else:
             view.rollout = build_rollout("hf", self.rollout_dtype, self.generation_cache, {}, view.hf_rollout)
         view._frozen_copy = None
+        view.logp_from_decoding = True
         return view
 
     def sample(self, prompts: list[Any], generator: torch.Generator | None = None,
@@ -240,7 +243,11 @@ class CausalLMPolicy(PolicyBase, Critic, SamplingCopy):
         global RNG, which the trainer seeds and checkpoints.
         ``record_logp=False`` skips the scoring forward (``old_logp_B_T`` is None). From a rollout copy
         (``rollout_dtype``) or vLLM, the engine's log-probs go to ``rollout_logp_B_T``."""
-        g = self.rollout.generate(self, prompts, generator=generator)
+        # a view sampling from its own generator (async rollouts) keeps the log-probs decoding computed: the
+        # behaviour policy's, without a scoring forward (with a global-RNG draw, the synchronous run's forward)
+        from_decoding = (record_logp and generator is not None and self.logp_from_decoding
+                         and self.rollout is self.hf_rollout and self.sampling.repetition_penalty == 1.0)
+        g = self.rollout.generate(self, prompts, generator=generator, **({"record_logp": True} if from_decoding else {}))
         traj = Trajectory(
             prompts=list(prompts),
             completions=g["texts"],
@@ -255,6 +262,9 @@ class CausalLMPolicy(PolicyBase, Critic, SamplingCopy):
             traj.rollout_logp_B_T = g["rollout_logp"].float() * traj.mask_B_T
         if not record_logp:
             traj.old_logp_B_T = None
+            return traj
+        if from_decoding:
+            traj.old_logp_B_T = g["decode_logp"].float() * traj.mask_B_T
             return traj
         with torch.no_grad():  # the unwrapped module: no DDP collectives while ranks sample independently
             logp, _, _ = self._forward(unwrap(self.model), traj.payload, False)

@@ -24,7 +24,7 @@ import torch
 
 from unialign.dist import gathered_fsdp2_root, unwrap
 from unialign.text.prefix import cache_kwarg, reserve_room, right_align
-from unialign.text.sampling import first_stop, stop_lengths
+from unialign.text.sampling import DecodeLogProbs, first_stop, stop_lengths
 
 PAYLOAD_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
@@ -105,11 +105,13 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, policy: Any, prompts: list[Any], greedy: bool = False,
                  max_new_tokens: int | None = None, model: torch.nn.Module | None = None,
-                 generator: torch.Generator | None = None) -> dict:
-        """``RolloutEngine.generate`` (no log-probs) on ``model``, default the policy's trained one
-        (unwrapped): another module with the same tokenizer to sample from (the rollout copy). ``generator``:
-        sample from it rather than torch's global RNG (``SamplingKnobs.seeded_kwargs``; the same
-        distribution, other draws)."""
+                 generator: torch.Generator | None = None, record_logp: bool = False) -> dict:
+        """``RolloutEngine.generate`` on ``model``, default the policy's trained one (unwrapped): another module
+        with the same tokenizer to sample from (the rollout copy). ``generator``: sample from it rather than
+        torch's global RNG (``SamplingKnobs.seeded_kwargs``; the same distribution, other draws).
+        ``record_logp`` (with a ``generator``, or greedy): also ``decode_logp`` [B, T], each sampled token's
+        log-probability as decoding computed it (``sampling.DecodeLogProbs``; what a scoring forward would give,
+        up to float rounding)."""
         tokenizer = policy.tokenizer
         enc = policy._encode_prompts(prompts)
         model = unwrap(policy.model) if model is None else model
@@ -119,6 +121,16 @@ class HFRollout:
         knobs = policy.sampling.with_(max_new_tokens=max_new_tokens or policy.max_new_tokens)
         sampling = knobs.seeded_kwargs(generator) if generator is not None and not greedy else knobs.hf_kwargs(greedy)
         gen_kwargs = dict(**sampling, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+        recorder = None
+        if record_logp:
+            if "logits_processor" not in sampling and not greedy:
+                raise ValueError("record_logp: decoding log-probs are recorded when sampling from a generator")
+            if knobs.repetition_penalty != 1.0:
+                raise ValueError("record_logp: the repetition penalty changes the scores the trainer does not")
+            from transformers import LogitsProcessorList
+
+            recorder = DecodeLogProbs(knobs.temperature)
+            gen_kwargs["logits_processor"] = LogitsProcessorList([recorder, *sampling.get("logits_processor", [])])
         if knobs.stop:
             gen_kwargs["tokenizer"] = tokenizer  # generate reads the stop strings' tokens from it
         batch, prompt_width = enc["input_ids"].shape
@@ -140,6 +152,8 @@ class HFRollout:
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
         ends = finish_completions(completion.masked_fill(after_eos, tokenizer.pad_token_id), (~after_eos).long(),
                                   ~is_eos.any(-1), tokenizer, knobs.stop)
+        if recorder is not None:
+            ends["decode_logp"] = recorder.logp(out) * ends["completion_mask"]
         return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], **ends,
                 **({"payload": extras} if extras else {})}
 

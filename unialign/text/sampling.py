@@ -128,6 +128,35 @@ class GumbelNoise:
         return scores.float() + gumbel
 
 
+class DecodeLogProbs:
+    """A transformers logits processor that records, at each decoding step, the log-probabilities of the token
+    chosen -- log_softmax(scores / ``temperature``), the quantity the trainer computes with a forward pass
+    (``CausalLMPolicy._forward``) -- and changes nothing. Placed first in the list, before the warpers; the token
+    chosen at step t is known at step t + 1 (the last column of ``input_ids``), so one step's [B, V] log-probs are
+    held at a time; ``logp(sequences)`` gathers the last one. Saves the scoring forward over the completions
+    where the sampler's own log-probs will do: the behaviour policy of async rollouts, as an inference engine's."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: Any = None  # [B, V] log-probs of the last step
+        self.chosen: list[Any] = []  # [B, 1] per step
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        if self.previous is not None:
+            self.chosen.append(self.previous.gather(-1, input_ids[:, -1:]))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def logp(self, sequences: Any) -> Any:
+        """[B, T]: the log-probs of the T generated tokens, the last columns of ``sequences`` [B, W + T]."""
+        import torch
+
+        steps = [*self.chosen, self.previous.gather(-1, sequences[:, -1:])] if self.previous is not None else []
+        return torch.cat(steps, dim=1) if steps else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+
+
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 

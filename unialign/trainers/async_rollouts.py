@@ -14,7 +14,8 @@ nothing runs beside the sampling, which draws from the global RNG exactly as the
 same run, bit for bit.
 
 Off-policy correction: a batch sampled ``lag > 0`` updates ago keeps the copy's log-probs as the behaviour
-policy's (``Trajectory.rollout_logp_B_T``); the trainer's old log-probs are the current weights' (the update's
+policy's (``Trajectory.rollout_logp_B_T``; a text policy's are those its decoding computed, as an inference
+engine's, with no scoring forward in the thread); the trainer's old log-probs are the current weights' (the update's
 own when the batch gets one optimizer step), and the loss is re-weighted by old / behaviour through
 ``algos.rollout_correction`` (``--rollout_correction``: TIS truncation or MIS masking, the decoupled objective of
 AReaL, Fu et al. 2025), which keeps async runs from collapsing (NeMo-RL #1098).
