@@ -5,7 +5,9 @@ Both sides: P2's harness (``p2_grpo.make_ours`` / ``make_trl``: the same initial
 prompts, reward, P x G, completion length, dapo token-mean loss, AdamW) with ``grpo_math.py``'s embedded
 schedule: P = 16 prompts x G = 8, 32 new tokens, learning rate 3e-4 with 5 warm-up steps and cosine decay over
 200 steps (100 until 2026-12-07, when the script's default doubled). Ours runs at one torch thread (the embedded
-default; the async rollout thread takes the other core), TRL at torch's default (both cores).
+default; the async rollout thread takes the other core), TRL at torch's default (both cores; TRL at one thread is
+1.6x slower per step: 1.04 vs 0.63 s, 2026-12-07). ``sync-cores`` (added 2026-12-07): ours synchronous at torch's
+default too (``--num_threads 0``), the same cores as TRL.
 
 Timing: the sum of the training steps' wall times (sample, score, update). Every ``EVAL_EVERY`` steps the trained
 weights are copied (outside the clock; a copy of this model takes milliseconds) and evaluated after the run, all
@@ -40,13 +42,20 @@ FINAL_SLACK = 0.02  # P2T-run: ours may end at most this far below TRL's final a
 SCHEDULE = dict(lr_scheduler_type="cosine", warmup_steps=5)
 
 
-def curve_ours(seed: int, async_rollouts: bool, steps: int, every: int) -> tuple[list[float], list[dict]]:
-    """Ours for ``steps`` steps: (cumulative step seconds at each copy, the copies' weights)."""
+# ours: (async rollouts, torch threads: 1 the embedded default, 0 torch's choice, as TRL runs) and what a row calls it
+OURS = {"sync": (False, 1, "synchronous"), "async": (True, 1, "with async rollouts (max_staleness 1)"),
+        "sync-cores": (False, 0, "synchronous at torch's threads, as TRL (--num_threads 0)")}
+
+
+def curve_ours(seed: int, async_rollouts: bool, steps: int, every: int, threads: int = 1
+               ) -> tuple[list[float], list[dict]]:
+    """Ours for ``steps`` steps at ``threads`` torch threads (0: torch's choice): (cumulative step seconds at each
+    copy, the copies' weights)."""
     base, tok = build_model("arith", seed)
     with tempfile.TemporaryDirectory() as d:
         trainer = make_ours(base, tok, train_rows(), P, G, L, steps, os.path.join(d, "ours"), seed,
                             async_rollouts=async_rollouts, max_staleness=1,
-                            config=dict(learning_rate=LR, num_threads=1, **SCHEDULE))
+                            config=dict(learning_rate=LR, num_threads=threads, **SCHEDULE))
         model = trainer.policy.model
         seconds, times, copies = 0.0, [], []
         try:
@@ -113,14 +122,15 @@ def measure(seeds=(0, 1, 2), steps: int = STEPS, every: int = EVAL_EVERY, rows: 
     before = accuracies(0, [build_model("arith", 0)[0].state_dict()], rows)[0]
     out: dict = {"threshold": threshold, "steps": steps, "every": every, "rows": rows, "before": before,
                  "trl_threads": threads, "seeds": {}}
-    sides = ["sync", "async", "trl"]
+    sides = [*OURS, "trl"]
     try:
         for i, seed in enumerate(seeds):
             per = {}
-            for side in sides[i % 3:] + sides[:i % 3]:
+            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                 gc.collect()
+                torch.set_num_threads(threads)  # torch's choice again for TRL and for sync-cores (threads 0)
                 times, copies = (curve_trl(seed, steps, every, threads) if side == "trl"
-                                 else curve_ours(seed, side == "async", steps, every))
+                                 else curve_ours(seed, OURS[side][0], steps, every, OURS[side][1]))
                 accs = accuracies(seed, copies, rows)
                 per[side] = {"times": times, "accs": accs, "time_to": time_to(times, accs, threshold),
                              "total": times[-1], "final": accs[-1]}
@@ -154,12 +164,11 @@ def run(quick: bool = False) -> list[dict]:
         ratio = common.median(ratios)
         notes = (f"embedded arith_lm from {m['before']:.3f}; P={P} x G={G}, {L} new tokens, lr {LR} cosine, 5 warm-up, "
                  f"{m['steps']} steps; threshold {m['threshold']} (greedy, {m['rows']} held-out rows, every "
-                 f"{m['every']} steps, copies evaluated after the run); summed step time; ours 1 torch thread, TRL "
-                 f"{m['trl_threads']}; per seed: " + "; ".join(
+                 f"{m['every']} steps, copies evaluated after the run); summed step time; ours "
+                 f"{OURS[side][1] or m['trl_threads']} torch thread(s), TRL {m['trl_threads']}; per seed: " + "; ".join(
                      f"seed {s}: ours {_fmt(per, side)}, TRL {_fmt(per, 'trl')}" for s, per in seeds.items())
                  + f"; ratios {', '.join(f'{r:.2f}' for r in ratios)}")
-        r = common.row(f"P2T-{side}", f"wall time to held-out accuracy {m['threshold']}, ours "
-                       f"{'with async rollouts (max_staleness 1)' if side == 'async' else 'synchronous'} vs TRL "
+        r = common.row(f"P2T-{side}", f"wall time to held-out accuracy {m['threshold']}, ours {OURS[side][2]} vs TRL "
                        "GRPOTrainer (median over seeds of the per-seed ratio)", ratio, 1.0, "x TRL", "lower", target,
                        notes, raw=m)
         if missed:
@@ -177,15 +186,15 @@ def run(quick: bool = False) -> list[dict]:
                              f"{per['trl']['total']:.0f} s, final {per['trl']['final']:.3f}" for s, per in seeds.items())
                  + f"; ratios {', '.join(f'{r:.2f}' for r in ratios)}; mean final ours {ours_final:.3f}, TRL "
                  f"{trl_final:.3f} (met only within {FINAL_SLACK} of TRL's)")
-        r = common.row(f"P2T-run-{side}", "wall time of the whole run (summed step time), ours "
-                       f"{'with async rollouts (max_staleness 1)' if side == 'async' else 'synchronous'} vs TRL "
+        r = common.row(f"P2T-run-{side}", f"wall time of the whole run (summed step time), ours {OURS[side][2]} vs TRL "
                        "GRPOTrainer, same steps (median over seeds of the per-seed ratio)", common.median(ratios), 1.0,
                        "x TRL", "lower", target, notes)
         if ours_final < trl_final - FINAL_SLACK:
             r["met"] = False
         return r
 
-    return [ratio_row("sync", 0.7), ratio_row("async", 0.5), run_row("sync", 0.7), run_row("async", 0.5)]
+    return [ratio_row("sync", 0.7), ratio_row("async", 0.5), ratio_row("sync-cores", 0.7),
+            run_row("sync", 0.7), run_row("async", 0.5), run_row("sync-cores", 0.7)]
 
 
 if __name__ == "__main__":
