@@ -42,6 +42,9 @@ import torch
 from benchmarks import common
 
 LR = 3e-4  # the embedded default's GRPO lr (scripts/grpo_math.py)
+# torch's own thread count, read before any trainer of ours sets one (a group runs in a fresh process): TRL's in
+# P2-arith-wall (until 2026-12-07 that row read it after the tput rows had set 1, so TRL ran on one thread there)
+TORCH_THREADS = torch.get_num_threads()
 RANDOM_DIMS = dict(hidden=128, layers=4, heads=4, intermediate=512)  # the arith_lm architecture
 
 
@@ -247,7 +250,7 @@ def async_wall(P: int, G: int, L: int, steps: int, seed: int = 0, threads: int =
     base, tok = build_model("arith", seed)
     rows = train_rows()
     times: dict[str, list[float]] = {"sync": [], "async": [], "trl": []}
-    default_threads = torch.get_num_threads()
+    default_threads = TORCH_THREADS
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
