@@ -36,7 +36,7 @@ class RewardModelConfig(EmbeddedPairArgs, RunArgs, TextDataArgs, PreferenceConfi
     PRESETS: ClassVar[dict] = PRESETS
     TRL_CONFIG: ClassVar[str] = "RewardConfig"  # the defaults below are TRL's unless printed at start
     MODEL_DEFAULTS: ClassVar[dict] = tuned_for((NAME,), dict(  # measured on the shipped model (docs/text.md)
-        batch_size=32, micro_batch_size=32, learning_rate=1e-3, lr_scheduler_type="cosine", max_steps=300, num_threads=1))
+        batch_size=64, micro_batch_size=64, learning_rate=1e-3, lr_scheduler_type="cosine", max_steps=600, num_threads=1))
     center_coef: float = arg(0.01, "weight of the reward-centring term (mean reward pulled to 0)",
                              group="algorithm", min=0.0)
     max_length: int | None = arg(None, "truncate prompt + completion to this many tokens when scoring",

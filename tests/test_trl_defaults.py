@@ -63,7 +63,7 @@ def _cfg(script: str, argv: list[str], tmp_path):
 @pytest.mark.parametrize("script,tuned", [
     ("grpo_math", dict(learning_rate=3e-4, lr_scheduler_type="cosine", warmup_steps=5, max_new_tokens=32)),
     ("dpo_text", dict(learning_rate=2e-4, lr_scheduler_type="constant", batch_size=32)),
-    ("train_reward_model", dict(learning_rate=1e-3, lr_scheduler_type="cosine", max_steps=300)),
+    ("train_reward_model", dict(learning_rate=1e-3, lr_scheduler_type="cosine", max_steps=600, batch_size=64)),
     ("ppo_rlhf", dict(learning_rate=1e-4, beta=0.5, max_new_tokens=24)),
     ("grpo_vision", dict(learning_rate=1e-3, lr_scheduler_type="cosine", max_new_tokens=8)),
 ])
