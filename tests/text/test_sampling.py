@@ -226,7 +226,7 @@ def test_a_sampling_view_keeps_decoding_s_log_probs_instead_of_a_scoring_forward
     penalised = tiny_policy.sampling_view(tiny_policy.model)
     penalised.sampling = penalised.sampling.with_(repetition_penalty=1.3)  # scores the trainer does not compute
     traj = penalised.sample(prompts, generator=torch.Generator().manual_seed(3), record_logp=True)
-    torch.testing.assert_close(traj.old_logp_B_T, tiny_policy.log_prob(traj) * traj.mask_B_T, rtol=0, atol=1e-6)
+    assert torch.equal(traj.old_logp_B_T, tiny_policy.log_prob(traj) * traj.mask_B_T)  # the same forward
 
 
 def test_decoding_log_probs_are_gathered_at_each_step_s_chosen_token():
